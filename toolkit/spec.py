@@ -1,0 +1,390 @@
+"""The typed spec: one YAML file that drives every stage and every artifact.
+
+``load_spec(path, overrides)`` reads YAML, applies ``section.field=value`` overrides, validates
+every field and the cross-field rules, and raises :class:`~toolkit.errors.SpecError` naming the
+field and what to change.  Rules that need the model's own config (group size vs hidden size,
+supported architecture) live in :func:`check_against_model`, run by each stage before it works.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SpecError
+
+BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
+KVCacheQuant = Literal["none", "fp8", "int8"]
+Target = Literal["cpu", "trt-engine", "llmapi"]
+
+# Which quantization formats each target can *run*.  The CPU engine dequantizes the export
+# (toolkit/runtime/checkpoint.py); NVFP4 needs Blackwell tensor cores on a GPU and has no CPU path.
+TARGET_FORMATS: dict[str, set[str]] = {
+    "cpu": {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq"},
+    "trt-engine": {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"},
+    "llmapi": {"none", "fp8", "int4_awq", "w4a8_awq", "nvfp4"},
+}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+class Section(BaseModel):
+    """Base for every spec section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    source: str = Field(
+        BUILTIN_MODEL,
+        description="'builtin:smollm2-135m-instruct', 'hf:ORG/NAME[@REVISION]', or a local checkpoint directory",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the fetched checkpoint and of unquantized compute"
+    )
+    trust_remote_code: bool = Field(False, description="run code shipped with a hub model (off by default)")
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str) -> str:
+        if v.startswith("builtin:") and v != BUILTIN_MODEL:
+            raise ValueError(f"unknown builtin model '{v}'; the embedded model is '{BUILTIN_MODEL}'")
+        if v.startswith("hf:"):
+            repo = v[3:].split("@", 1)[0]
+            if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", repo):
+                raise ValueError(f"'{v}' is not of the form hf:ORG/NAME[@REVISION]")
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class CalibrationSpec(Section):
+    dataset: str = Field(
+        "builtin:rtk-calib",
+        description="'builtin:rtk-calib' (offline text shipped with rtk) or 'hf:DATASET[:SPLIT][#COLUMN]'",
+    )
+    num_samples: int = Field(128, ge=1, le=4096)
+    max_length: int = Field(256, ge=16, le=8192, description="tokens per calibration sample")
+    batch_size: int = Field(8, ge=1, le=256)
+
+
+class QuantizationSpec(Section):
+    format: QuantFormat = "fp8"
+    kv_cache: KVCacheQuant = Field("none", description="KV-cache quantization")
+    group_size: int | None = Field(
+        None,
+        ge=16,
+        description="block size for int4_awq / w4a8_awq; default: 128, or 64 when 128 does not divide the model",
+    )
+    calibration: CalibrationSpec = CalibrationSpec()
+    max_perplexity_increase: float = Field(
+        0.10,
+        ge=0.0,
+        description="quality gate: largest allowed relative perplexity increase of the export (0.10 = +10 %)",
+    )
+    eval_samples: int = Field(32, ge=1, le=1024, description="held-out texts for the perplexity report")
+
+    @field_validator("group_size")
+    @classmethod
+    def _power_of_two(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError(f"{v} is not a power of two; use 64 or 128")
+        return v
+
+
+class BuildSpec(Section):
+    target: Target = "cpu"
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(1024, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_num_tokens: int = Field(512, ge=16, description="tokens per engine step (prefill chunks + decodes)")
+    max_beam_width: Literal[1] = 1
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    kv_cache_blocks: int | None = Field(
+        None, ge=1, description="cpu: KV pool size in blocks; default fits max_batch_size full sequences"
+    )
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = True
+    use_paged_context_fmha: bool = True
+    use_fused_mlp: bool = True
+    gemm_plugin: Literal["auto", "disable", "float16", "bfloat16", "fp8", "nvfp4"] = "auto"
+    multiple_profiles: bool = False
+    use_cuda_graph: bool = Field(True, description="llmapi target: capture CUDA graphs for decode")
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    num_threads: int | None = Field(None, ge=1, description="cpu: torch threads (default: all cores)")
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _tpb_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two (TensorRT-LLM requires it); use 16, 32 or 64")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+class ServingSpec(Section):
+    repository: str | None = Field(None, description="model repository directory; default triton_repo/<name>")
+    host: str = Field("127.0.0.1", description="address tritonserver binds to; loopback unless told otherwise")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    streaming: bool = Field(True, description="token-by-token responses (needs decoupled)")
+    decoupled: bool = True
+    instance_count: int = Field(1, ge=1, description="instances of the tensorrt_llm model")
+    preprocessing_instances: int = Field(1, ge=1)
+    postprocessing_instances: int = Field(1, ge=1)
+    max_queue_size: int = Field(64, ge=0, description="requests waiting beyond this are rejected (0 = unbounded)")
+    queue_timeout_ms: int | None = Field(None, ge=1, description="reject requests that waited this long")
+    batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "V1"] = "inflight_fused_batching"
+    batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
+    warmup: bool = Field(True, description="send warm-up requests at load so no user meets a cold start")
+    context_policy: Literal["truncate_oldest", "reject"] = Field(
+        "truncate_oldest", description="long conversations: drop the oldest turns (keeping the system prompt) or refuse"
+    )
+    default_max_tokens: int = Field(128, ge=1)
+    tritonserver: str | None = Field(None, description="path to a tritonserver binary; default: found on PATH or bundled")
+
+
+class Objective(Section):
+    """One latency / throughput objective, e.g. ``{metric: ttft, stat: p99, max: 300}`` (ms)."""
+
+    metric: Literal[
+        "ttft", "itl", "tpot", "e2e", "schedule_lag", "error_rate", "attainment",
+        "output_token_throughput", "request_throughput",
+    ]
+    stat: Literal["p50", "p90", "p95", "p99", "p99.9", "max", "mean", "value"] = "value"
+    max: float | None = None
+    min: float | None = None
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> "Objective":
+        if (self.max is None) == (self.min is None):
+            raise ValueError(f"objective '{self.metric}' needs exactly one of 'max' or 'min'")
+        return self
+
+
+class SLOSpec(Section):
+    objectives: list[Objective] = Field(default_factory=list)
+    transport: Literal["grpc", "http"] = "grpc"
+    endpoint: Literal["ensemble", "tensorrt_llm"] = "ensemble"
+    concurrency: int | None = Field(None, ge=1, description="closed loop: requests in flight")
+    request_rate: float | None = Field(None, gt=0, description="open loop: requests per second")
+    arrival: Literal["constant", "poisson", "gamma"] = "poisson"
+    burstiness: float = Field(1.0, gt=0, description="gamma shape; 1.0 = Poisson")
+    num_requests: int | None = Field(200, ge=1)
+    duration_s: float | None = Field(None, gt=0)
+    warmup_requests: int = Field(5, ge=0)
+    input_tokens: int = Field(128, ge=1)
+    input_tokens_stddev: float = Field(0.0, ge=0)
+    output_tokens: int = Field(64, ge=1)
+    output_tokens_stddev: float = Field(0.0, ge=0)
+    dataset: str | None = Field(None, description="JSONL prompts instead of synthetic ones")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_load(self) -> "SLOSpec":
+        if self.concurrency is not None and self.request_rate is not None:
+            raise ValueError("set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both")
+        return self
+
+
+class Spec(Section):
+    name: str = Field(description="names the artifacts: engines/<name>/, triton_repo/<name>/")
+    model: ModelSpec = ModelSpec()
+    quantization: QuantizationSpec = QuantizationSpec()
+    build: BuildSpec = BuildSpec()
+    serving: ServingSpec = ServingSpec()
+    slo: SLOSpec = SLOSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not SAFE_NAME.fullmatch(v):
+            raise ValueError(
+                f"'{v}' is not a safe directory name; use letters, digits, '.', '_' or '-' "
+                "(at most 64, starting with a letter or digit)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "Spec":
+        b, q, s = self.build, self.quantization, self.serving
+        if q.format not in TARGET_FORMATS[b.target]:
+            ok = ", ".join(sorted(TARGET_FORMATS[b.target]))
+            raise _Rule("quantization.format", f"'{q.format}' cannot run on build.target '{b.target}'; choose one of {ok} or another target")
+        if b.target == "llmapi" and q.kv_cache == "int8":
+            raise _Rule("quantization.kv_cache", "the llmapi target supports KV-cache quantization 'fp8' or 'none', not 'int8'")
+        if b.max_input_len >= b.max_seq_len:
+            raise _Rule("build.max_input_len", f"{b.max_input_len} must be below build.max_seq_len ({b.max_seq_len}) to leave room for output tokens")
+        if not b.enable_chunked_context and b.max_num_tokens < b.max_input_len:
+            raise _Rule(
+                "build.max_num_tokens",
+                f"{b.max_num_tokens} is below build.max_input_len ({b.max_input_len}); without chunked context a whole prompt must fit one step. "
+                "Raise max_num_tokens or set build.enable_chunked_context: true",
+            )
+        if b.max_num_tokens < b.max_batch_size:
+            raise _Rule("build.max_num_tokens", f"{b.max_num_tokens} is below build.max_batch_size ({b.max_batch_size}); a full batch could not decode one token each")
+        if b.target == "trt-engine" and (b.enable_kv_cache_reuse or b.enable_chunked_context) and not b.use_paged_context_fmha:
+            raise _Rule("build.use_paged_context_fmha", "KV-cache reuse and chunked context need paged context FMHA; set it true or disable both")
+        if b.target == "cpu" and b.world_size > 1:
+            raise _Rule("build.tp_size", "the cpu target runs on one process; set tp_size and pp_size to 1")
+        if b.kv_cache_blocks is not None:
+            need = -(-b.max_seq_len // b.tokens_per_block)
+            if b.kv_cache_blocks < need:
+                raise _Rule("build.kv_cache_blocks", f"{b.kv_cache_blocks} blocks cannot hold even one sequence of max_seq_len {b.max_seq_len} ({need} blocks of {b.tokens_per_block})")
+        if s.streaming and not s.decoupled:
+            raise _Rule("serving.decoupled", "streaming needs a decoupled model; set serving.decoupled: true or serving.streaming: false")
+        if s.default_max_tokens > b.max_seq_len - 1:
+            raise _Rule("serving.default_max_tokens", f"{s.default_max_tokens} exceeds what build.max_seq_len ({b.max_seq_len}) allows")
+        ports = [s.http_port, s.grpc_port, s.metrics_port]
+        if len(set(ports)) != 3:
+            raise _Rule("serving.http_port", f"http, grpc and metrics ports must differ (got {ports})")
+        return self
+
+    # -- derived values -----------------------------------------------------------------------
+    def engine_dir(self, root: Path | str = "engines") -> Path:
+        return Path(root) / self.name
+
+    def repository_dir(self) -> Path:
+        return Path(self.serving.repository) if self.serving.repository else Path("triton_repo") / self.name
+
+
+class _Rule(ValueError):
+    """A cross-field rule violation; carries the field it is about."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'quantization.format=int4_awq'`` -> (['quantization', 'format'], 'int4_awq'); YAML-typed value."""
+    if "=" not in text:
+        raise SpecError(f"override '{text}' is not KEY=VALUE (e.g. quantization.format=int4_awq)")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise SpecError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise SpecError(f"cannot set '{'.'.join(path)}': '{part}' is not a section", field=".".join(path))
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def spec_from_dict(data: Any, *, file: str | None = None) -> Spec:
+    if not isinstance(data, dict):
+        raise SpecError("the spec must be a YAML mapping with at least a 'name'", file=file)
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as exc:
+        raise _spec_error(exc, file) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
+    """Read, override and validate a spec file. Raises SpecError with the field and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"spec file '{path}' does not exist; pass the path of a YAML spec (see examples/)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"not valid YAML{where}: {problem}. Fix the syntax and run again", file=str(path)) from None
+    if isinstance(data, dict):
+        data = apply_overrides(data, overrides or [])
+    return spec_from_dict(data, file=str(path))
+
+
+def _spec_error(exc: ValidationError, file: str | None) -> SpecError:
+    lines = []
+    first_field = None
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _Rule):
+            loc, msg = ctx_err.field, str(ctx_err)
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling (see examples/ for every field)"
+        elif err["type"] == "missing":
+            msg = "is required"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"].startswith("literal_error") or err["type"] == "enum":
+                msg = f"got {err.get('input')!r}; {msg}"
+        first_field = first_field or loc
+        lines.append(f"'{loc}': {msg}" if loc else msg)
+    text = "; ".join(lines)
+    return SpecError(text, file=file, field=None) if len(lines) > 1 else SpecError(
+        lines[0].split(": ", 1)[1] if ": " in lines[0] else lines[0], file=file, field=first_field or None
+    )
+
+
+# -- rules that need the model's config ----------------------------------------------------------
+
+def resolve_group_size(spec: Spec, hidden: int, intermediate: int) -> int | None:
+    """The AWQ block size to use, or None for formats without one. Raises SpecError if it cannot divide."""
+    q = spec.quantization
+    if q.format not in ("int4_awq", "w4a8_awq"):
+        return None
+    if q.group_size is None:
+        for g in (128, 64, 32):
+            if hidden % g == 0 and intermediate % g == 0:
+                return g
+        raise SpecError(f"no block size in 128/64/32 divides hidden size {hidden} and intermediate size {intermediate}; choose another format", field="quantization.group_size")
+    if hidden % q.group_size or intermediate % q.group_size:
+        fits = [g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0]
+        hint = f"use {fits[0]}" if fits else "choose another format"
+        raise SpecError(
+            f"{q.group_size} does not divide the model's hidden size {hidden} and intermediate size {intermediate} "
+            f"(export cannot pack partial blocks); {hint}",
+            field="quantization.group_size",
+        )
+    return q.group_size
+
+
+def check_against_model(spec: Spec, config: dict) -> None:
+    """Model-dependent rules, checked from config.json before a stage does any work."""
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise SpecError(
+            f"architecture {archs or '(none)'} is not supported; rtk handles {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+            field="model.source",
+        )
+    hidden = int(config["hidden_size"])
+    inter = int(config["intermediate_size"])
+    resolve_group_size(spec, hidden, inter)
+    max_pos = int(config.get("max_position_embeddings") or 0)
+    if max_pos and spec.build.max_seq_len > max_pos:
+        raise SpecError(
+            f"{spec.build.max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); lower it",
+            field="build.max_seq_len",
+        )
