@@ -1,0 +1,182 @@
+"""toolkit/server.py against a real tritonserver (the bundled one on CPU hosts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from toolkit.errors import ServerError, UsageError
+from toolkit.server import (
+    TritonServer,
+    find_tritonserver,
+    free_ports,
+    prepare_bundled_backends,
+    read_state,
+    state_path,
+    stop_detached,
+)
+
+from triton_helpers import running_server, write_echo_model, write_python_model
+
+pytestmark = pytest.mark.integration
+
+
+def _listening_addresses(pid: int) -> set[str]:
+    """Local addresses of the TCP sockets ``pid`` listens on (from /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A = LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(addr_hex)
+            if family == socket.AF_INET:
+                addr = socket.inet_ntop(family, raw[::-1])
+            else:
+                addr = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+            out.add(f"{addr.removeprefix('::ffff:')}:{int(port_hex, 16)}")  # v4-mapped = the v4 address
+    return out
+
+
+def test_bundled_backend_dir_is_symlinks_outside_site_packages(tmp_path):
+    binary = find_tritonserver(cache_dir=tmp_path)
+    if binary.kind != "bundled":
+        pytest.skip(f"a {binary.kind} tritonserver is used here, not the bundled one")
+    backends = next(a.split("=", 1)[1] for a in binary.args if a.startswith("--backend-directory="))
+    stub = os.path.join(backends, "python", "triton_python_backend_stub")
+    assert os.path.islink(stub)
+    assert f"python_backend_stubs/{sys.version_info.major}.{sys.version_info.minor}/" in os.readlink(stub)
+    assert "site-packages" not in backends
+    assert binary.env["PATH"].startswith(os.path.dirname(sys.executable))
+    # Preparing again reuses the same directory.
+    assert prepare_bundled_backends(binary.path.parent.parent, tmp_path)[0] == __import__("pathlib").Path(backends)
+
+
+def test_serves_a_python_model_on_loopback_and_stops_cleanly(tmp_path):
+    repo = tmp_path / "repo"
+    write_echo_model(repo)
+    with running_server(repo) as srv:
+        pid = srv.process.pid
+        assert srv.is_ready() and srv.model_ready("echo") and not srv.model_ready("nope")
+        # Every listening socket of the server is on 127.0.0.1, on the ports we asked for.
+        assert _listening_addresses(pid) == {f"127.0.0.1:{p}" for p in (srv.http_port, srv.grpc_port, srv.metrics_port)}
+        body = json.dumps({"inputs": [{"name": "IN", "shape": [3], "datatype": "INT32", "data": [1, 2, 3]}]}).encode()
+        req = urllib.request.Request(f"{srv.http_url}/v2/models/echo/infer", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert json.loads(resp.read())["outputs"][0]["data"] == [2, 4, 6]
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        inp = grpcclient.InferInput("IN", [2], "INT32")
+        inp.set_data_from_numpy(np.array([5, 7], dtype=np.int32))
+        assert client.infer("echo", [inp]).as_numpy("OUT").tolist() == [10, 14]
+        client.close()
+        with urllib.request.urlopen(srv.metrics_url, timeout=5) as resp:
+            assert b"nv_inference_request_success" in resp.read()
+    assert srv.process.returncode == 0  # SIGTERM -> clean exit
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with socket.socket() as s:  # ports are free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", srv.http_port))
+
+
+def test_broken_repository_fails_fast_with_the_log_tail(tmp_path):
+    repo = tmp_path / "repo"
+    write_python_model(repo, "broken", "class TritonPythonModel:\n    pass\n", 'name: "broken"\nbackend: "no_such_backend"\n')
+    t = time.monotonic()
+    with pytest.raises(ServerError) as err:
+        with TritonServer(repo, exit_timeout_s=1, ready_timeout_s=60):
+            pass
+    assert time.monotonic() - t < 30  # failed when the process exited, not at the timeout
+    msg = str(err.value)
+    assert "exited with code" in msg and "no_such_backend" in msg and str(repo.parent / ".rtk-triton") in msg
+
+
+def test_model_that_raises_at_load_is_reported(tmp_path):
+    repo = tmp_path / "repo"
+    bad = "class TritonPythonModel:\n    def initialize(self, args):\n        raise RuntimeError('weights are missing here')\n"
+    write_python_model(repo, "bad", bad, 'name: "bad"\nbackend: "python"\nmax_batch_size: 0\n'
+                       'input [{name: "IN", data_type: TYPE_INT32, dims: [-1]}]\noutput [{name: "OUT", data_type: TYPE_INT32, dims: [-1]}]\n')
+    with pytest.raises(ServerError, match="weights are missing here"):
+        with TritonServer(repo, exit_timeout_s=1, ready_timeout_s=60):
+            pass
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        http, metrics = free_ports(2)
+        with pytest.raises(ServerError, match=f"grpc port {busy} .* already in use.*serving.grpc_port"):
+            TritonServer(repo, http_port=http, grpc_port=busy, metrics_port=metrics).start()
+
+
+def test_missing_repository_and_bad_binary_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="is not a directory"):
+        TritonServer(tmp_path / "nope").start()
+    with pytest.raises(UsageError, match="serving.tritonserver"):
+        find_tritonserver(tmp_path / "not-a-binary")
+
+
+def test_explicit_model_control_loads_only_named_models(tmp_path):
+    repo = tmp_path / "repo"
+    write_echo_model(repo, "a")
+    write_echo_model(repo, "b")
+    with running_server(repo, model_control_mode="explicit", load_models=["a"]) as srv:
+        assert srv.model_ready("a") and not srv.model_ready("b")
+
+
+def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
+    repo = tmp_path / "repo"
+    write_echo_model(repo)
+    http, grpc, metrics = free_ports(3)
+    # Start it from another Python process, which then exits: the server must keep running.
+    code = (
+        "import sys; from toolkit.server import TritonServer; "
+        f"st = TritonServer({str(repo)!r}, http_port={http}, grpc_port={grpc}, metrics_port={metrics}, exit_timeout_s=2)"
+        ".start_detached(timeout=60, models=['echo']); print(st.pid)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip().splitlines()[-1])
+    try:
+        st = read_state(repo)
+        assert st is not None and st.pid == pid and st.http_port == http
+        with urllib.request.urlopen(f"{st.http_url}/v2/models/echo/ready", timeout=5) as resp:
+            assert resp.status == 200
+        # A second detached start on the same repository is refused while the first runs.
+        with pytest.raises(ServerError, match="already serves"):
+            TritonServer(repo).start_detached()
+        stopped = stop_detached(repo, timeout=20)
+        assert stopped is not None and stopped.pid == pid
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert not state_path(repo).exists()
+        assert stop_detached(repo) is None  # nothing left to stop
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
