@@ -1,0 +1,290 @@
+"""Stage 2, quantize: ModelOpt post-training quantization, both exports, and a quality report.
+
+Output directory (default ``engines/<name>/quantized/``)::
+
+    hf/             unified HF checkpoint (hf_quant_config.json, model.safetensors, tokenizer) + manifest
+    trtllm/         TensorRT-LLM checkpoint (config.json, rank<N>.safetensors) + manifest
+    quality.json    perplexity of the *exported* checkpoint (read by rtk's loader) vs the unquantized one
+    rtk-manifest.json
+
+The quality gate (``quantization.max_perplexity_increase``) fails the stage with exit code 3 and
+leaves no artifact behind; the rejected report is kept at ``<output>.rejected-quality.json``.
+
+ModelOpt 0.47 on CPU: FP8, INT8-SQ, INT4-AWQ and W4A8-AWQ calibrate, fake-quantize and export.
+NVFP4 calibrates and exports, but its fake-quant forward needs CUDA, so the report evaluates the
+export only (emulated by the loader).  See shared/reference/modelopt-on-cpu.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from .artifacts import atomic_stage, hash_tree, is_complete, read_manifest, stage_key, tool_versions, write_json_atomic
+from .console import err, progress, step
+from .errors import QualityGateError, SourceError, StageError, UsageError
+from .hfcompat import make_compatible
+from .spec import Spec, check_against_model, resolve_group_size
+from .stages import StageResult, default_output
+
+log = logging.getLogger(__name__)
+
+# Formats whose fake-quantized forward ModelOpt can run without CUDA (dynamic-block formats cannot).
+CPU_FAKE_QUANT = {"fp8", "int8_sq", "int4_awq", "w4a8_awq"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:
+    """The ModelOpt quant config for a format (0.47: ``quant_cfg`` is a list of entries)."""
+    import modelopt.torch.quantization as mtq
+
+    base = {
+        "fp8": mtq.FP8_DEFAULT_CFG,
+        "int8_sq": mtq.INT8_SMOOTHQUANT_CFG,
+        "int4_awq": mtq.INT4_AWQ_CFG,
+        "w4a8_awq": mtq.W4A8_AWQ_BETA_CFG,
+        "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    }[fmt]
+    cfg = copy.deepcopy(base)
+    if group_size is not None:
+        for entry in cfg["quant_cfg"]:
+            if entry.get("quantizer_name") == "*weight_quantizer":
+                stages = entry["cfg"] if isinstance(entry["cfg"], list) else [entry["cfg"]]
+                for c in stages:  # W4A8: a two-stage SequentialQuantizer; only the int4 stage has blocks
+                    if c.get("block_sizes"):
+                        c["block_sizes"][-1] = group_size
+    if kv_cache != "none":
+        kv_bits = (4, 3) if kv_cache == "fp8" else 8
+        kv_entry = [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": kv_bits, "axis": None}}]
+        cfg = mtq.update_quant_cfg_with_kv_cache_quant(cfg, kv_entry)
+    return cfg
+
+
+def calibration_batches(spec: Spec, tokenizer) -> list:
+    """Token batches for calibration: the shipped corpus's calib split, or an HF dataset."""
+    import torch
+
+    c = spec.quantization.calibration
+    if c.dataset == "builtin:rtk-calib":
+        from .quality import builtin_texts
+
+        texts = builtin_texts("calib")
+    elif c.dataset.startswith("hf:"):
+        texts = _hf_dataset_texts(c.dataset, c.num_samples)
+    else:
+        raise UsageError(f"quantization.calibration.dataset '{c.dataset}' is not 'builtin:rtk-calib' or 'hf:DATASET[:SPLIT][#COLUMN]'")
+    # Concatenate texts and cut into num_samples windows of max_length tokens (no padding waste).
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        if len(ids) >= c.num_samples * c.max_length:
+            break
+    windows = [ids[i : i + c.max_length] for i in range(0, len(ids) - c.max_length + 1, c.max_length)][: c.num_samples]
+    if not windows:
+        raise UsageError("quantization.calibration: the dataset yielded no text; check quantization.calibration.dataset")
+    return [torch.tensor(windows[i : i + c.batch_size]) for i in range(0, len(windows), c.batch_size)]
+
+
+def _hf_dataset_texts(source: str, n: int) -> list[str]:
+    name, _, column = source[3:].partition("#")
+    name, _, split = name.partition(":")
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError("an hf: calibration dataset needs the 'datasets' package (pip install datasets), or use builtin:rtk-calib") from None
+    try:
+        ds = datasets.load_dataset(name, split=split or "train", streaming=True)
+        col = column or "text"
+        return [row[col] for _, row in zip(range(n * 4), ds) if row.get(col)]
+    except Exception as exc:  # datasets raises many types for an unreachable hub
+        raise UsageError(f"cannot read calibration dataset hf:{name} ({type(exc).__name__}: {exc}); the hub may be unreachable — use builtin:rtk-calib") from None
+
+
+def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = None, *, force: bool = False) -> StageResult:
+    """Run the quantize stage on ``checkpoint`` (default: the fetch stage's output)."""
+    checkpoint = Path(checkpoint) if checkpoint else default_output(spec, "fetch")
+    output = Path(output) if output else default_output(spec, "quantize")
+    if not (checkpoint / "config.json").is_file():
+        raise SourceError(f"checkpoint directory '{checkpoint}' has no config.json; run `rtk fetch SPEC` first or pass --checkpoint")
+    config = json.loads((checkpoint / "config.json").read_text())
+    check_against_model(spec, config)
+    group_size = resolve_group_size(spec, int(config["hidden_size"]), int(config["intermediate_size"]))
+    src_manifest = read_manifest(checkpoint) or {"files": hash_tree(checkpoint)}
+    section = {**spec.quantization.model_dump(), "resolved_group_size": group_size, "model_dtype": spec.model.dtype}
+    inputs = {"checkpoint": src_manifest.get("key") or src_manifest["files"]}
+    tools = tool_versions("nvidia-modelopt", "torch", "transformers", "safetensors")
+    key = stage_key("quantize", section, inputs, tools)
+    if not force and is_complete(output, key):
+        return StageResult("quantize", output, True, read_manifest(output))
+
+    rejected = output.parent / f"{output.name}.rejected-quality.json"
+    with atomic_stage("quantize", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+        report = _run(spec, checkpoint, out, group_size)
+        out.manifest["quality"] = report
+        write_json_atomic(out.tmp / "quality.json", report)
+        print_report(report)
+        if not report["passed"]:
+            write_json_atomic(rejected, report)
+            raise QualityGateError(
+                f"perplexity rose {report['increase'] * 100:.1f} % ({report['baseline_ppl']:.2f} → {report['quantized_ppl']:.2f}), "
+                f"above quantization.max_perplexity_increase = {spec.quantization.max_perplexity_increase * 100:.1f} %. "
+                f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
+            )
+    rejected.unlink(missing_ok=True)
+    return StageResult("quantize", output, False, read_manifest(output))
+
+
+def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .quality import checkpoint_perplexity, eval_token_lists, perplexity
+
+    q = spec.quantization
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=spec.model.trust_remote_code)
+    eval_ids = eval_token_lists(tokenizer, q.eval_samples)
+
+    def load_model():
+        m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
+        # ModelOpt reads config.rope_theta; transformers 5 keeps it only in rope_parameters (reference §6).
+        rp = getattr(m.config, "rope_parameters", None) or {}
+        if getattr(m.config, "rope_theta", None) is None and "rope_theta" in rp:
+            m.config.rope_theta = rp["rope_theta"]
+        return m.eval()
+
+    report: dict = {
+        "format": q.format, "kv_cache": q.kv_cache, "group_size": group_size,
+        "eval_texts": len(eval_ids), "eval_tokens": sum(len(x) - 1 for x in eval_ids),
+        "eval_set": "builtin:rtk-calib split=eval (held out from calibration)", "compute_dtype": "float32",
+    }
+    with progress() as bar, out.timed("baseline_eval"):
+        task = bar.add_task("Perplexity of the unquantized checkpoint", total=len(eval_ids))
+        report["baseline_ppl"] = checkpoint_perplexity(checkpoint, eval_ids, lambda: bar.advance(task))
+
+    hf_dir, trt_dir = out.tmp / "hf", out.tmp / "trtllm"
+    if q.format == "none":
+        _link_checkpoint(checkpoint, hf_dir)
+        with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
+            _export_trtllm(load_model(), trt_dir)
+        report["fake_quant_ppl"] = None
+    else:
+        import modelopt.torch.opt as mto
+        import modelopt.torch.quantization as mtq
+
+        batches = calibration_batches(spec, tokenizer)
+        model = load_model()
+        cfg = modelopt_config(q.format, q.kv_cache, group_size)
+        with progress() as bar, out.timed("calibrate"):
+            task = bar.add_task(f"Calibrating {q.format} on {sum(len(b) for b in batches)} samples", total=len(batches))
+
+            def forward_loop(m):
+                bar.reset(task)
+                with torch.no_grad():
+                    for b in batches:
+                        m(input_ids=b)
+                        bar.advance(task)
+
+            model = mtq.quantize(model, cfg, forward_loop)
+        report["calibration"] = {"samples": sum(len(b) for b in batches), "max_length": spec.quantization.calibration.max_length,
+                                 "dataset": spec.quantization.calibration.dataset}
+        if q.format in CPU_FAKE_QUANT:
+            with progress() as bar, out.timed("fake_quant_eval"):
+                task = bar.add_task("Perplexity of the fake-quantized model", total=len(eval_ids))
+                report["fake_quant_ppl"] = perplexity(lambda x: model(input_ids=x).logits, eval_ids, lambda: bar.advance(task))
+        else:
+            report["fake_quant_ppl"] = None
+            report["note"] = f"{q.format}: ModelOpt's fake-quant forward needs CUDA; the export is evaluated by rtk's emulation only"
+        # Export mutates the model in place: export HF from this one, TensorRT-LLM from a fresh restore.
+        with tempfile.TemporaryDirectory(dir=out.tmp.parent) as scratch:
+            state = Path(scratch) / "modelopt_state.pth"
+            mto.save(model, str(state))
+            with out.timed("export_hf"), step("Exporting the unified HF checkpoint"):
+                _export_hf(model, hf_dir, checkpoint)
+            del model
+            with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
+                fresh = load_model()
+                mto.restore(fresh, str(state))
+                _export_trtllm(fresh, trt_dir)
+                del fresh
+    make_compatible(hf_dir)
+    for sub in (hf_dir, trt_dir):
+        (sub / "rtk-manifest.json").write_text(json.dumps({"files": hash_tree(sub), "complete": True}, indent=2) + "\n")
+
+    if q.format == "none":
+        report["quantized_ppl"] = report["baseline_ppl"]
+    else:
+        with progress() as bar, out.timed("export_eval"):
+            task = bar.add_task("Perplexity of the exported checkpoint (rtk loader)", total=len(eval_ids))
+            report["quantized_ppl"] = checkpoint_perplexity(hf_dir, eval_ids, lambda: bar.advance(task))
+    report["increase"] = report["quantized_ppl"] / report["baseline_ppl"] - 1.0
+    report["max_increase"] = q.max_perplexity_increase
+    report["passed"] = report["increase"] <= q.max_perplexity_increase
+    return report
+
+
+def _link_checkpoint(src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "rtk-manifest.json":
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)
+
+
+def _export_hf(model, dest: Path, checkpoint: Path) -> None:
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+
+    dest.mkdir(parents=True)
+    with torch.inference_mode(False), torch.no_grad():
+        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(dest))
+    for name in TOKENIZER_FILES:  # the export writes weights and config only
+        if (checkpoint / name).is_file() and not (dest / name).exists():
+            shutil.copy2(checkpoint / name, dest / name)
+
+
+def _export_trtllm(model, dest: Path) -> None:
+    import torch
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    decoder = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen"}[model.config.architectures[0]]
+    dest.mkdir(parents=True)
+    # ModelOpt warns "Cannot export tensorrt_llm checkpoint config … No module named 'tensorrt_llm'"
+    # and writes config.json itself; that is expected on a host without TensorRT-LLM.
+    logging.getLogger("modelopt").setLevel(logging.ERROR)
+    with torch.no_grad():
+        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(dest), inference_tensor_parallel=1)
+    cfg_path = dest / "config.json"
+    if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
+        raise StageError(f"ModelOpt's TensorRT-LLM export wrote no config.json/rank*.safetensors into {dest}")
+    cfg = json.loads(cfg_path.read_text())
+    if "rotary_base" not in cfg and getattr(model.config, "rope_theta", None):
+        cfg["rotary_base"] = float(model.config.rope_theta)  # else TensorRT-LLM silently uses 10000
+        write_json_atomic(cfg_path, cfg)
+
+
+def print_report(report: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Quality report: {report['format']}" + (f" + {report['kv_cache']} KV" if report["kv_cache"] != "none" else ""))
+    t.add_column("checkpoint")
+    t.add_column("perplexity", justify="right")
+    t.add_row("unquantized (baseline)", f"{report['baseline_ppl']:.3f}")
+    if report.get("fake_quant_ppl") is not None:
+        t.add_row("fake-quantized (ModelOpt, in memory)", f"{report['fake_quant_ppl']:.3f}")
+    t.add_row("exported (rtk loader)", f"{report['quantized_ppl']:.3f}")
+    err.print(t)
+    verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
+    err.print(f"increase {report['increase'] * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
+              f"{report['eval_tokens']} held-out tokens: {verdict}")
+    if report.get("note"):
+        err.print(f"[dim]{report['note']}[/]")
