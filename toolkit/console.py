@@ -31,3 +31,17 @@ def progress() -> Progress:
 
 def info(msg: str) -> None:
     err.print(msg)
+
+
+def quiet_libraries() -> None:
+    """Silence transformers' / huggingface_hub's own progress bars and warnings; rtk shows progress."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from .artifacts import atomic_stage, is_complete, read_manifest, stage_key, tool_versions
-from .console import step
+from .console import quiet_libraries, step
 from .errors import SourceError, SpecError
 from .hfcompat import make_compatible
 from .spec import BUILTIN_MODEL, Spec, check_against_model
@@ -144,6 +144,7 @@ def _convert_builtin(dest: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    quiet_libraries()
     gguf = builtin_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # GgufConfig(dequantize=True) strips the gguf quantizer after loading; without it

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .artifacts import atomic_stage, hash_tree, is_complete, read_manifest, stage_key, tool_versions, write_json_atomic
-from .console import err, progress, step
+from .console import err, progress, quiet_libraries, step
 from .errors import QualityGateError, SourceError, StageError, UsageError
 from .hfcompat import make_compatible
 from .spec import Spec, check_against_model, resolve_group_size
@@ -141,25 +141,48 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
     return StageResult("quantize", output, False, read_manifest(output))
 
 
+def load_model(checkpoint: Path, spec: Spec):
+    """The source model in float32 (calibration and fake-quant evaluation run in fp32 on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
+    # ModelOpt reads config.rope_theta; transformers 5 keeps it only in rope_parameters (reference §6).
+    rp = getattr(m.config, "rope_parameters", None) or {}
+    if getattr(m.config, "rope_theta", None) is None and "rope_theta" in rp:
+        m.config.rope_theta = rp["rope_theta"]
+    return m.eval()
+
+
+def calibrate(model, spec: Spec, tokenizer, group_size: int | None, on_batch=None):
+    """Insert ModelOpt quantizers for ``spec.quantization`` and calibrate them; returns the model."""
+    import torch
+    import modelopt.torch.quantization as mtq
+
+    batches = calibration_batches(spec, tokenizer)
+    cfg = modelopt_config(spec.quantization.format, spec.quantization.kv_cache, group_size)
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for b in batches:
+                m(input_ids=b)
+                if on_batch:
+                    on_batch(len(batches))
+
+    return mtq.quantize(model, cfg, forward_loop)
+
+
 def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .quality import checkpoint_perplexity, eval_token_lists, perplexity
 
+    quiet_libraries()
     q = spec.quantization
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=spec.model.trust_remote_code)
     eval_ids = eval_token_lists(tokenizer, q.eval_samples)
-
-    def load_model():
-        m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
-        # ModelOpt reads config.rope_theta; transformers 5 keeps it only in rope_parameters (reference §6).
-        rp = getattr(m.config, "rope_parameters", None) or {}
-        if getattr(m.config, "rope_theta", None) is None and "rope_theta" in rp:
-            m.config.rope_theta = rp["rope_theta"]
-        return m.eval()
-
     report: dict = {
         "format": q.format, "kv_cache": q.kv_cache, "group_size": group_size,
         "eval_texts": len(eval_ids), "eval_tokens": sum(len(x) - 1 for x in eval_ids),
@@ -173,28 +196,17 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     if q.format == "none":
         _link_checkpoint(checkpoint, hf_dir)
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-            _export_trtllm(load_model(), trt_dir)
+            _export_trtllm(load_model(checkpoint, spec), trt_dir)
         report["fake_quant_ppl"] = None
     else:
         import modelopt.torch.opt as mto
-        import modelopt.torch.quantization as mtq
 
-        batches = calibration_batches(spec, tokenizer)
-        model = load_model()
-        cfg = modelopt_config(q.format, q.kv_cache, group_size)
         with progress() as bar, out.timed("calibrate"):
-            task = bar.add_task(f"Calibrating {q.format} on {sum(len(b) for b in batches)} samples", total=len(batches))
-
-            def forward_loop(m):
-                bar.reset(task)
-                with torch.no_grad():
-                    for b in batches:
-                        m(input_ids=b)
-                        bar.advance(task)
-
-            model = mtq.quantize(model, cfg, forward_loop)
-        report["calibration"] = {"samples": sum(len(b) for b in batches), "max_length": spec.quantization.calibration.max_length,
-                                 "dataset": spec.quantization.calibration.dataset}
+            task = bar.add_task(f"Calibrating {q.format} ({q.calibration.num_samples} samples)", total=None)
+            model = calibrate(load_model(checkpoint, spec), spec, tokenizer, group_size,
+                              lambda n: bar.update(task, total=n, advance=1))
+        report["calibration"] = {"samples": q.calibration.num_samples, "max_length": q.calibration.max_length,
+                                 "dataset": q.calibration.dataset}
         if q.format in CPU_FAKE_QUANT:
             with progress() as bar, out.timed("fake_quant_eval"):
                 task = bar.add_task("Perplexity of the fake-quantized model", total=len(eval_ids))
@@ -207,10 +219,10 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
             state = Path(scratch) / "modelopt_state.pth"
             mto.save(model, str(state))
             with out.timed("export_hf"), step("Exporting the unified HF checkpoint"):
-                _export_hf(model, hf_dir, checkpoint)
+                export_hf(model, hf_dir, checkpoint)
             del model
             with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-                fresh = load_model()
+                fresh = load_model(checkpoint, spec)
                 mto.restore(fresh, str(state))
                 _export_trtllm(fresh, trt_dir)
                 del fresh
@@ -240,13 +252,15 @@ def _link_checkpoint(src: Path, dest: Path) -> None:
                 shutil.copy2(f, dest / f.name)
 
 
-def _export_hf(model, dest: Path, checkpoint: Path) -> None:
+def export_hf(model, dest: Path, checkpoint: Path) -> None:
+    """ModelOpt's unified HF export plus the tokenizer files it does not write."""
     import torch
     from modelopt.torch.export import export_hf_checkpoint
 
     dest.mkdir(parents=True)
     with torch.inference_mode(False), torch.no_grad():
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(dest))
+    cast_unquantized_tensors(dest)
     for name in TOKENIZER_FILES:  # the export writes weights and config only
         if (checkpoint / name).is_file() and not (dest / name).exists():
             shutil.copy2(checkpoint / name, dest / name)
@@ -263,6 +277,7 @@ def _export_trtllm(model, dest: Path) -> None:
     logging.getLogger("modelopt").setLevel(logging.ERROR)
     with torch.no_grad():
         export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(dest), inference_tensor_parallel=1)
+    cast_unquantized_tensors(dest)
     cfg_path = dest / "config.json"
     if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
         raise StageError(f"ModelOpt's TensorRT-LLM export wrote no config.json/rank*.safetensors into {dest}")
@@ -270,6 +285,27 @@ def _export_trtllm(model, dest: Path) -> None:
     if "rotary_base" not in cfg and getattr(model.config, "rope_theta", None):
         cfg["rotary_base"] = float(model.config.rope_theta)  # else TensorRT-LLM silently uses 10000
         write_json_atomic(cfg_path, cfg)
+
+
+def cast_unquantized_tensors(directory: Path, dtype: str = "bfloat16") -> None:
+    """Cast float32 tensors that are not scales (embeddings, norms, lm_head) to ``dtype``.
+
+    ModelOpt 0.47's exports keep the model's own dtype for unquantized tensors even when given
+    ``dtype=bfloat16``; rtk calibrates in float32, so without this the embedding would ship in fp32.
+    Scales (``*scale*``, ``*scaling_factor*``) stay float32 as TensorRT-LLM expects.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = getattr(torch, dtype)
+    for f in directory.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if not any(t.dtype == torch.float32 and "scal" not in k for k, t in tensors.items()):
+            continue
+        cast = {k: (t.to(target) if t.dtype == torch.float32 and "scal" not in k else t) for k, t in tensors.items()}
+        tmp = f.with_name(f".{f.name}.tmp")
+        save_file(cast, str(tmp), metadata={"format": "pt"})
+        tmp.replace(f)
 
 
 def print_report(report: dict) -> None:
