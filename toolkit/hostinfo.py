@@ -287,8 +287,8 @@ def check_host_compatible(manifest: dict, host: HostInfo) -> None:
         _check_llmapi_host(runs_on, host)
 
 
-def _rebuild(runs_on: dict) -> str:
-    return f"rebuild it on this host with `rtk build SPEC --force` (SPEC: the spec named '{runs_on.get('spec_name', '?')}')"
+def _rebuild(runs_on: dict, first: str = "r") -> str:
+    return f"{first}ebuild it on this host with `rtk build SPEC --force` (SPEC: the spec named '{runs_on.get('spec_name', '?')}')"
 
 
 def _check_engine_host(r: dict, host: HostInfo) -> None:
@@ -307,14 +307,17 @@ def _check_engine_host(r: dict, host: HostInfo) -> None:
         reasons.append("engines load only in the TensorRT-LLM version that built them")
     if r.get("tensorrt") and host.packages.get("tensorrt") and host.packages["tensorrt"] != r["tensorrt"]:
         reasons.append(f"TensorRT {host.packages['tensorrt']} cannot load plans serialized by TensorRT {r['tensorrt']}")
-    if host.has_gpu and len(host.gpus) < int(r.get("gpu_count", 1)):
+    too_few = host.has_gpu and len(host.gpus) < int(r.get("gpu_count", 1))
+    if too_few:
         reasons.append(f"the engine has {r.get('gpu_count')} ranks (tp {r.get('tp_size')} x pp {r.get('pp_size')}) and this host has {len(host.gpus)} GPUs")
     need_cuda = version_tuple(r.get("cuda"))[:2]
     if host.cuda_driver_version and need_cuda and version_tuple(host.cuda_driver_version)[:2] < need_cuda:
         reasons.append(f"it was built with CUDA {r.get('cuda')} and this driver ({host.driver_version}) supports CUDA "
                        f"{host.cuda_driver_version} only: upgrade the driver")
     if reasons:
-        raise HostMismatchError(f"engine built with {built}; this host has {here}: {'; '.join(reasons)}. {_rebuild(r)}")
+        remedy = (f"Serve it on a host with {r.get('gpu_count')} such GPUs, or lower build.tp_size / build.pp_size and "
+                  f"{_rebuild(r)}") if too_few and len(reasons) == 1 else _rebuild(r, "R")
+        raise HostMismatchError(f"engine built with {built}; this host has {here}: {'; '.join(reasons)}. {remedy}")
     if host.gpu.name != gpu.get("name"):
         log.warning(
             "engine built on %s, serving on %s (same sm%s): TensorRT advises against moving plans between GPU models; "
