@@ -226,3 +226,26 @@ def test_single_gpu_llmapi_and_multi_instance_launch_without_mpirun():
     assert multi.argv[0] == "ts" and multi.env == UPSTREAM["launcher"]["orchestrator_env"]
     root = mpi.tritonserver_launch(gpu_spec(build={"tp_size": 2}), "ts", "/r", allow_run_as_root=False)
     assert root.argv[:3] == ["mpirun", "-n", "1"]
+
+
+# -- written model directories ----------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["trt-engine", "llmapi"])
+def test_written_model_dir_parses_and_has_every_warmup_file(tmp_path, monkeypatch, target):
+    upstream = tmp_path / "upstream"  # stands in for the NGC image's llmapi template directory
+    upstream.mkdir()
+    for name in llmapi.UPSTREAM_MODEL_FILES:
+        (upstream / name).write_text(f"# {name} from TensorRT-LLM\n")
+    monkeypatch.setenv("RTK_LLMAPI_MODEL_DIR", str(upstream))
+    spec = gpu_spec(target)
+    model = tmp_path / "repo" / "tensorrt_llm"
+    module = trt_engine if target == "trt-engine" else llmapi
+    module.write_triton_model(spec, model, tmp_path / "engines" / "t" / "engine")
+    cfg = text_format.Parse((model / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.name == "tensorrt_llm" and (model / "1").is_dir()
+    files = [i.input_data_file for w in cfg.model_warmup for i in w.inputs.values()]
+    assert files and all((model / "warmup" / f).is_file() for f in files)
+    if target == "llmapi":
+        y = yaml.safe_load((model / "1" / "model.yaml").read_text())
+        assert y["model"] == str((tmp_path / "engines" / "t" / "engine" / "hf").resolve())
+        assert (model / "1" / "model.py").read_text().startswith("# model.py from TensorRT-LLM")

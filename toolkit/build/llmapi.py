@@ -39,7 +39,7 @@ from ..errors import SpecError, UsageError
 from ..hostinfo import HostInfo, probe_host
 from ..spec import Spec
 from ..stages import StageResult, default_output
-from .trt_engine import MIN_SM, MIN_SM_KV, add_tensors, add_warmup, set_queue_policy
+from .trt_engine import MIN_SM, MIN_SM_KV, add_tensors, add_warmup, set_queue_policy, write_model_dir
 
 MODEL_YAML = "model.yaml"
 TRTLLM_MIN_VERSION = "1.0"
@@ -84,6 +84,10 @@ LLMAPI_OUTPUTS = [
     ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
     ("total_draft_tokens", "TYPE_INT32", [1]),
 ]
+# TensorRT-LLM's llmapi model sources (triton_backend/all_models/llmapi/tensorrt_llm/1/), as the NGC
+# -trtllm-python-py3 images ship the backend templates (reference/tensorrt-llm-and-triton.md §5).
+UPSTREAM_MODEL_FILES = ("model.py", "helpers.py")
+UPSTREAM_MODEL_DIRS = ("/app/all_models/llmapi/tensorrt_llm/1",)
 WARMUP_PROMPT = "Hello"
 WARMUP_MAX_TOKENS = 4
 
@@ -148,8 +152,13 @@ def model_yaml_text(spec: Spec, model_path: Path | str) -> str:
     return head + yaml.safe_dump(model_yaml(spec, model_path), sort_keys=False)
 
 
-def triton_model_config(spec: Spec, *, name: str = "tensorrt_llm"):
-    """The llmapi ``tensorrt_llm`` model (python backend) with the same triton_config values as model.yaml."""
+def triton_model_config(spec: Spec, engine_dir: Path | str | None = None, *, name: str = "tensorrt_llm"):
+    """The llmapi ``tensorrt_llm`` model (python backend) with the same triton_config values as model.yaml.
+
+    (``engine_dir`` is accepted for symmetry with the trt-engine target and not needed.)  With
+    ``serving.warmup`` the config names files in ``<model>/warmup/`` (:func:`warmup_files`);
+    :func:`write_triton_model` writes config, warm-up files and ``1/`` together.
+    """
     from tritonclient.grpc import model_config_pb2 as mc
 
     check_spec(spec)
@@ -165,6 +174,35 @@ def triton_model_config(spec: Spec, *, name: str = "tensorrt_llm"):
             "sampling_param_max_tokens": ("TYPE_INT32", [1], "sampling_param_max_tokens"),
         })
     return config
+
+
+def model_files(spec: Spec, engine_dir: Path | str) -> dict[str, str]:
+    """Files for the model's version directory ``1/``: model.yaml pointing at ``<engine_dir>/hf``, plus
+    TensorRT-LLM's own ``model.py`` and ``helpers.py`` when this host has them (the NGC image's
+    template directory, or ``$RTK_LLMAPI_MODEL_DIR``); rtk does not ship a copy of upstream code.
+    """
+    files = {MODEL_YAML: model_yaml_text(spec, (Path(engine_dir) / "hf").resolve())}
+    src = upstream_model_dir()
+    if src is not None:
+        for name in UPSTREAM_MODEL_FILES:
+            files[name] = (src / name).read_text()
+    return files
+
+
+def upstream_model_dir() -> Path | None:
+    """Where TensorRT-LLM's llmapi model.py lives on this host, if anywhere."""
+    for cand in (os.environ.get("RTK_LLMAPI_MODEL_DIR"), *UPSTREAM_MODEL_DIRS):
+        if cand and all((Path(cand) / n).is_file() for n in UPSTREAM_MODEL_FILES):
+            return Path(cand)
+    return None
+
+
+def write_triton_model(spec: Spec, model_dir: Path | str, engine_dir: Path | str) -> Path:
+    """Write the llmapi ``tensorrt_llm`` model directory: config.pbtxt, warmup/, 1/model.yaml (+ upstream model.py)."""
+    model_dir = Path(model_dir)
+    write_model_dir(model_dir, triton_model_config(spec, name=model_dir.name),
+                    warmup_files(spec) if spec.serving.warmup else {}, model_files(spec, engine_dir))
+    return model_dir
 
 
 def warmup_files(spec: Spec) -> dict[str, bytes]:

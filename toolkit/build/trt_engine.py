@@ -503,6 +503,8 @@ def triton_model_config(spec: Spec, engine_dir: Path | str, *, name: str = "tens
     backend reads is set from the spec, including the three it reads without a default
     (``tokenizer_dir``, ``xgrammar_tokenizer_info_path``, ``guided_decoding_backend``:
     model_instance_state.cc getGuidedDecodingConfigFromParams throws when they are absent).
+    With ``serving.warmup`` the config names warm-up files that must exist in
+    ``<model>/warmup/`` (:func:`warmup_files`); :func:`write_triton_model` writes both.
     """
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -545,6 +547,31 @@ def triton_model_config(spec: Spec, engine_dir: Path | str, *, name: str = "tens
     if s.warmup:
         add_warmup(config, spec, _cpp_warmup_inputs(spec))
     return config
+
+
+def write_triton_model(spec: Spec, model_dir: Path | str, engine_dir: Path | str) -> Path:
+    """Write the ``tensorrt_llm`` model directory: config.pbtxt, warmup/ files and the version dir ``1/``."""
+    model_dir = Path(model_dir)
+    write_model_dir(model_dir, triton_model_config(spec, engine_dir, name=model_dir.name),
+                    warmup_files(spec) if spec.serving.warmup else {})
+    return model_dir
+
+
+def write_model_dir(model_dir: Path, config, warmup: dict[str, bytes], version_files: dict[str, str] | None = None) -> None:
+    """config.pbtxt (text_format, parsed back through the schema as a check), warmup/, 1/."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    text = text_format.MessageToString(config)
+    if text_format.Parse(text, mc.ModelConfig()) != config:
+        raise StageError(f"the config of model '{config.name}' does not survive a text round trip")
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(text)
+    for name, data in warmup.items():
+        (model_dir / "warmup").mkdir(exist_ok=True)
+        (model_dir / "warmup" / name).write_bytes(data)
+    for name, data in (version_files or {}).items():
+        (model_dir / "1" / name).write_text(data)
 
 
 def _bool(v: bool) -> str:
