@@ -164,13 +164,21 @@ class Objective(Section):
         "output_token_throughput", "request_throughput",
     ]
     stat: Literal["p50", "p90", "p95", "p99", "p99.9", "max", "mean", "value"] = "value"
-    max: float | None = None
-    min: float | None = None
+    max: float | None = Field(None, description="upper bound: ms for latencies, a fraction for error_rate, per second for throughputs")
+    min: float | None = Field(None, description="lower bound (attainment as a fraction, e.g. 0.99; throughputs)")
 
     @model_validator(mode="after")
     def _one_bound(self) -> "Objective":
         if (self.max is None) == (self.min is None):
             raise ValueError(f"objective '{self.metric}' needs exactly one of 'max' or 'min'")
+        per_request = self.metric in ("ttft", "itl", "tpot", "e2e", "schedule_lag")
+        if per_request and self.stat == "value":
+            raise ValueError(f"objective '{self.metric}' is a distribution; give a stat: p50, p90, p95, p99, p99.9, max or mean")
+        if not per_request and self.stat != "value":
+            raise ValueError(f"objective '{self.metric}' is one number for the run; drop 'stat' (or use stat: value)")
+        bound = self.max if self.max is not None else self.min
+        if self.metric in ("error_rate", "attainment") and not 0.0 <= bound <= 1.0:
+            raise ValueError(f"objective '{self.metric}' is a fraction between 0 and 1 (0.99 = 99 %), got {bound}")
         return self
 
 
@@ -191,6 +199,14 @@ class SLOSpec(Section):
     output_tokens_stddev: float = Field(0.0, ge=0)
     dataset: str | None = Field(None, description="JSONL prompts instead of synthetic ones")
     seed: int = 0
+    model: str | None = Field(None, description="model name on the server (default: the endpoint's name)")
+    max_inflight: int | None = Field(None, ge=1, description="open loop: at most this many requests in flight; later ones wait (and the wait counts)")
+    turns: int = Field(1, ge=1, description="synthetic multi-turn: turns per session, each resending the history")
+    tokenizer: str | None = Field(None, description="tokenizer directory for synthetic prompts (default: the repository's preprocessing one)")
+    request_timeout_s: float = Field(120.0, gt=0, description="a request without its final response after this long is an error")
+    max_schedule_lag_ms: float = Field(
+        5.0, gt=0, description="the client kept the schedule when its own send lag p99 is within this; else INCONCLUSIVE"
+    )
 
     @model_validator(mode="after")
     def _one_load(self) -> "SLOSpec":
