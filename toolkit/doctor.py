@@ -115,7 +115,8 @@ def _tritonserver(host: HostInfo, backend: str, *, system_only: bool = False) ->
     need = f"tritonserver with the '{backend}' backend"
     if ts is None:
         fix = IN_CONTAINER if system_only else "pip install -c .ci/constraints.txt 'nvidia-pytriton==0.7.0' (bundles tritonserver 2.51)"
-        return Check("tritonserver", "fail", "not found", need, fix)
+        why = [n.removeprefix("tritonserver: ") for n in host.notes if n.startswith("tritonserver: ")]
+        return Check("tritonserver", "fail", why[0] if why else "not found", need, fix)
     found = f"{ts.version or '?'} ({ts.source})"
     if backend not in ts.backends:
         return Check("tritonserver", "fail", f"{found}; backends: {', '.join(ts.backends) or 'none'}", need, IN_CONTAINER)
