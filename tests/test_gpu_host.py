@@ -164,7 +164,8 @@ PROBE = '''import sys
 from click.testing import CliRunner
 from toolkit.cli import cli
 runner = CliRunner()
-for args in (["--help"], ["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]):
+every_help = [[name, "--help"] for name in cli.commands]  # every registered command, whoever wrote it
+for args in (["--help"], *every_help, ["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]):
     r = runner.invoke(cli, args)
     assert r.exit_code in (0, 2), (args, r.output, r.exception)
 import toolkit.build.trt_engine, toolkit.build.llmapi, toolkit.build.mpi, toolkit.doctor, toolkit.hostinfo
