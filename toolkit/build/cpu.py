@@ -1,0 +1,99 @@
+"""Build for the ``cpu`` target: an engine directory rtk's CPU engine loads.
+
+``engines/<name>/engine/`` holds
+
+* ``engine_config.json`` — the :class:`toolkit.runtime.engine.EngineConfig` derived from
+  ``spec.build`` (batch, token and sequence limits, KV block size and pool, reuse, chunking,
+  threads);
+* ``hf/`` — the quantize stage's unified HF checkpoint (hard links, or copies across file
+  systems), the same files the GPU targets start from;
+* ``rtk-manifest.json`` — written last; the directory is renamed into place only then.
+
+The build loads the checkpoint once through the engine's own reader, so a format the engine
+cannot run fails here, not when Triton loads the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from ..artifacts import atomic_stage, is_complete, read_manifest, stage_key, tool_versions
+from ..console import step
+from ..errors import SourceError
+from ..spec import Spec
+from ..stages import StageResult, default_output
+
+ENGINE_CONFIG = "engine_config.json"
+CHECKPOINT_DIR = "hf"
+
+
+def engine_config(spec: Spec):
+    from ..runtime.engine import EngineConfig
+
+    return EngineConfig.from_build(spec.build)
+
+
+def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force: bool = False) -> StageResult:
+    """Write the cpu engine directory for ``spec`` from the quantize stage's ``quantized_dir``."""
+    quantized_dir = Path(quantized_dir)
+    output = Path(output) if output else default_output(spec, "build")
+    hf = quantized_dir / CHECKPOINT_DIR
+    if not (hf / "config.json").is_file():
+        raise SourceError(
+            f"'{quantized_dir}' has no {CHECKPOINT_DIR}/config.json; run `rtk quantize SPEC` first "
+            "(or pass the quantize stage's output directory)"
+        )
+    src = read_manifest(quantized_dir)
+    section = spec.build.model_dump()
+    inputs = {"quantized": (src or {}).get("key") or _fingerprint(hf)}
+    tools = tool_versions("torch", "safetensors")
+    key = stage_key("build-cpu", section, inputs, tools)
+    if not force and is_complete(output, key):
+        return StageResult("build", output, True, read_manifest(output))
+
+    config = engine_config(spec)
+    with atomic_stage("build", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+        with out.timed("link_checkpoint"):
+            _link_tree(hf, out.tmp / CHECKPOINT_DIR)
+        (out.tmp / ENGINE_CONFIG).write_text(json.dumps(asdict(config), indent=2, sort_keys=True) + "\n")
+        with out.timed("verify"), step("Checking the CPU engine can read the checkpoint"):
+            from ..runtime.checkpoint import load_checkpoint
+
+            ckpt = load_checkpoint(out.tmp / CHECKPOINT_DIR)
+        out.manifest.update(
+            target="cpu",
+            engine_config=asdict(config),
+            model={"architecture": ckpt.config.architecture, "num_layers": ckpt.config.num_layers,
+                   "quant_algo": ckpt.quant_algo, "kv_cache_quant_algo": ckpt.kv_cache_quant_algo},
+        )
+    return StageResult("build", output, False, read_manifest(output))
+
+
+def load_engine(engine_dir: str | os.PathLike, **overrides):
+    """The :class:`toolkit.runtime.engine.Engine` of a cpu engine directory (``overrides``: EngineConfig fields)."""
+    from ..runtime.engine import Engine, EngineConfig
+
+    engine_dir = Path(engine_dir)
+    cfg_path = engine_dir / ENGINE_CONFIG
+    if not cfg_path.is_file():
+        raise SourceError(f"'{engine_dir}' is not a cpu engine directory (no {ENGINE_CONFIG}); run `rtk build SPEC`")
+    config = EngineConfig(**{**json.loads(cfg_path.read_text()), **overrides})
+    return Engine(engine_dir / CHECKPOINT_DIR, config)
+
+
+def _fingerprint(d: Path) -> dict:
+    return {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != "rtk-manifest.json":
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)

@@ -1,0 +1,86 @@
+"""Triton python model ``preprocessing``: text (or chat messages) in, token ids out.
+
+Tensor names are those of TensorRT-LLM's ``inflight_batcher_llm/preprocessing`` (NVIDIA/TensorRT-LLM
+``triton_backend/all_models/inflight_batcher_llm/preprocessing/``), plus ``DROPPED_TURNS``.
+``QUERY`` is a plain prompt or a JSON chat (see rtk_text.py); the prompt is fitted to the context
+window with the ``context_policy`` parameter.  Bad requests get an INVALID_ARG error naming the
+input and what to change; the other requests of the batch are served.
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import rtk_text
+
+
+def _opt(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def _scalar(request, name, default):
+    a = _opt(request, name)
+    return default if a is None or a.size == 0 else a.reshape(-1)[0]
+
+
+def _strings(a):
+    if a is None:
+        return []
+    return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        self.tokenizer = rtk_text.load_tokenizer(_resolve(args, p["tokenizer_dir"]))
+        self.add_special_tokens = p.get("add_special_tokens", "true").lower() == "true"
+        self.max_input_len = int(p["max_input_len"])
+        self.max_seq_len = int(p["max_seq_len"])
+        self.policy = p.get("context_policy", "truncate_oldest")
+        self.default_max_tokens = int(p.get("default_max_tokens", "128"))
+        self.end_id = rtk_text.end_id_of(self.tokenizer)
+        self.pad_id = rtk_text.pad_id_of(self.tokenizer)
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        try:
+            raw = _opt(request, "QUERY")
+            texts = _strings(raw)
+            if not texts:
+                raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
+            max_tokens = int(_scalar(request, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
+            window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
+            ids, dropped = rtk_text.encode_prompt(
+                self.tokenizer, texts[0], window=window, policy=self.policy, add_special_tokens=self.add_special_tokens
+            )
+            end_id = int(_scalar(request, "END_ID", self.end_id))
+            pad_id = int(_scalar(request, "PAD_ID", self.pad_id))
+            stop = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "STOP_WORDS_DICT"))])
+            bad = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "BAD_WORDS_DICT"))])
+        except rtk_text.PromptError as exc:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+        i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", i32(len(ids))),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", i32(max_tokens)),
+            pb_utils.Tensor("BAD_WORDS_IDS", bad),
+            pb_utils.Tensor("STOP_WORDS_IDS", stop),
+            pb_utils.Tensor("OUT_END_ID", i32(end_id)),
+            pb_utils.Tensor("OUT_PAD_ID", i32(pad_id)),
+            pb_utils.Tensor("DROPPED_TURNS", i32(dropped)),
+        ])
+
+
+def _resolve(args, path):
+    """A relative ``tokenizer_dir`` is relative to the model repository root (the repository is relocatable)."""
+    import os
+
+    if os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(args["model_repository"], "..", path))

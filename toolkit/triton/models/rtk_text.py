@@ -1,0 +1,213 @@
+"""Text handling shared by the repository's python models: prompts, chat, context window, detokenization.
+
+The emitter copies this file next to each ``model.py`` that needs it (``<repo>/<model>/1/``, which
+is on the python backend stub's ``sys.path``), so the pre/postprocessing models need only
+``transformers`` and ``numpy``, not rtk itself.  It must not import ``triton_python_backend_utils``:
+the tests import it directly.
+
+* :func:`parse_query` — a request's ``text_input`` is either a plain prompt (sent as is, like
+  TensorRT-LLM's preprocessing) or a JSON chat: ``[{"role": ..., "content": ...}, ...]`` or
+  ``{"messages": [...]}``, rendered with the tokenizer's chat template.
+* :func:`encode_prompt` — applies the context-window policy: ``truncate_oldest`` keeps the system
+  prompt(s) and the newest turns, dropping whole turns from the oldest end until the prompt fits;
+  ``reject`` refuses a prompt that does not fit.
+* :func:`decode_delta` — incremental detokenization without per-request state: the text that
+  ``new`` adds after ``preceding``, holding back a trailing incomplete UTF-8 character (it is
+  emitted with the token that completes it).  Decoding against the preceding tokens also keeps the
+  leading space SentencePiece tokenizers drop from a sequence's first token.
+* :func:`word_list` / :func:`parse_word_list` — TensorRT-LLM's ``[2, N]`` stop/bad words format
+  (row 0 the concatenated token ids, row 1 the end offset of each word, padded with -1), as made
+  by ``_to_word_list_format`` in TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm/
+  preprocessing/1/model.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+REPLACEMENT = "\ufffd"
+PRECEDING_WINDOW = 8  # tokens of context for decode_delta: covers a split 4-byte character and a space
+
+
+class PromptError(ValueError):
+    """A request that cannot be served as sent; the message says what to change."""
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    # A local directory written by rtk's stages; never run code shipped with a model here.
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+
+
+def end_id_of(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise PromptError("the tokenizer has no end-of-sequence token; send end_id with the request")
+    return int(tokenizer.eos_token_id)
+
+
+def pad_id_of(tokenizer) -> int:
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_id_of(tokenizer))
+
+
+# -- prompts and chat -------------------------------------------------------------------------
+
+def parse_query(text: str) -> list[dict] | None:
+    """The chat messages in ``text``, or None when it is a plain prompt."""
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return None
+    try:
+        data = json.loads(stripped)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    if not isinstance(data, list) or not data or not all(isinstance(m, dict) and "role" in m for m in data):
+        return None
+    for i, m in enumerate(data):
+        if not isinstance(m.get("content"), str):
+            raise PromptError(f"chat message {i} ('{m.get('role')}') needs a string 'content'")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise PromptError(f"chat message {i} has role '{m['role']}'; use 'system', 'user' or 'assistant'")
+    if data[-1]["role"] != "user":
+        raise PromptError("the last chat message must come from the 'user' (it is what the model answers)")
+    return data
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """``messages`` without its oldest non-system turn (a user message and the replies to it)."""
+    n_system = 0
+    while n_system < len(messages) and messages[n_system]["role"] == "system":
+        n_system += 1
+    rest = messages[n_system:]
+    # The newest user message is what is being answered: never drop it.
+    if len(rest) <= 1:
+        return None
+    cut = 1
+    while cut < len(rest) - 1 and rest[cut]["role"] != "user":
+        cut += 1
+    return messages[:n_system] + rest[cut:]
+
+
+def encode_prompt(
+    tokenizer, text: str, *, window: int, policy: str, add_special_tokens: bool = True
+) -> tuple[list[int], int]:
+    """Token ids for ``text`` (plain prompt or JSON chat) within ``window`` tokens, and the number of turns dropped."""
+    if not text or not text.strip():
+        raise PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
+    messages = parse_query(text)
+    if messages is None:
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if len(ids) > window:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens, more than the {window} that fit the context window "
+                "(build.max_input_len, and max_seq_len minus max_tokens); shorten it or send it as chat messages"
+            )
+        return ids, 0
+    ids = _render_chat(tokenizer, messages)
+    dropped = 0
+    if len(ids) > window and policy == "reject":
+        raise PromptError(
+            f"the conversation has {len(ids)} tokens, more than the {window} that fit the context window "
+            "(build.max_input_len, and max_seq_len minus max_tokens); shorten it, or serve with "
+            "serving.context_policy: truncate_oldest to drop the oldest turns"
+        )
+    while len(ids) > window:
+        shorter = _drop_oldest_turn(messages)
+        if shorter is None:
+            raise PromptError(
+                f"the newest message (with the system prompt) has {len(ids)} tokens, more than the {window} "
+                "that fit the context window; shorten it or lower max_tokens"
+            )
+        dropped += 1
+        messages = shorter
+        ids = _render_chat(tokenizer, messages)
+    return ids, dropped
+
+
+def prompt_window(max_input_len: int, max_seq_len: int, max_tokens: int) -> int:
+    """How many prompt tokens a request asking for ``max_tokens`` may have."""
+    if max_tokens < 1:
+        raise PromptError(f"max_tokens is {max_tokens}; ask for at least 1 token")
+    if max_tokens > max_seq_len - 1:
+        raise PromptError(
+            f"max_tokens {max_tokens} is over the engine limit: prompt and output must fit build.max_seq_len "
+            f"({max_seq_len}), so at most {max_seq_len - 1} tokens can be generated"
+        )
+    return min(max_input_len, max_seq_len - max_tokens)
+
+
+# -- stop / bad words -------------------------------------------------------------------------
+
+def word_list(tokenizer, words_per_request: Sequence[Sequence[str]]) -> np.ndarray:
+    """``[batch, 2, N]`` int32 in TensorRT-LLM's word-list format (``[[0], [-1]]`` for no words)."""
+    flat_ids, offsets = [], []
+    for words in words_per_request:
+        ids, offs = [], []
+        for w in words:
+            if not w:
+                continue
+            tok = list(tokenizer.encode(w, add_special_tokens=False))
+            if not tok:
+                continue
+            ids += tok
+            offs.append(len(ids))
+        flat_ids.append(ids)
+        offsets.append(offs)
+    width = max(1, max(len(i) for i in flat_ids) if flat_ids else 1)
+    out = np.zeros((len(flat_ids), 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for b, (ids, offs) in enumerate(zip(flat_ids, offsets)):
+        out[b, 0, : len(ids)] = ids
+        out[b, 1, : len(offs)] = offs
+    return out
+
+
+def parse_word_list(arr: np.ndarray) -> list[list[int]]:
+    """One request's ``[2, N]`` word list back into token sequences."""
+    arr = np.asarray(arr).reshape(2, -1)
+    ids, ends = arr[0].tolist(), [int(e) for e in arr[1].tolist() if e >= 0]
+    out, start = [], 0
+    for end in ends:
+        if end > start:
+            out.append([int(i) for i in ids[start:end]])
+        start = end
+    return out
+
+
+# -- detokenization ---------------------------------------------------------------------------
+
+def _complete(text: str) -> str:
+    """``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD)."""
+    return text.rstrip(REPLACEMENT)
+
+
+def decode_delta(tokenizer, preceding: Sequence[int], new: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    """The text ``new`` adds after ``preceding`` (see the module doc); needs no state across calls.
+
+    A character split across tokens comes out whole with the token that completes it: every chunk
+    is valid UTF-8 on its own, and the chunks of a stream join to the decoding of the whole.
+    """
+    if len(new) == 0:
+        return ""
+    kw = dict(skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    preceding = [int(t) for t in preceding]
+    base = _complete(tokenizer.decode(preceding, **kw)) if preceding else ""
+    full = _complete(tokenizer.decode(preceding + [int(t) for t in new], **kw))
+    if full.startswith(base):
+        return full[len(base):]
+    # A tokenizer whose decoding of a prefix is not a prefix of the decoding (rare cleanup rules):
+    # fall back to the longest common prefix so nothing is repeated.
+    i = 0
+    while i < min(len(base), len(full)) and base[i] == full[i]:
+        i += 1
+    return full[i:]

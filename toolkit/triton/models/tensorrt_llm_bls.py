@@ -1,0 +1,179 @@
+"""Triton python model ``tensorrt_llm_bls``: the ensemble's job in one model, calling ``tensorrt_llm`` through BLS.
+
+Same client interface as ``ensemble`` (``text_input``, ``max_tokens``, ``stream``, sampling, stop
+words, ``return_*``; out ``text_output``, the ``*_time_ns`` stamps, token counts and
+``dropped_turns``), like TensorRT-LLM's ``inflight_batcher_llm/tensorrt_llm_bls`` (NVIDIA/TensorRT-LLM
+``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py``).  Because it
+sees the whole request, it detokenizes incrementally from its own token history and reports
+``dropped_turns`` whatever the target's ``tensorrt_llm`` model is, so it is the endpoint to use
+for streaming on GPU targets, whose C++ ``tensorrt_llm`` has no ``preceding_ids``.
+
+Each request runs in its own thread (the model is decoupled); when the client cancels, the inner
+request is stopped with TensorRT-LLM's ``stop`` input under the same request id.
+"""
+
+import json
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import rtk_text
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+# client input -> (tensorrt_llm input, dtype)
+PASS_THROUGH = {
+    "top_k": ("runtime_top_k", np.int32), "top_p": ("runtime_top_p", np.float32),
+    "temperature": ("temperature", np.float32), "seed": ("seed", np.uint64),
+    "return_perf_metrics": ("return_perf_metrics", np.bool_),
+    "return_num_input_tokens": ("return_num_input_tokens", np.bool_),
+    "return_num_output_tokens": ("return_num_output_tokens", np.bool_),
+}
+
+
+def _opt(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def _scalar(request, name, default=None):
+    a = _opt(request, name)
+    return default if a is None or a.size == 0 else a.reshape(-1)[0]
+
+
+def _strings(a):
+    return [] if a is None else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        path = p["tokenizer_dir"]
+        if not path.startswith("/"):
+            import os
+
+            path = os.path.normpath(os.path.join(args["model_repository"], "..", path))
+        self.tokenizer = rtk_text.load_tokenizer(path)
+        self.llm = p.get("tensorrt_llm_model_name", "tensorrt_llm")
+        self.max_input_len = int(p["max_input_len"])
+        self.max_seq_len = int(p["max_seq_len"])
+        self.policy = p.get("context_policy", "truncate_oldest")
+        self.default_max_tokens = int(p.get("default_max_tokens", "128"))
+        self.skip_special = p.get("skip_special_tokens", "true").lower() == "true"
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self._run(r, None) for r in requests]
+        for r in requests:
+            threading.Thread(target=self._run, args=(r, r.get_response_sender()), daemon=True).start()
+        return None
+
+    def _run(self, request, sender):
+        try:
+            return self._generate(request, sender)
+        except rtk_text.PromptError as exc:
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        except pb_utils.TritonModelException as exc:
+            error = pb_utils.TritonError(str(exc))
+        except Exception as exc:  # report, never leave the client waiting
+            error = pb_utils.TritonError(f"tensorrt_llm_bls: {type(exc).__name__}: {exc}")
+        response = pb_utils.InferenceResponse(error=error)
+        if sender is None:
+            return response
+        sender.send(response, flags=FINAL)
+        return None
+
+    def _generate(self, request, sender):
+        texts = _strings(_opt(request, "text_input"))
+        if not texts:
+            raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
+        max_tokens = int(_scalar(request, "max_tokens", self.default_max_tokens))
+        window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
+        prompt, dropped = rtk_text.encode_prompt(self.tokenizer, texts[0], window=window, policy=self.policy)
+        stream = bool(_scalar(request, "stream", False)) and sender is not None
+        exclude_input = bool(_scalar(request, "exclude_input_in_output", False))
+        end_id = int(_scalar(request, "end_id", rtk_text.end_id_of(self.tokenizer)))
+
+        i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731
+        inputs = [
+            pb_utils.Tensor("input_ids", np.array([prompt], dtype=np.int32)),
+            pb_utils.Tensor("input_lengths", i32(len(prompt))),
+            pb_utils.Tensor("request_output_len", i32(max_tokens)),
+            pb_utils.Tensor("end_id", i32(end_id)),
+            pb_utils.Tensor("pad_id", i32(int(_scalar(request, "pad_id", rtk_text.pad_id_of(self.tokenizer))))),
+            pb_utils.Tensor("streaming", np.array([[stream]], dtype=np.bool_)),
+            pb_utils.Tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_)),
+        ]
+        stop_words = _strings(_opt(request, "stop_words"))
+        if stop_words:
+            inputs.append(pb_utils.Tensor("stop_words_list", rtk_text.word_list(self.tokenizer, [stop_words])))
+        if _strings(_opt(request, "bad_words")):
+            inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "bad_words"))])))
+        for name, (target, dtype) in PASS_THROUGH.items():
+            v = _scalar(request, name)
+            if v is not None:
+                inputs.append(pb_utils.Tensor(target, np.array([[v]], dtype=dtype)))
+        inner_id = uuid.uuid4().hex  # never a client's id: two clients may reuse one
+        outputs = ["output_ids", "sequence_length", *PERF, "num_input_tokens", "num_output_tokens"]
+        llm_request = pb_utils.InferenceRequest(
+            model_name=self.llm, inputs=inputs, requested_output_names=outputs, request_id=inner_id
+        )
+
+        history = list(prompt)  # tokens decoded so far, for decode_delta
+        collected, last_extras = [], []
+        cancelled = False
+        for response in llm_request.exec(decoupled=True):
+            if response.has_error():
+                raise pb_utils.TritonModelException(response.error().message())
+            if sender is not None and not cancelled and sender.is_cancelled():
+                cancelled = True
+                self._stop(inner_id)
+            ids_t = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if ids_t is None:
+                continue  # the empty final response
+            n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+            new = ids_t.as_numpy().reshape(-1)[:n].tolist()
+            extras = [t for t in (pb_utils.get_output_tensor_by_name(response, o) for o in outputs[2:]) if t is not None]
+            if stream:
+                if cancelled:
+                    continue
+                text = rtk_text.decode_delta(self.tokenizer, history[-rtk_text.PRECEDING_WINDOW:], new, skip_special_tokens=self.skip_special)
+                history += new
+                sender.send(self._response(text, extras, dropped))
+            else:
+                collected = new  # non-streaming: one response with everything
+                last_extras = extras
+        if stream or cancelled:
+            sender.send(flags=FINAL)
+            return None
+        text = rtk_text.decode_delta(self.tokenizer, prompt[-rtk_text.PRECEDING_WINDOW:], collected, skip_special_tokens=self.skip_special)
+        if not exclude_input:  # like TensorRT-LLM: the prompt comes back unless excluded
+            text = rtk_text.decode_delta(self.tokenizer, [], prompt, skip_special_tokens=self.skip_special) + text
+        response = self._response(text, last_extras, dropped)
+        if sender is None:
+            return response
+        sender.send(response, flags=FINAL)
+        return None
+
+    def _response(self, text, extras, dropped):
+        out = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        out += [pb_utils.Tensor(t.name(), t.as_numpy()) for t in extras]
+        out.append(pb_utils.Tensor("dropped_turns", np.array([[dropped]], dtype=np.int32)))
+        return pb_utils.InferenceResponse(out)
+
+    def _stop(self, inner_id):
+        stop = pb_utils.InferenceRequest(
+            model_name=self.llm, request_id=inner_id, requested_output_names=["output_ids"],
+            inputs=[
+                pb_utils.Tensor("input_ids", np.zeros((1, 1), dtype=np.int32)),
+                pb_utils.Tensor("input_lengths", np.ones((1, 1), dtype=np.int32)),
+                pb_utils.Tensor("request_output_len", np.ones((1, 1), dtype=np.int32)),
+                pb_utils.Tensor("stop", np.ones((1, 1), dtype=np.bool_)),
+            ],
+        )
+        for _ in stop.exec(decoupled=True):
+            pass
