@@ -184,21 +184,23 @@ class Objective(Section):
 
 class SLOSpec(Section):
     objectives: list[Objective] = Field(default_factory=list)
-    transport: Literal["grpc", "http"] = "grpc"
-    endpoint: Literal["ensemble", "tensorrt_llm"] = "ensemble"
+    transport: Literal["grpc", "http"] = Field("grpc", description="gRPC bidirectional stream, or HTTP generate_stream (SSE)")
+    endpoint: Literal["ensemble", "tensorrt_llm"] = Field(
+        "ensemble", description="interface: the ensemble (text in/out) or the tensorrt_llm model (ids in/out)"
+    )
     concurrency: int | None = Field(None, ge=1, description="closed loop: requests in flight")
     request_rate: float | None = Field(None, gt=0, description="open loop: requests per second")
-    arrival: Literal["constant", "poisson", "gamma"] = "poisson"
+    arrival: Literal["constant", "poisson", "gamma"] = Field("poisson", description="open loop: arrival process")
     burstiness: float = Field(1.0, gt=0, description="gamma shape; 1.0 = Poisson")
-    num_requests: int | None = Field(200, ge=1)
-    duration_s: float | None = Field(None, gt=0)
-    warmup_requests: int = Field(5, ge=0)
-    input_tokens: int = Field(128, ge=1)
-    input_tokens_stddev: float = Field(0.0, ge=0)
-    output_tokens: int = Field(64, ge=1)
-    output_tokens_stddev: float = Field(0.0, ge=0)
+    num_requests: int | None = Field(200, ge=1, description="measured requests (warm-up not counted)")
+    duration_s: float | None = Field(None, gt=0, description="stop sending new requests after this many seconds")
+    warmup_requests: int = Field(5, ge=0, description="requests sent first and left out of the results")
+    input_tokens: int = Field(128, ge=1, description="synthetic prompt length, mean (tokens)")
+    input_tokens_stddev: float = Field(0.0, ge=0, description="synthetic prompt length, standard deviation")
+    output_tokens: int = Field(64, ge=1, description="tokens to generate per request, mean")
+    output_tokens_stddev: float = Field(0.0, ge=0, description="tokens to generate, standard deviation")
     dataset: str | None = Field(None, description="JSONL prompts instead of synthetic ones")
-    seed: int = 0
+    seed: int = Field(0, description="seed for prompts, lengths and arrival times")
     model: str | None = Field(None, description="model name on the server (default: the endpoint's name)")
     max_inflight: int | None = Field(None, ge=1, description="open loop: at most this many requests in flight; later ones wait (and the wait counts)")
     turns: int = Field(1, ge=1, description="synthetic multi-turn: turns per session, each resending the history")
