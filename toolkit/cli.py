@@ -9,7 +9,7 @@ function and prints its result.  Errors are mapped to exit codes here, in one pl
 2      usage error: bad spec, flag, path or request — nothing written
 3      quality gate failed (quantized checkpoint too far from baseline)
 4      tritonserver failed to start / answer
-10-12  ``rtk slo`` verdicts: FAIL (10), INCONCLUSIVE (11) — see docs
+10-11  ``rtk slo`` verdicts: FAIL (10), INCONCLUSIVE (11) — see docs/slo.md
 =====  ==============================================================
 """
 
@@ -25,7 +25,7 @@ from . import __version__
 from .errors import RtkError
 
 # Command modules, each exposing ``command`` (a click.Command).
-COMMANDS = ["fetch", "quantize", "doctor"]
+COMMANDS = ["fetch", "quantize", "doctor", "slo"]
 
 
 class RtkGroup(click.Group):

@@ -1,0 +1,279 @@
+"""The load generator: one thread that sends every request when it is due.
+
+* **Open loop** (``rate``): new sessions are due at the arrival process's times, whether or not
+  earlier requests have finished.  With ``max_inflight`` a due request waits for a free slot; its
+  latencies still count from when it was *due*, so the wait shows (this is what exposes
+  coordinated omission).
+* **Closed loop** (``concurrency``): ``C`` users each send their next request the moment their
+  previous one finishes; that moment is the next request's scheduled time.
+* **Sessions**: turn k+1 of a session is due when turn k finishes and carries its history.
+
+Each request's wire form is built before it is due; at the due time the thread only stamps
+``sent_ns`` and hands it to the transport.  Responses are timestamped by the transport's reader
+thread and queued back here; the wait for the next due time is a timed wait on that queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .records import RequestRecord
+from .schedule import arrival_offsets
+from .transport import Payload, Transport, finish_record, now_ns
+from .workload import Session
+
+log = logging.getLogger(__name__)
+
+WARMUP_SESSION_BASE = 1_000_000  # warm-up prompts come from another part of the seed space
+
+
+@dataclass
+class LoadPlan:
+    concurrency: int | None = None
+    rate: float | None = None
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    max_inflight: int | None = None
+    num_requests: int | None = 100
+    duration_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.concurrency is None) == (self.rate is None):
+            self.concurrency = self.concurrency or (None if self.rate else 1)
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("a load needs num_requests or duration_s")
+
+    @property
+    def kind(self) -> str:
+        return "rate" if self.rate is not None else "concurrency"
+
+    @property
+    def value(self) -> float:
+        return self.rate if self.rate is not None else float(self.concurrency)
+
+    def describe(self) -> str:
+        stop = []
+        if self.num_requests:
+            stop.append(f"{self.num_requests} requests")
+        if self.duration_s:
+            stop.append(f"{self.duration_s:g} s")
+        if self.kind == "rate":
+            shape = f", burstiness {self.burstiness:g}" if self.arrival == "gamma" else ""
+            cap = f", at most {self.max_inflight} in flight" if self.max_inflight else ""
+            return f"open loop {self.rate:g} req/s ({self.arrival}{shape}{cap}), {' or '.join(stop)}"
+        return f"closed loop, concurrency {self.concurrency}, {' or '.join(stop)}"
+
+
+@dataclass(order=True)
+class _Due:
+    due: int
+    seq: int
+    rec: RequestRecord = field(compare=False)
+    prepared: Any = field(compare=False)
+    state: "_SessionState" = field(compare=False)
+
+
+@dataclass
+class _SessionState:
+    session: Session
+    turn: int = 0
+    text_parts: list[str] = field(default_factory=list)  # user texts and replies so far
+    ids: list[int] = field(default_factory=list)  # prompt + reply ids so far
+    tokens: int = 0  # history length in tokens
+
+
+class LoadGenerator:
+    def __init__(self, transport: Transport, workload, *, request_timeout_s: float = 120.0,
+                 progress: Callable[[int, int | None], None] | None = None):
+        self.transport = transport
+        self.workload = workload
+        self.request_timeout_ns = int(request_timeout_s * 1e9)
+        self.progress = progress
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: dict[str, RequestRecord] = {}
+        self._broken: str | None = None
+        self._next_index = 0
+
+    # -- transport callbacks (reader threads) ---------------------------------------------------
+    def on_response(self, rid: str, t: int, payload: Any, final: bool) -> None:
+        rec = self._inflight.get(rid)
+        if rec is None:
+            return
+        if payload is not None:
+            rec.raw.append((t, payload))
+        if final:
+            rec.final_ns = t
+            self._events.put(rid)
+
+    def on_error(self, rid: str | None, t: int, message: str) -> None:
+        if rid is None:  # the connection itself failed: every request in flight is lost
+            self._broken = message
+            self._events.put(None)
+            return
+        rec = self._inflight.get(rid)
+        if rec is None:
+            return
+        rec.error = message
+        rec.final_ns = t
+        self._events.put(rid)
+
+    # -- building requests -----------------------------------------------------------------------
+    def _make(self, state: _SessionState, phase: str, due: int, seq: int) -> _Due:
+        turn = state.session.turns[state.turn]
+        rec = RequestRecord(index=self._next_index, phase=phase, session=state.session.index, turn=state.turn,
+                            scheduled_ns=due, requested_output_tokens=turn.output_tokens,
+                            input_tokens=state.tokens + turn.input_tokens)
+        self._next_index += 1
+        if turn.ids is not None:
+            payload = Payload(ids=state.ids + turn.ids, output_tokens=turn.output_tokens)
+        else:
+            payload = Payload(text="\n".join([*state.text_parts, turn.text]), output_tokens=turn.output_tokens)
+        return _Due(due, seq, rec, self.transport.prepare(str(rec.index), payload), state)
+
+    def _follow_up(self, item: _Due) -> _SessionState | None:
+        """The session's state for its next turn, or None when it has no more turns."""
+        st = item.state
+        if st.turn + 1 >= len(st.session.turns) or not item.rec.ok:
+            return None
+        rec = item.rec
+        finish_record(rec, self.transport.info, self.transport.name)  # the reply is part of the history
+        turn = st.session.turns[st.turn]
+        if turn.ids is not None:
+            st.ids = st.ids + turn.ids + (rec.output_ids or [])
+        else:
+            st.text_parts = [*st.text_parts, turn.text, rec.text or ""]
+        st.tokens += turn.input_tokens + rec.output_tokens
+        st.turn += 1
+        return st
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, plan: LoadPlan, phase: str = "measure") -> list[RequestRecord]:
+        """Send the plan's requests; returns their records (raw responses still to decode)."""
+        return _Run(self, plan, phase).loop()
+
+    def send(self, item: _Due, released: int) -> None:
+        rec = item.rec
+        rec.released_ns = released
+        self._inflight[str(rec.index)] = rec
+        rec.sent_ns = now_ns()
+        self.transport.submit(item.prepared)
+
+
+class _Run:
+    """The state of one :meth:`LoadGenerator.run`."""
+
+    def __init__(self, gen: LoadGenerator, plan: LoadPlan, phase: str):
+        self.gen, self.plan, self.phase = gen, plan, phase
+        self.records: list[RequestRecord] = []
+        self.heap: list[_Due] = []
+        self.held: deque[_Due] = deque()  # due, waiting for a max_inflight slot
+        self.items: dict[str, _Due] = {}
+        self.seq = itertools.count()
+        self.session_ids = itertools.count(WARMUP_SESSION_BASE if phase == "warmup" else 0)
+        self.created = 0
+        self.done = 0
+        self.t0 = now_ns() + 2_000_000  # a little ahead, so the first requests are prepared in time
+        self.end_ns = self.t0 + int(plan.duration_s * 1e9) if plan.duration_s else None
+        self.arrivals = (
+            arrival_offsets(plan.arrival, plan.rate, burstiness=plan.burstiness, seed=plan.seed) if plan.kind == "rate" else None
+        )
+        self.arrival_item: _Due | None = None  # the latest arrival; the next is prepared when it goes
+
+    def may_create(self, due: int) -> bool:
+        p = self.plan
+        return (p.num_requests is None or self.created < p.num_requests) and (self.end_ns is None or due < self.end_ns) \
+            and self.gen._broken is None
+
+    def push(self, state: _SessionState, due: int) -> _Due:
+        item = self.gen._make(state, self.phase, due, next(self.seq))
+        self.created += 1
+        self.records.append(item.rec)
+        self.items[str(item.rec.index)] = item
+        heapq.heappush(self.heap, item)
+        return item
+
+    def new_session(self, due: int) -> _Due:
+        return self.push(_SessionState(self.gen.workload.session(next(self.session_ids))), due)
+
+    def next_arrival(self) -> None:
+        due = self.t0 + next(self.arrivals)
+        self.arrival_item = self.new_session(due) if self.may_create(due) else None
+
+    def finished(self, item: _Due, t: int) -> None:
+        """A request ended at ``t``: free its slot and schedule what follows it (due at ``t``)."""
+        if self.held:
+            self.gen.send(self.held.popleft(), t)
+        state = self.gen._follow_up(item)
+        if state is not None and self.may_create(t):
+            self.push(state, t)
+        elif state is None and self.plan.kind == "concurrency" and self.may_create(t):
+            self.new_session(t)
+
+    def fail_all(self, message: str) -> None:
+        t = now_ns()
+        for rec in list(self.gen._inflight.values()):
+            rec.error, rec.final_ns = message, t
+        self.gen._inflight.clear()
+        for item in [*self.heap, *self.held]:
+            item.rec.error, item.rec.final_ns = f"not sent: {message}", t
+        self.heap.clear()
+        self.held.clear()
+        self.arrival_item = None
+
+    def loop(self) -> list[RequestRecord]:
+        gen, plan, inflight = self.gen, self.plan, self.gen._inflight
+        if self.arrivals is not None:
+            self.next_arrival()
+        else:
+            for _ in range(plan.concurrency):
+                if self.may_create(self.t0):
+                    self.new_session(self.t0)
+        while True:
+            now = now_ns()
+            # Send what is due (or park it while the max_inflight slots are taken).
+            while self.heap and self.heap[0].due <= now:
+                item = heapq.heappop(self.heap)
+                if item is self.arrival_item:
+                    self.next_arrival()  # prepared now, long before it is due
+                if plan.max_inflight and len(inflight) >= plan.max_inflight:
+                    self.held.append(item)
+                else:
+                    gen.send(item, item.due)
+                now = now_ns()
+            # Requests that never finished.
+            while inflight:
+                rid, rec = next(iter(inflight.items()))
+                if now - rec.sent_ns < gen.request_timeout_ns:
+                    break
+                rec.error = f"no final response within {gen.request_timeout_ns / 1e9:g} s (slo.request_timeout_s)"
+                rec.final_ns = now
+                del inflight[rid]
+                self.finished(self.items.pop(rid), now)
+            if gen._broken is not None:
+                self.fail_all(gen._broken)
+            if not self.heap and not self.held and not inflight:
+                break
+            wait = (self.heap[0].due - now) / 1e9 if self.heap else 0.1
+            try:
+                ev = gen._events.get(timeout=min(max(wait, 0.0), 0.1))
+            except queue.Empty:
+                continue
+            while True:
+                if ev is not None and ev in inflight:
+                    rec = inflight.pop(ev)
+                    self.done += 1
+                    self.finished(self.items.pop(ev), rec.final_ns)
+                    if gen.progress:
+                        gen.progress(self.done, plan.num_requests)
+                try:
+                    ev = gen._events.get_nowait()
+                except queue.Empty:
+                    break
+        return self.records

@@ -1,0 +1,96 @@
+"""Triton's Prometheus ``/metrics``, read before and after a run and subtracted.
+
+Counters (``nv_inference_request_success``, ``…_failure``, ``…_count``, ``…_exec_count``, the
+``…_duration_us`` sums, cache hits/misses) become per-run deltas; the report derives the average
+queue and compute time per request from them.  Gauges are kept as read after the run.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+([^\s]+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """``{'name{k="v",…}': value}`` and ``{family: type}`` from Prometheus text format."""
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            parts = line.split()
+            if len(parts) >= 4:
+                types[parts[2]] = parts[3]
+            continue
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(3) or "", m.group(4)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        key = name + ("{" + ",".join(f'{k}="{val}"' for k, val in sorted(_LABEL.findall(labels))) + "}" if labels else "")
+        samples[key] = v
+    return samples, types
+
+
+def scrape(url: str | None, timeout: float = 5.0) -> tuple[dict[str, float], dict[str, str]] | None:
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return parse_prometheus(r.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def family(key: str) -> str:
+    return key.split("{", 1)[0]
+
+
+def label(key: str, name: str) -> str | None:
+    m = re.search(name + r'="([^"]*)"', key)
+    return m.group(1) if m else None
+
+
+def diff(before, after) -> dict:
+    """Counter deltas and gauges after the run; {} when either read failed."""
+    if not before or not after:
+        return {}
+    (b, types), (a, types_after) = before, after
+    types = {**types, **types_after}
+    counters, gauges = {}, {}
+    for key, v in a.items():
+        if not key.startswith("nv_"):
+            continue
+        if types.get(family(key)) == "counter":
+            counters[key] = v - b.get(key, 0.0)
+        else:
+            gauges[key] = v
+    return {"counters": counters, "gauges": gauges}
+
+
+def per_model(delta: dict) -> dict[str, dict[str, float]]:
+    """Per model: requests succeeded/failed, executions, average queue and compute time (µs)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, v in (delta.get("counters") or {}).items():
+        model = label(key, "model")
+        if model is None:
+            continue
+        fam = family(key).removeprefix("nv_inference_")
+        row = out.setdefault(model, {})
+        if fam in ("request_success", "request_failure", "count", "exec_count", "request_duration_us", "queue_duration_us",
+                   "compute_input_duration_us", "compute_infer_duration_us", "compute_output_duration_us"):
+            row[fam] = row.get(fam, 0.0) + v
+    for row in out.values():
+        n = row.get("request_success", 0.0) + row.get("request_failure", 0.0)
+        if n:
+            for f in ("queue_duration_us", "compute_infer_duration_us", "request_duration_us"):
+                if f in row:
+                    row["avg_" + f] = row[f] / n
+    return out

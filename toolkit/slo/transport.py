@@ -1,0 +1,438 @@
+"""Talking to Triton: the gRPC bidirectional stream and the HTTP ``generate_stream`` SSE endpoint.
+
+Both transports are non-blocking: :meth:`submit` hands a request over and returns; every response
+is timestamped (``time.perf_counter_ns``) the moment the transport's reader sees it, stored raw on
+the record, and decoded only after the run, so the per-token cost on the client stays small.
+
+**gRPC** uses the ``ModelStreamInfer`` RPC through the stub generated from Triton's protocol
+(``tritonclient.grpc.service_pb2_grpc``), one stream for all requests, requests fed from a queue
+and responses read by one thread.  tritonclient's own stream wrapper (``tritonclient/grpc/
+_infer_stream.py``) is not used because its callback drops the request id of error responses, so
+a failed request could not be told from the others.  Responses carry
+``triton_final_response`` (``triton_enable_empty_final_response`` is set) — the end of a request.
+
+**HTTP** posts ``/v2/models/<m>/generate_stream`` with aiohttp from an event loop in its own
+thread; each ``data:`` line is one response, an event starting ``{"error"`` is a failure, and the
+end of the stream is the end of the request (Triton sends no end event; reference
+triton-on-cpu.md §4.1).
+
+Interfaces (reference tensorrt-llm-and-triton.md §5): ``ensemble`` takes ``text_input``,
+``max_tokens``, ``stream`` and returns ``text_output``; ``tensorrt_llm`` takes ``input_ids``,
+``input_lengths``, ``request_output_len``, ``streaming`` and returns ``output_ids``.  Both take
+``return_perf_metrics`` and ``min_tokens`` when the model declares them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import ServerError, UsageError
+from .records import SERVER_STAMPS, RequestRecord
+
+now_ns = time.perf_counter_ns
+
+# What each interface needs and returns.
+INTERFACES = {
+    "ensemble": {"required": ("text_input", "max_tokens"), "output": "text_output", "stream": "stream"},
+    "tensorrt_llm": {"required": ("input_ids", "input_lengths", "request_output_len"), "output": "output_ids", "stream": "streaming"},
+}
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    interface: str
+    max_batch_size: int
+    inputs: set[str]
+    outputs: set[str]
+    decoupled: bool | None = None
+
+    @property
+    def stamps(self) -> list[str]:
+        """Server timestamp outputs we can ask for."""
+        if "return_perf_metrics" not in self.inputs:
+            return []
+        return [s for s in SERVER_STAMPS if s in self.outputs]
+
+    def check(self) -> None:
+        spec = INTERFACES[self.interface]
+        missing = [n for n in spec["required"] if n not in self.inputs]
+        if missing or spec["output"] not in self.outputs:
+            want = ", ".join(spec["required"]) + f" → {spec['output']}"
+            raise UsageError(
+                f"model '{self.name}' does not have the {self.interface} interface ({want}); it takes "
+                f"{sorted(self.inputs)} and returns {sorted(self.outputs)}. Set slo.endpoint (ensemble or tensorrt_llm) "
+                "or slo.model to the right model"
+            )
+        if self.decoupled is False:
+            raise UsageError(f"model '{self.name}' is not decoupled, so it cannot stream; serve it with serving.decoupled: true")
+
+
+@dataclass
+class Payload:
+    """One request's content, independent of the transport."""
+
+    text: str | None = None
+    ids: list[int] | None = None
+    output_tokens: int = 16
+
+
+def _info_from_config(cfg: dict, model: str, interface: str) -> ModelInfo:
+    decoupled = (cfg.get("model_transaction_policy") or {}).get("decoupled")
+    return ModelInfo(
+        name=model, interface=interface, max_batch_size=int(cfg.get("max_batch_size") or 0),
+        inputs={i["name"] for i in cfg.get("input", [])}, outputs={o["name"] for o in cfg.get("output", [])},
+        decoupled=bool(decoupled) if decoupled is not None else None,
+    )
+
+
+# -- decoding (after the run) ---------------------------------------------------------------
+
+@dataclass
+class Decoded:
+    tokens: int  # tokens carried (0 for an empty final response)
+    text: str | None = None
+    ids: list[int] | None = None
+    stamps: dict[str, int] = field(default_factory=dict)
+
+
+def decode_grpc(info: ModelInfo, resp) -> Decoded:
+    """A ``ModelInferResponse`` → tokens, text/ids and server stamps."""
+    from tritonclient.grpc import InferResult
+
+    names = {o.name for o in resp.outputs}
+    if not names:
+        return Decoded(0)
+    res = InferResult(resp)
+    stamps = {s: int(res.as_numpy(s).reshape(-1)[0]) for s in SERVER_STAMPS if s in names}
+    out = INTERFACES[info.interface]["output"]
+    if out not in names:
+        return Decoded(0, stamps=stamps)
+    arr = res.as_numpy(out)
+    if info.interface == "ensemble":
+        text = "".join(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1))
+        return Decoded(1, text=text, stamps=stamps)
+    ids = _first_beam(arr)
+    return Decoded(len(ids), ids=ids, stamps=stamps)
+
+
+def _first_beam(arr: np.ndarray) -> list[int]:
+    a = np.asarray(arr)
+    while a.ndim > 1:
+        a = a[0]
+    return [int(x) for x in a.reshape(-1)]
+
+
+def decode_http(info: ModelInfo, body: bytes) -> Decoded:
+    """One SSE ``data:`` payload → tokens, text/ids and server stamps."""
+    obj = json.loads(body)
+    stamps = {s: int(obj[s][0] if isinstance(obj[s], list) else obj[s]) for s in SERVER_STAMPS if s in obj}
+    out = INTERFACES[info.interface]["output"]
+    if out not in obj:
+        return Decoded(0, stamps=stamps)
+    val = obj[out]
+    if info.interface == "ensemble":
+        text = "".join(map(str, val)) if isinstance(val, list) else str(val)
+        return Decoded(1, text=text, stamps=stamps)
+    ids = _first_beam(np.asarray(val))
+    return Decoded(len(ids), ids=ids, stamps=stamps)
+
+
+def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_output: bool = True) -> None:
+    """Turn a record's raw responses into chunk times, token counts, output and server stamps."""
+    decode = decode_grpc if transport == "grpc" else decode_http
+    text, ids = [], []
+    for t, payload in rec.raw:
+        try:
+            d = decode(info, payload)
+        except Exception as exc:  # a response we cannot read is the request's failure, not ours
+            rec.error = rec.error or f"unreadable response: {exc}"
+            continue
+        for k, v in d.stamps.items():  # each response repeats the stamps known so far
+            if not v:
+                continue
+            if k == "last_token_time_ns":
+                rec.server[k] = max(v, rec.server.get(k, 0))
+            else:
+                rec.server.setdefault(k, v)
+        if d.tokens:
+            rec.chunk_ns.append(t)
+            rec.chunk_tokens.append(d.tokens)
+            if d.text is not None:
+                text.append(d.text)
+            if d.ids is not None:
+                ids.extend(d.ids)
+    rec.raw = []
+    if keep_output:
+        if info.interface == "ensemble":
+            rec.text = "".join(text)
+        else:
+            rec.output_ids = ids
+    if rec.error is None and rec.final_ns is not None and not rec.chunk_ns:
+        rec.error = "the request finished without any token"
+
+
+# -- transports -----------------------------------------------------------------------------
+
+OnResponse = Callable[[str, int, Any, bool], None]  # (request id, arrival ns, raw payload, final)
+OnError = Callable[[str | None, int, str], None]  # (request id or None for all, ns, message)
+
+
+class Transport:
+    name: str
+
+    def __init__(self, url: str, model: str, interface: str, timeout_s: float = 10.0):
+        self.url, self.model, self.interface, self.timeout_s = url, model, interface, timeout_s
+        self.info: ModelInfo | None = None
+
+    def model_info(self) -> ModelInfo: ...
+
+    def open(self, on_response: OnResponse, on_error: OnError) -> None: ...
+
+    def prepare(self, rid: str, payload: Payload) -> Any:
+        """Build the wire request ahead of its due time (so sending is cheap)."""
+
+    def submit(self, prepared: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GrpcTransport(Transport):
+    name = "grpc"
+
+    def _stub(self):
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        if not hasattr(self, "_channel"):
+            opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            self._channel = grpc.insecure_channel(self.url, options=opts)
+            self._grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._grpc_stub
+
+    def model_info(self) -> ModelInfo:
+        import grpc
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2
+
+        stub = self._stub()
+        try:
+            if not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=self.timeout_s).ready:
+                raise ServerError(f"tritonserver at {self.url} is up but not ready; wait for it (rtk serve waits) and retry")
+            if not stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=self.timeout_s).ready:
+                raise UsageError(f"model '{self.model}' is not ready on {self.url}; check slo.model / slo.endpoint and the server log")
+            cfg = stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model), timeout=self.timeout_s).config
+        except grpc.RpcError as exc:
+            raise ServerError(f"cannot reach tritonserver over gRPC at {self.url}: {exc.code().name} {exc.details()}. Is it running (rtk serve)?") from None
+        d = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+        self.info = _info_from_config(d, self.model, self.interface)
+        self.info.check()
+        return self.info
+
+    def prepare(self, rid: str, p: Payload):
+        from tritonclient.grpc import service_pb2
+        from tritonclient.utils import serialize_byte_tensor
+
+        info = self.info
+        batched = info.max_batch_size > 0
+        req = service_pb2.ModelInferRequest(model_name=self.model, id=rid)
+
+        def add(name, datatype, arr):
+            if batched:
+                arr = arr[np.newaxis, ...]
+            req.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            raw = serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes()
+            req.raw_input_contents.append(raw)
+
+        n = np.array([p.output_tokens], dtype=np.int32)
+        if info.interface == "ensemble":
+            add("text_input", "BYTES", np.array([p.text.encode()], dtype=np.object_))
+            add("max_tokens", "INT32", n)
+            if "stream" in info.inputs:
+                add("stream", "BOOL", np.array([True]))
+        else:
+            add("input_ids", "INT32", np.asarray(p.ids, dtype=np.int32))
+            add("input_lengths", "INT32", np.array([len(p.ids)], dtype=np.int32))
+            add("request_output_len", "INT32", n)
+            if "streaming" in info.inputs:
+                add("streaming", "BOOL", np.array([True]))
+        if "min_tokens" in info.inputs:
+            add("min_tokens", "INT32", n)
+        if info.stamps:
+            add("return_perf_metrics", "BOOL", np.array([True]))
+        for out in [INTERFACES[info.interface]["output"], *info.stamps]:
+            req.outputs.add(name=out)
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+        return req
+
+    def open(self, on_response: OnResponse, on_error: OnError) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = self._stub().ModelStreamInfer(iter(self._queue.get, None))
+        self._reader = threading.Thread(target=self._read, args=(on_response, on_error), name="rtk-slo-grpc", daemon=True)
+        self._reader.start()
+
+    def _read(self, on_response: OnResponse, on_error: OnError) -> None:
+        import grpc
+
+        try:
+            for msg in self._call:
+                t = now_ns()
+                resp = msg.infer_response
+                if msg.error_message:
+                    on_error(resp.id or None, t, msg.error_message)
+                    continue
+                p = resp.parameters
+                on_response(resp.id, t, resp, "triton_final_response" in p and p["triton_final_response"].bool_param)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                on_error(None, now_ns(), f"gRPC stream broke: {exc.code().name} {exc.details()}")
+
+    def submit(self, prepared) -> None:
+        self._queue.put(prepared)
+
+    def close(self) -> None:
+        if hasattr(self, "_call"):
+            self._call.cancel()
+            self._queue.put(None)
+            self._reader.join(timeout=10)
+            del self._call
+        if hasattr(self, "_channel"):
+            self._channel.close()
+            del self._channel
+
+
+class HttpTransport(Transport):
+    name = "http"
+
+    def __init__(self, url: str, model: str, interface: str, timeout_s: float = 10.0):
+        url = url if url.startswith(("http://", "https://")) else f"http://{url}"
+        super().__init__(url.rstrip("/"), model, interface, timeout_s)
+
+    def model_info(self) -> ModelInfo:
+        def get(path):
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+            except (urllib.error.URLError, OSError) as exc:
+                raise ServerError(f"cannot reach tritonserver over HTTP at {self.url}: {getattr(exc, 'reason', exc)}. Is it running (rtk serve)?") from None
+
+        status, _ = get("/v2/health/ready")
+        if status != 200:
+            raise ServerError(f"tritonserver at {self.url} is not ready (HTTP {status}); wait for it and retry")
+        status, _ = get(f"/v2/models/{self.model}/ready")
+        if status != 200:
+            raise UsageError(f"model '{self.model}' is not ready on {self.url} (HTTP {status}); check slo.model / slo.endpoint")
+        status, body = get(f"/v2/models/{self.model}/config")
+        self.info = _info_from_config(json.loads(body), self.model, self.interface)
+        self.info.check()
+        return self.info
+
+    def prepare(self, rid: str, p: Payload) -> tuple[str, bytes]:
+        info = self.info
+        body: dict[str, Any] = {}
+        if info.interface == "ensemble":
+            body.update(text_input=p.text, max_tokens=p.output_tokens)
+            if "stream" in info.inputs:
+                body["stream"] = True
+        else:
+            body.update(input_ids=list(p.ids), input_lengths=len(p.ids), request_output_len=p.output_tokens)
+            if "streaming" in info.inputs:
+                body["streaming"] = True
+        if "min_tokens" in info.inputs:
+            body["min_tokens"] = p.output_tokens
+        if info.stamps:
+            body["return_perf_metrics"] = True
+        return rid, json.dumps(body).encode()
+
+    def open(self, on_response: OnResponse, on_error: OnError) -> None:
+        self._on_response, self._on_error = on_response, on_error
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, args=(started,), name="rtk-slo-http", daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def _run_loop(self, started: threading.Event) -> None:
+        import aiohttp
+
+        asyncio.set_event_loop(self._loop)
+
+        async def make():
+            return aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s),
+            )
+
+        self._session = self._loop.run_until_complete(make())
+        self._tasks: set[asyncio.Task] = set()
+        started.set()
+        self._loop.run_forever()
+
+    def submit(self, prepared) -> None:
+        self._loop.call_soon_threadsafe(self._spawn, prepared)
+
+    def _spawn(self, prepared) -> None:
+        task = self._loop.create_task(self._one(*prepared))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _one(self, rid: str, body: bytes) -> None:
+        import aiohttp
+
+        url = f"{self.url}/v2/models/{self.model}/generate_stream"
+        try:
+            async with self._session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    self._on_error(rid, now_ns(), f"HTTP {resp.status}: {text.strip()[:500]}")
+                    return
+                async for line in resp.content:
+                    t = now_ns()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data.startswith(b'{"error"'):
+                        self._on_error(rid, t, json.loads(data).get("error", data.decode(errors="replace")))
+                        return
+                    self._on_response(rid, t, data, False)
+            self._on_response(rid, now_ns(), None, True)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            self._on_error(rid, now_ns(), f"HTTP stream failed: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if not hasattr(self, "_loop"):
+            return
+
+        async def shutdown():
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._session.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        del self._loop
+
+
+def make_transport(kind: str, url: str, model: str, interface: str) -> Transport:
+    if kind == "grpc":
+        return GrpcTransport(url.removeprefix("grpc://"), model, interface)
+    if kind == "http":
+        return HttpTransport(url, model, interface)
+    raise UsageError(f"unknown transport '{kind}'; use grpc or http (slo.transport)")

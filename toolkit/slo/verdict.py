@@ -1,0 +1,109 @@
+"""Objectives → PASS / FAIL / INCONCLUSIVE, with the exit code ``rtk slo`` ends with.
+
+* An objective is **inconclusive** when its statistic rests on too few samples: ``pq`` needs at
+  least ``1 / (1 − q)`` measured requests (p90: 10, p95: 20, p99: 100, p99.9: 1000), because with
+  fewer the "p99" is just the maximum of a small sample.  ``attainment ≥ a`` needs ``1 / (1 − a)``.
+* The whole run is **inconclusive** when the client could not keep its own schedule (its send lag
+  p99 over ``max_schedule_lag_ms``): the latencies then measure the client as much as the server.
+* Otherwise any objective that is not met makes it **FAIL**; all met is **PASS**.
+* With no ``error_rate`` objective, ``error_rate ≤ 0`` is implied: a gate never passes a run in
+  which requests failed unless the user said how many may fail.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..spec import Objective
+from .metrics import AGGREGATES, REQUEST_METRICS, QUANTILES, Summary
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 10, INCONCLUSIVE: 11}  # also documented in toolkit/cli.py and docs/slo.md
+
+
+def required_samples(obj: Objective) -> int:
+    if obj.stat in QUANTILES:
+        return math.ceil(1 / (1 - QUANTILES[obj.stat]) - 1e-9)
+    if obj.metric == "attainment" and obj.min is not None:
+        return 1000 if obj.min >= 0.999 else math.ceil(1 / (1 - obj.min) - 1e-9)
+    return 1
+
+
+def describe(obj: Objective) -> str:
+    unit = REQUEST_METRICS[obj.metric].unit if obj.metric in REQUEST_METRICS else AGGREGATES[obj.metric].unit
+    stat = f" {obj.stat}" if obj.stat != "value" else ""
+    op, bound = ("≤", obj.max) if obj.max is not None else ("≥", obj.min)
+    if unit == "fraction":
+        return f"{obj.metric}{stat} {op} {bound * 100:g} %"
+    return f"{obj.metric}{stat} {op} {bound:g} {unit}"
+
+
+@dataclass
+class ObjectiveResult:
+    objective: dict
+    label: str
+    observed: float | None
+    samples: int
+    required: int
+    status: str
+    message: str
+    implicit: bool = False
+
+
+@dataclass
+class Verdict:
+    status: str
+    exit_code: int
+    results: list[ObjectiveResult]
+    reasons: list[str] = field(default_factory=list)
+    schedule_ok: bool = True
+    schedule_message: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check(obj: Objective, summary: Summary, implicit: bool = False) -> ObjectiveResult:
+    label = describe(obj)
+    if obj.metric in REQUEST_METRICS:
+        dist = summary.distributions[obj.metric]
+        observed, samples = dist.stat(obj.stat), dist.requests
+    else:
+        observed, samples = summary.aggregates.get(obj.metric), summary.measured
+        if obj.metric in ("request_throughput", "output_token_throughput"):
+            samples = summary.succeeded
+    need = required_samples(obj)
+    base = dict(objective=obj.model_dump(), label=label, observed=observed, samples=samples, required=need, implicit=implicit)
+    if observed is None or samples < need:
+        why = f"{samples} measured request(s); {obj.stat if obj.stat != 'value' else obj.metric} needs at least {need}"
+        if observed is None and summary.failed and not summary.succeeded:
+            return ObjectiveResult(**base, status=FAIL, message=f"no request succeeded ({summary.failed} failed)")
+        return ObjectiveResult(**base, status=INCONCLUSIVE, message=why)
+    met = observed <= obj.max if obj.max is not None else observed >= obj.min
+    return ObjectiveResult(**base, status=PASS if met else FAIL, message=f"observed {observed:.4g}")
+
+
+def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool = True, schedule_message: str = "") -> Verdict:
+    checks = [(o, False) for o in objectives]
+    if not any(o.metric == "error_rate" for o in objectives):
+        checks.append((Objective(metric="error_rate", max=0.0), True))
+    results = [_check(o, summary, implicit) for o, implicit in checks]
+    reasons = []
+    if not objectives:
+        reasons.append("no objectives were given (spec slo.objectives, --objective or --objectives); nothing to pass")
+    if not schedule_ok:
+        reasons.append(f"the client could not keep the schedule: {schedule_message}")
+    statuses = {r.status for r in results}
+    if not schedule_ok or not objectives:
+        status = INCONCLUSIVE
+    elif FAIL in statuses:
+        status = FAIL
+    elif INCONCLUSIVE in statuses:
+        status = INCONCLUSIVE
+    else:
+        status = PASS
+    for r in results:
+        if r.status != PASS:
+            reasons.append(f"{r.label}: {r.status.lower()} ({r.message})")
+    return Verdict(status, EXIT_CODES[status], results, reasons, schedule_ok, schedule_message)
