@@ -15,7 +15,11 @@ a step, and the ensemble's outputs, may not take tensors that originate from dif
 models ("receives inputs originated from different decoupled models").  So nothing produced by
 ``preprocessing`` can reach ``postprocessing`` or the response directly: the cpu ``tensorrt_llm``
 model passes what is needed through (``dropped_turns``) and emits ``preceding_ids`` so that
-``postprocessing`` can detokenize incrementally without per-request state.
+``postprocessing`` can detokenize incrementally without per-request state.  And Triton 2.51 marks
+only the ensemble steps created *after* a client cancels as cancelled (triton-inference-server/core
+PR 263), never the running ``tensorrt_llm`` request: so ``tensorrt_llm`` also emits its
+``request_key``, and a ``postprocessing`` request that finds itself cancelled stops the engine
+request by that key (TensorRT-LLM's ``stop`` input).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ RTK_EXTENSIONS = {
     "tensorrt_llm.dropped_turns": "input passed through to the output of the same name (ensemble constraint, see module doc)",
     "tensorrt_llm.preceding_ids": "output: up to 8 token ids just before this response's output_ids (prompt tail for the first)",
     "postprocessing.PRECEDING_IDS": "optional input: lets postprocessing detokenize a stream correctly without state",
+    "tensorrt_llm.request_key / postprocessing.REQUEST_KEY": "the engine request's id: postprocessing stops it when the client cancels",
     "ensemble.dropped_turns / tensorrt_llm_bls.dropped_turns": "output: how many chat turns were dropped (0 when none)",
 }
 
@@ -140,7 +145,7 @@ def tensorrt_llm_outputs(*, rtk_extensions: bool) -> list[T]:
         T("num_output_tokens", "INT32", (1,)),
     ]
     if rtk_extensions:
-        out += [T("preceding_ids", "INT32", (-1,)), T("dropped_turns", "INT32", (1,))]
+        out += [T("preceding_ids", "INT32", (-1,)), T("dropped_turns", "INT32", (1,)), T("request_key", "STRING", (1,))]
     return out
 
 
@@ -231,11 +236,13 @@ def postprocessing(spec, s: RepoSettings):
         T("TOKENS_BATCH", "INT32", (-1, -1)),
         T("SEQUENCE_LENGTH", "INT32", (-1,)),
         T("PRECEDING_IDS", "INT32", (-1,), optional=True),
+        T("REQUEST_KEY", "STRING", (1,), optional=True),
     ], is_input=True)
     _add(cfg.output, [T("OUTPUT", "STRING", (-1,))], is_input=False)
-    _params(cfg, {"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": True})
+    _params(cfg, {"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": True, "tensorrt_llm_model_name": TENSORRT_LLM})
     _cpu_instances(cfg, spec.serving.postprocessing_instances)
-    cfg.dynamic_batching.SetInParent()
+    # No dynamic_batching: the dynamic batcher drops a cancelled request before the model sees it,
+    # and postprocessing must see it to stop the engine request (module doc; checked on 2.51).
     return cfg
 
 
@@ -295,14 +302,14 @@ def ensemble(spec, s: RepoSettings):
                **{n: n for n in PERF_OUTPUTS}, "num_input_tokens": "num_input_tokens", "num_output_tokens": "num_output_tokens"}
     if s.rtk_extensions:
         llm_in["dropped_turns"] = "_DROPPED_TURNS"
-        llm_out.update({"preceding_ids": "_PRECEDING_IDS", "dropped_turns": "dropped_turns"})
+        llm_out.update({"preceding_ids": "_PRECEDING_IDS", "dropped_turns": "dropped_turns", "request_key": "_REQUEST_KEY"})
     _map(llm, llm_in, inputs=True)
     _map(llm, llm_out, inputs=False)
 
     post = sched.step.add(model_name=POSTPROCESSING, model_version=-1)
     post_in = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"}
     if s.rtk_extensions:
-        post_in["PRECEDING_IDS"] = "_PRECEDING_IDS"
+        post_in.update(PRECEDING_IDS="_PRECEDING_IDS", REQUEST_KEY="_REQUEST_KEY")
     _map(post, post_in, inputs=True)
     _map(post, {"OUTPUT": "text_output"}, inputs=False)
     return cfg

@@ -66,7 +66,8 @@ def emit(
         "engine": engine_manifest.get("key"),
         "engine_dir": str(engine_dir.resolve()),
         "tokenizer": {f.name: sha256_file(f) for f in _tokenizer_files(tok_src)},
-        "model_sources": {p.name: sha256_file(p) for p in sorted(MODELS_SRC.glob("*.py"))},
+        # What renders the repository: configs, emitter and model sources.
+        "sources": {p.relative_to(MODELS_SRC.parent).as_posix(): sha256_file(p) for p in sorted(MODELS_SRC.parent.rglob("*.py"))},
     }
     tools = tool_versions("tritonclient", "protobuf", "transformers")
     key = stage_key("emit", section, inputs, tools)
@@ -96,6 +97,8 @@ def _tokenizer_files(d: Path) -> list[Path]:
 def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src: Path) -> list[str]:
     """Write every model of the repository into ``root``; returns the model names."""
     target = spec.build.target
+    if target == "llmapi":
+        return _write_llmapi(spec, root, engine_dir)
     tok_dir = root / TOKENIZER_IN_REPO
     tok_dir.mkdir(parents=True)
     for f in _tokenizer_files(tokenizer_src):
@@ -103,9 +106,6 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, local_files_only=True)
-
-    if target == "llmapi":
-        return _write_llmapi(spec, root, engine_dir)
 
     settings = C.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=(target == "cpu"))
     warm = spec.serving.warmup
@@ -124,12 +124,10 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
         if warm:
             _warm_tensorrt_llm(llm, root / C.TENSORRT_LLM, tokenizer, spec)
         _write_model(root, llm, "tensorrt_llm_cpu.py")
-    else:  # trt-engine: the C++ tensorrtllm backend, config from the GPU build module
+    else:  # trt-engine: the C++ tensorrtllm backend; its config and warm-up come from the GPU build module
         from ..build import trt_engine
 
-        llm = trt_engine.triton_model_config(spec, engine_dir)
-        _write_config(root, llm)
-        (root / C.TENSORRT_LLM / "1").mkdir(parents=True, exist_ok=True)
+        trt_engine.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
 
     _write_config(root, C.ensemble(spec, settings))
     (root / C.ENSEMBLE / "1").mkdir(parents=True, exist_ok=True)
@@ -138,15 +136,10 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
 
 
 def _write_llmapi(spec: Spec, root: Path, engine_dir: Path) -> list[str]:
+    """The llmapi target: one ``tensorrt_llm`` python model (text in, text out) with its model.yaml."""
     from ..build import llmapi
 
-    shutil.rmtree(root / C.PREPROCESSING)  # the llmapi model tokenizes itself
-    cfg = llmapi.triton_model_config(spec, engine_dir)
-    _write_config(root, cfg)
-    version = root / C.TENSORRT_LLM / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    for name, text in llmapi.model_files(spec, engine_dir).items():
-        (version / name).write_text(text)
+    llmapi.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
     return [C.TENSORRT_LLM]
 
 

@@ -6,6 +6,10 @@ Tensor names are those of TensorRT-LLM's ``inflight_batcher_llm/postprocessing``
 it, so a character split across tokens is emitted whole and a SentencePiece leading space is kept
 (rtk_text.decode_delta); no state is kept between requests, so any number of instances works.
 Without it, each chunk is decoded on its own, like TensorRT-LLM's model.
+
+Triton 2.51 does not tell a running decoupled step of an ensemble that the client cancelled; it
+marks the *next* step's request instead.  So a cancelled postprocessing request stops the engine
+request named by ``REQUEST_KEY`` (sent by the cpu ``tensorrt_llm``) with a ``stop`` request.
 """
 
 import json
@@ -27,10 +31,14 @@ class TritonPythonModel:
             path = os.path.normpath(os.path.join(args["model_repository"], "..", path))
         self.tokenizer = rtk_text.load_tokenizer(path)
         self.skip_special = p.get("skip_special_tokens", "true").lower() == "true"
+        self.llm = p.get("tensorrt_llm_model_name", "tensorrt_llm")
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                responses.append(self._cancelled(request))
+                continue
             tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
             prev = pb_utils.get_input_tensor_by_name(request, "PRECEDING_IDS")
@@ -45,3 +53,22 @@ class TritonPythonModel:
             out = np.array([texts], dtype=np.object_)  # [batch=1, beams]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
         return responses
+
+    def _cancelled(self, request):
+        """The client cancelled: stop the engine request this response came from (see the module doc)."""
+        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
+        if key is not None:
+            key = key.as_numpy().reshape(-1)[0]
+            stop = pb_utils.InferenceRequest(
+                model_name=self.llm, request_id=key.decode() if isinstance(key, bytes) else str(key),
+                requested_output_names=["output_ids"],
+                inputs=[
+                    pb_utils.Tensor("input_ids", np.zeros((1, 1), dtype=np.int32)),
+                    pb_utils.Tensor("input_lengths", np.ones((1, 1), dtype=np.int32)),
+                    pb_utils.Tensor("request_output_len", np.ones((1, 1), dtype=np.int32)),
+                    pb_utils.Tensor("stop", np.ones((1, 1), dtype=np.bool_)),
+                ],
+            )
+            for _ in stop.exec(decoupled=True):
+                pass
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))

@@ -7,9 +7,10 @@ Inputs and outputs are those of TensorRT-LLM's ``tensorrtllm`` backend (NVIDIA/T
 / ``temperature`` / ``seed``, ``stop_words_list``, ``stop``, ``exclude_input_in_output``,
 ``return_perf_metrics`` (the four ``*_time_ns``), ``return_num_input_tokens`` /
 ``return_num_output_tokens``; out come ``output_ids`` ``[beams, tokens]`` and ``sequence_length``.
+A ``stop`` request cancels the request with the same Triton request id (or rtk ``request_key``).
 Streaming responses carry only the new tokens; a non-streaming one carries the prompt too unless
 ``exclude_input_in_output``.  rtk adds ``preceding_ids`` and passes ``dropped_turns`` through
-(see toolkit/triton/config.py).
+and ``request_key`` (see toolkit/triton/config.py).
 
 The model is decoupled: ``execute`` hands every request to one :class:`BackgroundEngine` and
 returns at once, so requests from any number of Triton calls share the engine's in-flight batch;
@@ -93,6 +94,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.streams = {}  # engine request id -> _Stream
         self.closing = threading.Event()
+        self._init_metrics(args)
         self.watcher = threading.Thread(target=self._watch, name="rtk-cancel-watch", daemon=True)
         self.watcher.start()
 
@@ -210,7 +212,7 @@ class TritonPythonModel:
         if not triton_id:
             return
         with self.lock:
-            targets = [s.engine_id for s in self.streams.values() if s.triton_id == triton_id]
+            targets = [s.engine_id for s in self.streams.values() if triton_id in (s.triton_id, s.engine_id)]
         for engine_id in targets:
             self.background.cancel(engine_id)
 
@@ -270,6 +272,7 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(s.prompt)]], dtype=np.int32)))
         if s.want_out:
             out.append(pb_utils.Tensor("num_output_tokens", np.array([[len(s.generated)]], dtype=np.int32)))
+        out.append(pb_utils.Tensor("request_key", np.array([[s.engine_id.encode()]], dtype=np.object_)))
         if s.dropped is not None:
             out.append(pb_utils.Tensor("dropped_turns", np.array([[s.dropped]], dtype=np.int32)))
         return pb_utils.InferenceResponse(out)
@@ -302,10 +305,41 @@ class TritonPythonModel:
             s.final_response = response
             s.finished_event.set()
 
+    # -- metrics ------------------------------------------------------------------------------
+    def _init_metrics(self, args):
+        """KV-cache and request gauges on Triton's /metrics, named as TensorRT-LLM's backend names them
+        (``nv_trt_llm_kv_cache_block_metrics``, ``nv_trt_llm_request_metrics``), per instance."""
+        base = {"model": args["model_name"], "version": args["model_version"], "instance": args["model_instance_name"]}
+        kv = pb_utils.MetricFamily(
+            name="nv_trt_llm_kv_cache_block_metrics", description="KV cache blocks of rtk's CPU engine",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        req = pb_utils.MetricFamily(
+            name="nv_trt_llm_request_metrics", description="requests in rtk's CPU engine", kind=pb_utils.MetricFamily.GAUGE
+        )
+        self.metric_families = (kv, req)  # keep them alive
+        self.kv_gauges = {t: kv.Metric(labels={**base, "kv_cache_block_type": t}) for t in ("max", "free", "used", "tokens_per")}
+        self.req_gauges = {t: req.Metric(labels={**base, "request_type": t}) for t in ("active", "max", "scheduled", "waiting")}
+        self.kv_gauges["tokens_per"].set(self.config.tokens_per_block)
+        self.req_gauges["max"].set(self.config.max_batch_size)
+
+    def _update_metrics(self, active):
+        stats = self.engine.kv_stats()
+        self.kv_gauges["max"].set(stats["blocks_total"])
+        self.kv_gauges["free"].set(stats["blocks_free"])
+        self.kv_gauges["used"].set(stats["blocks_used"])
+        self.req_gauges["active"].set(active)
+        self.req_gauges["scheduled"].set(stats.get("running", 0))
+        self.req_gauges["waiting"].set(stats.get("waiting", 0))
+
     # -- cancellation and queue timeouts ----------------------------------------------------
     def _watch(self):
         """Cancel requests whose client cancelled, and queued requests past the queue timeout."""
         while not self.closing.wait(self.check_period):
+            try:
+                self._update_metrics(len(self.streams))
+            except Exception:  # a torn read of the engine's counters; the next period fixes it
+                pass
             with self.lock:
                 streams = list(self.streams.values())
             now = time.time_ns()

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import set_option
+
+
+@click.command("serve")
+@click.argument("source", metavar="SPEC|REPOSITORY", type=click.Path(exists=True, path_type=Path))
+@set_option
+@click.option("--host", default=None, help="Address to bind (default: serving.host, 127.0.0.1).")
+@click.option("--http-port", type=int, default=None, help="Default: serving.http_port (8000).")
+@click.option("--grpc-port", type=int, default=None, help="Default: serving.grpc_port (8001).")
+@click.option("--metrics-port", type=int, default=None, help="Default: serving.metrics_port (8002).")
+@click.option("--detach", is_flag=True, help="Start in the background and return once ready; stop with --stop.")
+@click.option("--stop", "stop_", is_flag=True, help="Stop the background server of SPEC|REPOSITORY.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the models to be ready and warm.")
+def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout):
+    """Serve an emitted repository with tritonserver until Ctrl-C (or in the background with --detach)."""
+    from ..triton import serve as S
+
+    if stop_:
+        state = S.stop(source, overrides)
+        click.echo(f"stopped tritonserver (pid {state.pid})" if state else "no background tritonserver was running")
+        return
+    ports = dict(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout)
+
+    def ready(server):
+        click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  (Ctrl-C stops)")
+
+    state = S.serve(source, overrides=overrides, detach=detach, on_ready=ready, **ports)
+    if detach:
+        click.echo(f"ready in the background (pid {state.pid}): HTTP {state.http_url}  gRPC {state.grpc_url}; "
+                   f"log {state.log_path}; stop with: rtk serve --stop {source}")
