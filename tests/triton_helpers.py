@@ -111,6 +111,7 @@ class TritonPythonModel:
         self.serial = params.get("serial", "0") == "1"
         self.stall_at = int(params.get("stall_at_request", "-1"))
         self.stall_s = float(params.get("stall_ms", "0")) / 1e3
+        self.fail_every = int(params.get("fail_every", "0"))
         self.count = 0
         self.lock = threading.Lock()
         self.work = queue.Queue()
@@ -148,6 +149,8 @@ class TritonPythonModel:
                 stream = bool(_opt(request, "streaming", False))
                 prompt_len = int(_opt(request, "input_lengths", 0))
             perf = bool(_opt(request, "return_perf_metrics", False))
+            if self.fail_every and index % self.fail_every == self.fail_every - 1:
+                raise RuntimeError(f"request {index} fails on purpose (fail_every={self.fail_every})")
             if index == self.stall_at:
                 time.sleep(self.stall_s)
             start = time.perf_counter()
@@ -204,6 +207,7 @@ def write_fake_llm(
     serial: bool = False,
     stall_at_request: int = -1,
     stall_ms: float = 0.0,
+    fail_every: int = 0,
     max_batch_size: int = 8,
 ) -> Path:
     """A decoupled fake LLM with the ensemble or tensorrt_llm tensor interface.
@@ -211,6 +215,7 @@ def write_fake_llm(
     Token i of a request is sent at ``start + ttft_ms + i * itl_ms`` (absolute deadlines, so delays
     do not accumulate).  ``serial``: one request at a time, in arrival order; request number
     ``stall_at_request`` (0-based, counting every request the model sees) first sleeps ``stall_ms``.
+    ``fail_every``: every n-th request gets an error response instead of tokens.
     """
     if interface == "ensemble":
         inputs = [("text_input", "STRING", [1]), ("max_tokens", "INT32", [1]), ("stream", "BOOL", [1], True),
@@ -223,7 +228,7 @@ def write_fake_llm(
     else:
         raise ValueError(interface)
     params = dict(interface=interface, ttft_ms=ttft_ms, itl_ms=itl_ms, serial="1" if serial else "0",
-                  stall_at_request=stall_at_request, stall_ms=stall_ms)
+                  stall_at_request=stall_at_request, stall_ms=stall_ms, fail_every=fail_every)
     cfg = model_config_text(name, inputs, outputs, max_batch_size=max_batch_size, decoupled=True, parameters=params)
     return write_python_model(repo, name, FAKE_LLM_MODEL_PY, cfg)
 
