@@ -1,0 +1,106 @@
+"""The cpu build stage and `rtk build`'s pipeline (fetch → quantize → build → emit) on the tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+
+import pytest
+from click.testing import CliRunner
+
+from toolkit.artifacts import read_manifest
+from toolkit.build import build
+from toolkit.build.cpu import ENGINE_CONFIG, load_engine
+from toolkit.errors import SourceError
+from toolkit.runtime.engine import EngineConfig, GenerationRequest
+
+from conftest import spec_for
+
+BUILD = {"max_batch_size": 4, "max_input_len": 200, "max_seq_len": 256, "max_num_tokens": 64, "tokens_per_block": 16}
+
+
+@pytest.fixture()
+def quantized_dir(tmp_path, tiny_llama_dir):
+    """A quantize-stage-shaped directory: hf/ holding an (unquantized) HF checkpoint."""
+    d = tmp_path / "quantized"
+    shutil.copytree(tiny_llama_dir, d / "hf")
+    return d
+
+
+def test_cpu_build_writes_engine_config_and_checkpoint_with_manifest(tmp_path, tiny_llama_dir, quantized_dir):
+    spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
+    out = tmp_path / "engine"
+    first = build(spec, quantized_dir, out)
+    assert not first.skipped
+    assert json.loads((out / ENGINE_CONFIG).read_text()) == asdict(EngineConfig.from_build(spec.build))
+    m = read_manifest(out)
+    assert m["complete"] and m["target"] == "cpu" and m["spec"] == spec.build.model_dump()
+    assert m["model"]["architecture"] == "LlamaForCausalLM" and m["model"]["quant_algo"] is None
+    for f in (quantized_dir / "hf").iterdir():  # linked, not re-encoded
+        assert (out / "hf" / f.name).read_bytes() == f.read_bytes()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    assert build(spec, quantized_dir, out).skipped
+    changed = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "max_batch_size": 2})
+    again = build(changed, quantized_dir, out)
+    assert not again.skipped and json.loads((out / ENGINE_CONFIG).read_text())["max_batch_size"] == 2
+
+
+def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path, tiny_llama_dir, quantized_dir):
+    spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
+    out = build(spec, quantized_dir, tmp_path / "engine").path
+    from toolkit.runtime.engine import Engine
+
+    req = dict(prompt_ids=[1, 5, 42, 7, 99], max_new_tokens=6, end_id=-1)
+    built = load_engine(out).generate(GenerationRequest(**req))
+    direct = Engine(tiny_llama_dir, EngineConfig.from_build(spec.build)).generate(GenerationRequest(**req))
+    assert built == direct and len(built) == 6
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path, tiny_llama_dir, quantized_dir):
+    spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
+    with pytest.raises(SourceError, match="rtk quantize"):
+        build(spec, tmp_path / "nowhere", tmp_path / "engine")
+    (quantized_dir / "hf" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(Exception):
+        build(spec, quantized_dir, tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".engine")]
+
+
+@pytest.mark.slow
+def test_rtk_build_runs_every_stage_once_then_skips_them(tmp_path, tiny_llama_dir, monkeypatch):
+    """`rtk build SPEC`: four stages, then all cached; a serving change redoes only the emit stage."""
+    from toolkit.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    spec_path = tmp_path / "tiny.yaml"
+
+    def write_spec(max_queue_size):
+        spec_path.write_text(json.dumps({
+            "name": "tiny", "model": {"source": str(tiny_llama_dir)},
+            "quantization": {"format": "none", "eval_samples": 2},
+            "build": BUILD, "serving": {"max_queue_size": max_queue_size},
+        }))
+
+    write_spec(8)
+    runner = CliRunner()
+    first = runner.invoke(cli, ["build", str(spec_path)])
+    assert first.exit_code == 0, first.output
+    assert "repository: triton_repo/tiny" in first.output
+    repo = tmp_path / "triton_repo/tiny"
+    stamps = {d: read_manifest(tmp_path / "engines/tiny" / d)["created_unix"] for d in ("checkpoint", "quantized", "engine")}
+    emitted = read_manifest(repo)["created_unix"]
+    assert (repo / "ensemble/1").is_dir() and (repo / "tensorrt_llm/config.pbtxt").is_file()
+
+    write_spec(9)
+    second = runner.invoke(cli, ["build", str(spec_path)])
+    assert second.exit_code == 0, second.output
+    assert {d: read_manifest(tmp_path / "engines/tiny" / d)["created_unix"] for d in stamps} == stamps
+    assert read_manifest(repo)["created_unix"] > emitted
+    assert "max_queue_size: 9" in (repo / "tensorrt_llm/config.pbtxt").read_text()
+
+    bad = runner.invoke(cli, ["build", str(spec_path), "--force", "link"])
+    assert bad.exit_code == 2 and "not a stage" in bad.output
+    leftovers = [p for d in (tmp_path / "engines/tiny", tmp_path / "triton_repo") for p in d.iterdir() if p.name.startswith(".")]
+    assert leftovers == []

@@ -1,0 +1,280 @@
+"""The emitted repository's configs and the text handling its python models share (no server).
+
+Configs are checked the way Triton reads them: ``config.pbtxt`` text parsed through tritonclient's
+ModelConfig schema.  The ``tensorrt_llm`` tensor interface is compared with TensorRT-LLM 1.2.1's own
+template (tests/data/trtllm_1_2_1_triton_models.json, recorded by the GPU tests from upstream), and
+the ensemble's wiring is checked against the configs of the models it calls.  Detokenization is
+checked against the tokenizer's own decoding of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from toolkit.triton import config as C
+from toolkit.triton.emit import TOKENIZER_IN_REPO, write_repository
+
+from conftest import spec_for
+
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = json.loads((ROOT / "tests/data/trtllm_1_2_1_triton_models.json").read_text())
+
+sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
+import rtk_text  # noqa: E402  (the file the emitter copies next to each model.py)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir):
+    return rtk_text.load_tokenizer(str(smollm2_tokenizer_dir))
+
+
+def read_repo(root: Path) -> dict[str, mc.ModelConfig]:
+    out = {}
+    for cfg in sorted(root.glob("*/config.pbtxt")):
+        text = cfg.read_text()
+        assert "${" not in text
+        out[cfg.parent.name] = C.parse(text)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_repo(tmp_path_factory, tiny_llama_dir):
+    spec = spec_for("cfg", tiny_llama_dir, quantization={"format": "none"},
+                    build={"max_batch_size": 6, "max_input_len": 300, "max_seq_len": 512, "max_num_tokens": 128},
+                    serving={"max_queue_size": 5, "queue_timeout_ms": 2000, "instance_count": 2, "context_policy": "reject"})
+    root = tmp_path_factory.mktemp("repo")
+    engine = tmp_path_factory.mktemp("engine")
+    models = write_repository(spec, root, engine_dir=engine, tokenizer_src=tiny_llama_dir)
+    return spec, root, engine, models
+
+
+def test_cpu_repository_has_the_inflight_batcher_layout(cpu_repo):
+    spec, root, _, models = cpu_repo
+    assert models == ["preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"]
+    configs = read_repo(root)
+    assert sorted(configs) == sorted(models)
+    assert (root / "ensemble/1").is_dir() and not any((root / "ensemble/1").iterdir())
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):
+        assert (root / name / "1/model.py").is_file() and (root / name / "1/rtk_text.py").is_file()
+    assert (root / TOKENIZER_IN_REPO / "tokenizer.json").is_file()
+
+
+def test_cpu_tensorrt_llm_config_names_the_spec_values(cpu_repo):
+    spec, root, engine, _ = cpu_repo
+    cfg = read_repo(root)["tensorrt_llm"]
+    assert cfg.backend == "python" and cfg.max_batch_size == 6
+    assert cfg.model_transaction_policy.decoupled is True
+    assert cfg.parameters["engine_dir"].string_value == str(engine)
+    assert cfg.instance_group[0].count == 2 and cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    qp = cfg.dynamic_batching.default_queue_policy
+    assert qp.max_queue_size == 5 and qp.default_timeout_microseconds == 2_000_000
+    assert qp.timeout_action == mc.ModelQueuePolicy.REJECT
+    warm = cfg.model_warmup[0]
+    assert set(warm.inputs) == {"input_ids", "input_lengths", "request_output_len"}
+    for name, w in warm.inputs.items():
+        data = (root / "tensorrt_llm/warmup" / w.input_data_file).read_bytes()
+        assert len(data) == 4 * int(np.prod(w.dims)), name  # INT32 values, as many as the dims say
+    ids = np.frombuffer((root / "tensorrt_llm/warmup/input_ids").read_bytes(), dtype="<i4")
+    assert 0 < ids.size <= spec.build.max_input_len
+    pre = read_repo(root)["preprocessing"]
+    assert pre.parameters["context_policy"].string_value == "reject"
+    assert pre.parameters["max_input_len"].string_value == "300"
+
+
+def test_unbounded_queue_has_no_queue_policy(tiny_llama_dir, tmp_path):
+    # Any default_queue_policy can stall tritonserver 2.51's batcher ~500 ms (reference §4.2).
+    spec = spec_for("q", tiny_llama_dir, quantization={"format": "none"}, serving={"max_queue_size": 0})
+    cfg = C.tensorrt_llm_cpu(spec, C.RepoSettings(tokenizer_dir="t", engine_dir="/e"))
+    assert cfg.HasField("dynamic_batching") and not cfg.dynamic_batching.HasField("default_queue_policy")
+
+
+def test_cpu_tensorrt_llm_tensors_match_the_cpp_backend(cpu_repo):
+    """Every tensor the cpu model declares exists in TensorRT-LLM's template with the same type and shape."""
+    cfg = read_repo(cpu_repo[1])["tensorrt_llm"]
+    ours_in = {t.name: [mc.DataType.Name(t.data_type), list(t.dims)] for t in cfg.input}
+    ours_out = {t.name: [mc.DataType.Name(t.data_type), list(t.dims)] for t in cfg.output}
+    extensions = {"dropped_turns", "preceding_ids", "request_key"}
+    for name, typed in ours_in.items():
+        if name not in extensions:
+            assert UPSTREAM["cpp"]["inputs"][name] == typed, name
+    for name, typed in ours_out.items():
+        if name not in extensions:
+            assert UPSTREAM["cpp"]["outputs"][name] == typed, name
+    required = {t.name for t in cfg.input if not t.optional}
+    assert required == set(UPSTREAM["cpp"]["required_inputs"]) | {"input_ids"}
+    for must in ("streaming", "stop", "stop_words_list", "end_id", "runtime_top_k", "runtime_top_p", "temperature",
+                 "seed", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens"):
+        assert must in ours_in
+    for must in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                 "num_input_tokens", "num_output_tokens"):
+        assert must in ours_out
+
+
+# Tensor names of TensorRT-LLM's inflight_batcher_llm ensemble / pre / post templates
+# (reference/tensorrt-llm-and-triton.md §5; NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm).
+UPSTREAM_ENSEMBLE_IO = {
+    "ensemble": ({"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "bad_words": "TYPE_STRING", "stop_words": "TYPE_STRING",
+                  "end_id": "TYPE_INT32", "pad_id": "TYPE_INT32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
+                  "temperature": "TYPE_FP32", "seed": "TYPE_UINT64", "stream": "TYPE_BOOL", "exclude_input_in_output": "TYPE_BOOL",
+                  "return_perf_metrics": "TYPE_BOOL", "return_num_input_tokens": "TYPE_BOOL", "return_num_output_tokens": "TYPE_BOOL"},
+                 {"text_output": "TYPE_STRING", "arrival_time_ns": "TYPE_INT64", "first_token_time_ns": "TYPE_INT64",
+                  "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32"}),
+    "preprocessing": ({"QUERY": "TYPE_STRING", "REQUEST_OUTPUT_LEN": "TYPE_INT32", "BAD_WORDS_DICT": "TYPE_STRING",
+                       "STOP_WORDS_DICT": "TYPE_STRING", "END_ID": "TYPE_INT32", "PAD_ID": "TYPE_INT32"},
+                      {"INPUT_ID": "TYPE_INT32", "REQUEST_INPUT_LEN": "TYPE_INT32", "BAD_WORDS_IDS": "TYPE_INT32",
+                       "STOP_WORDS_IDS": "TYPE_INT32", "REQUEST_OUTPUT_LEN": "TYPE_INT32", "OUT_END_ID": "TYPE_INT32", "OUT_PAD_ID": "TYPE_INT32"}),
+    "postprocessing": ({"TOKENS_BATCH": "TYPE_INT32", "SEQUENCE_LENGTH": "TYPE_INT32"}, {"OUTPUT": "TYPE_STRING"}),
+}
+
+
+def test_client_facing_tensor_names_are_upstream_ones(cpu_repo):
+    configs = read_repo(cpu_repo[1])
+    for model, (inputs, outputs) in UPSTREAM_ENSEMBLE_IO.items():
+        have_in = {t.name: mc.DataType.Name(t.data_type) for t in configs[model].input}
+        have_out = {t.name: mc.DataType.Name(t.data_type) for t in configs[model].output}
+        assert inputs.items() <= have_in.items(), model
+        assert outputs.items() <= have_out.items(), model
+    bls_in = {t.name for t in configs["tensorrt_llm_bls"].input}
+    assert set(UPSTREAM_ENSEMBLE_IO["ensemble"][0]) <= bls_in
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+
+
+def test_ensemble_steps_wire_existing_tensors_of_matching_types(cpu_repo):
+    """Every step maps to inputs/outputs its model declares, with the ensemble tensor's type."""
+    configs = read_repo(cpu_repo[1])
+    ens = configs["ensemble"]
+    types = {t.name: t.data_type for t in ens.input}
+    produced = set(types)
+    for step in ens.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        m_in = {t.name: t for t in model.input}
+        m_out = {t.name: t for t in model.output}
+        for model_input, tensor in step.input_map.items():
+            assert model_input in m_in, (step.model_name, model_input)
+            assert tensor in produced, f"{tensor} is used by {step.model_name} before any step makes it"
+            assert types[tensor] == m_in[model_input].data_type, (step.model_name, model_input)
+        for model_output, tensor in step.output_map.items():
+            assert model_output in m_out, (step.model_name, model_output)
+            types[tensor] = m_out[model_output].data_type
+            produced.add(tensor)
+        required = {t.name for t in model.input if not t.optional}
+        assert required <= set(step.input_map), step.model_name
+    for out in ens.output:
+        assert out.name in produced and types[out.name] == out.data_type
+    # Everything preprocessing makes for the response travels through tensorrt_llm (decoupled-origin rule).
+    post_inputs = set(ens.ensemble_scheduling.step[2].input_map.values())
+    assert post_inputs <= set(ens.ensemble_scheduling.step[1].output_map.values())
+
+
+def test_trt_engine_repository_config_parses_and_names_the_spec(tiny_llama_dir, tmp_path):
+    """The trt-engine target's repository: the C++ backend config (from toolkit/build/trt_engine.py) with
+    the spec's values, and an ensemble without the cpu model's extensions."""
+    spec = spec_for("trt", tiny_llama_dir, build={"target": "trt-engine", "max_batch_size": 16, "kv_cache_free_gpu_mem_fraction": 0.75,
+                                                  "enable_kv_cache_reuse": False, "enable_chunked_context": True},
+                    serving={"batching_strategy": "inflight_batching", "batch_scheduler_policy": "max_utilization",
+                             "max_queue_size": 7, "instance_count": 1})
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    write_repository(spec, tmp_path / "repo", engine_dir=engine, tokenizer_src=tiny_llama_dir)
+    configs = read_repo(tmp_path / "repo")
+    llm = configs["tensorrt_llm"]
+    p = {k: v.string_value for k, v in llm.parameters.items()}
+    assert llm.backend == "tensorrtllm" and llm.max_batch_size == 16 and llm.model_transaction_policy.decoupled
+    assert p["gpt_model_path"] == str(engine) and p["gpt_model_type"] == "inflight_batching"
+    assert p["kv_cache_free_gpu_mem_fraction"] == "0.75" and p["enable_kv_cache_reuse"] == "false"
+    assert p["enable_chunked_context"] == "true" and p["batch_scheduler_policy"] == "max_utilization"
+    assert llm.dynamic_batching.default_queue_policy.max_queue_size == 7
+    ens = configs["ensemble"]
+    llm_step = ens.ensemble_scheduling.step[1]
+    assert "dropped_turns" not in llm_step.input_map and "preceding_ids" not in llm_step.output_map
+    assert {t.name for t in ens.output} >= {"text_output", "first_token_time_ns"}
+    assert "dropped_turns" not in {t.name for t in ens.output}
+
+
+# -- text handling ------------------------------------------------------------------------------
+
+MULTIBYTE = "Paris is nice 🙂 and 東京 has café, ñandú and naïve ümlauts; €5 ≈ 5.4$."
+
+
+def test_streamed_chunks_join_to_the_full_decoding_with_whole_characters(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
+    singles = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in s for s in singles), "the text should split some character across tokens"
+    chunks = [rtk_text.decode_delta(tokenizer, ids[max(0, k - rtk_text.PRECEDING_WINDOW):k], ids[k:k + 1]) for k in range(len(ids))]
+    assert "".join(chunks) == tokenizer.decode(ids) == MULTIBYTE
+    assert all("\ufffd" not in c for c in chunks)
+    for c in chunks:
+        c.encode("utf-8")  # each chunk is valid text on its own
+
+
+def test_decode_delta_of_several_tokens_and_of_a_prompt_tail(tokenizer):
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    answer = tokenizer.encode(" Paris, 東京", add_special_tokens=False)
+    assert rtk_text.decode_delta(tokenizer, prompt[-8:], answer) == " Paris, 東京"
+    assert rtk_text.decode_delta(tokenizer, prompt, []) == ""
+
+
+def test_chat_is_rendered_with_the_template_and_plain_text_is_not(tokenizer):
+    chat = json.dumps([{"role": "user", "content": "What is the capital of France?"}])
+    ids, dropped = rtk_text.encode_prompt(tokenizer, chat, window=512, policy="reject")
+    text = tokenizer.decode(ids)
+    assert dropped == 0
+    assert text == tokenizer.apply_chat_template(json.loads(chat), tokenize=False, add_generation_prompt=True)
+    plain, _ = rtk_text.encode_prompt(tokenizer, "What is the capital of France?", window=512, policy="reject")
+    assert tokenizer.decode(plain) == "What is the capital of France?"
+    assert rtk_text.parse_query('{"messages": [{"role": "user", "content": "hi"}]}') == [{"role": "user", "content": "hi"}]
+    assert rtk_text.parse_query("[1, 2] is a list") is None
+
+
+def conversation(turns: int) -> list[dict]:
+    msgs = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns):
+        msgs += [{"role": "user", "content": f"Question {i}: " + "tell me more " * 20},
+                 {"role": "assistant", "content": f"Answer {i}: " + "here is more " * 20}]
+    return msgs + [{"role": "user", "content": "And finally, what is the capital of France?"}]
+
+
+def test_truncate_oldest_keeps_the_system_prompt_and_the_newest_turns(tokenizer):
+    msgs = conversation(6)
+    full = len(tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+    window = full // 2
+    ids, dropped = rtk_text.encode_prompt(tokenizer, json.dumps(msgs), window=window, policy="truncate_oldest")
+    assert len(ids) <= window and 1 <= dropped < 6
+    text = tokenizer.decode(ids)
+    assert "You are terse." in text and "what is the capital of France?" in text
+    assert "Question 0:" not in text and f"Answer {5}:" in text
+    # exactly the oldest `dropped` turns went: one more turn would have fitted otherwise
+    kept = [msgs[0]] + msgs[1 + 2 * dropped:]
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(kept, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    longer = [msgs[0]] + msgs[1 + 2 * (dropped - 1):]
+    assert len(tokenizer.encode(tokenizer.apply_chat_template(longer, tokenize=False, add_generation_prompt=True), add_special_tokens=False)) > window
+
+
+def test_reject_policy_and_impossible_prompts_get_clear_errors(tokenizer):
+    msgs = json.dumps(conversation(6))
+    with pytest.raises(rtk_text.PromptError, match="serving.context_policy: truncate_oldest"):
+        rtk_text.encode_prompt(tokenizer, msgs, window=100, policy="reject")
+    with pytest.raises(rtk_text.PromptError, match="newest message"):
+        rtk_text.encode_prompt(tokenizer, msgs, window=10, policy="truncate_oldest")
+    with pytest.raises(rtk_text.PromptError, match="text_input is empty"):
+        rtk_text.encode_prompt(tokenizer, "  ", window=100, policy="reject")
+    with pytest.raises(rtk_text.PromptError, match="over the engine limit"):
+        rtk_text.prompt_window(1024, 2048, 5000)
+    with pytest.raises(rtk_text.PromptError, match="last chat message"):
+        rtk_text.parse_query('[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]')
+    assert rtk_text.prompt_window(1024, 2048, 1500) == 548
+
+
+def test_word_lists_round_trip_in_tensorrt_llm_format(tokenizer):
+    arr = rtk_text.word_list(tokenizer, [["Paris", " France", ""]])
+    assert arr.shape[:2] == (1, 2) and arr.dtype == np.int32
+    words = rtk_text.parse_word_list(arr[0])
+    assert words == [tokenizer.encode("Paris", add_special_tokens=False), tokenizer.encode(" France", add_special_tokens=False)]
+    empty = rtk_text.word_list(tokenizer, [[]])
+    assert empty.tolist() == [[[0], [-1]]] and rtk_text.parse_word_list(empty[0]) == []
