@@ -92,6 +92,8 @@ def make_server(t: ServeTarget, *, host: str | None = None, http_port: int | Non
         http_port=http_port or s.get("http_port", 8000), grpc_port=grpc_port or s.get("grpc_port", 8001),
         metrics_port=metrics_port or s.get("metrics_port", 8002), tritonserver=s.get("tritonserver"),
         ready_timeout_s=ready_timeout_s,
+        # rtk writes complete configs; skipping auto-complete saves a stub start per python model.
+        extra_args=["--disable-auto-complete-config"],
     )
     if t.world_size > 1 and t.spec is not None:
         _use_mpirun(server, t)
