@@ -117,7 +117,8 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
     check_against_model(spec, config)
     group_size = resolve_group_size(spec, int(config["hidden_size"]), int(config["intermediate_size"]))
     src_manifest = read_manifest(checkpoint) or {"files": hash_tree(checkpoint)}
-    section = {**spec.quantization.model_dump(), "resolved_group_size": group_size, "model_dtype": spec.model.dtype}
+    section = {**spec.quantization.model_dump(), "resolved_group_size": group_size, "model_dtype": spec.model.dtype,
+               "tp_size": spec.build.tp_size, "pp_size": spec.build.pp_size}
     inputs = {"checkpoint": src_manifest.get("key") or src_manifest["files"]}
     tools = tool_versions("nvidia-modelopt", "torch", "transformers", "safetensors")
     key = stage_key("quantize", section, inputs, tools)
@@ -196,7 +197,7 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     if q.format == "none":
         _link_checkpoint(checkpoint, hf_dir)
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-            _export_trtllm(load_model(checkpoint, spec), trt_dir)
+            _export_trtllm(load_model(checkpoint, spec), trt_dir, spec.build.tp_size, spec.build.pp_size)
         report["fake_quant_ppl"] = None
     else:
         import modelopt.torch.opt as mto
@@ -224,7 +225,7 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
             with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
                 fresh = load_model(checkpoint, spec)
                 mto.restore(fresh, str(state))
-                _export_trtllm(fresh, trt_dir)
+                _export_trtllm(fresh, trt_dir, spec.build.tp_size, spec.build.pp_size)
                 del fresh
     make_compatible(hf_dir)
     for sub in (hf_dir, trt_dir):
@@ -266,7 +267,8 @@ def export_hf(model, dest: Path, checkpoint: Path) -> None:
             shutil.copy2(checkpoint / name, dest / name)
 
 
-def _export_trtllm(model, dest: Path) -> None:
+def _export_trtllm(model, dest: Path, tp_size: int = 1, pp_size: int = 1) -> None:
+    """ModelOpt's TensorRT-LLM checkpoint export, sharded for the spec's tensor/pipeline parallelism."""
     import torch
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
@@ -276,7 +278,8 @@ def _export_trtllm(model, dest: Path) -> None:
     # and writes config.json itself; that is expected on a host without TensorRT-LLM.
     logging.getLogger("modelopt").setLevel(logging.ERROR)
     with torch.no_grad():
-        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(dest), inference_tensor_parallel=1)
+        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(dest),
+                                       inference_tensor_parallel=tp_size, inference_pipeline_parallel=pp_size)
     cast_unquantized_tensors(dest)
     cfg_path = dest / "config.json"
     if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
