@@ -27,6 +27,20 @@ SPEC=examples/smollm2-cpu.yaml
 # stay what TensorRT-LLM uses inside trtllm-build and tritonserver.
 TESTED_PINS=("transformers==5.24.0" "nvidia-modelopt==0.47.0")
 
+# -- preflight: outside the container, stop now and say so (before creating a venv that needs a
+# package index; on a GPU host without the container that failed late, as a pip/venv error) -------
+MISSING=()
+command -v nvidia-smi >/dev/null || MISSING+=("nvidia-smi (NVIDIA driver)")
+command -v trtllm-build >/dev/null || MISSING+=("trtllm-build (TensorRT-LLM)")
+command -v tritonserver >/dev/null || [ -x /opt/tritonserver/bin/tritonserver ] || MISSING+=("tritonserver")
+if [ ${#MISSING[@]} -gt 0 ]; then
+    printf -v FOUND_NOT '%s, ' "${MISSING[@]}"
+    echo "gpu_smoke.sh runs inside the Triton TensorRT-LLM container on a GPU host; not found here: ${FOUND_NOT%, }." >&2
+    echo "Run: docker run --rm -it --gpus all --net host -v \"\$PWD\":/rtk -w /rtk nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 bash scripts/gpu_smoke.sh" >&2
+    echo "(\`rtk doctor --target trt-engine\` lists every requirement of the trt-engine target.)" >&2
+    exit 2
+fi
+
 declare -a STEP_NAMES STEP_TIMES
 TIMED_TOTAL=0
 now() { date +%s.%N; }
