@@ -88,6 +88,14 @@ def test_int4_pack_unpack_against_hand_packed_bytes():
     assert unpack_fp4_cols(codes).tolist() == [[0.5, 1.0, -0.5, -6.0]]
 
 
+def test_nvfp4_rounding_ties_go_to_the_even_code_like_the_gpu_kernel():
+    from toolkit.runtime.checkpoint import _e2m1_round
+
+    # Expected values were read off ModelOpt's NVFP4 kernel on an H200 (scripts/gpu_checks.sh).
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -1.75, 0.6, 7.0])
+    assert _e2m1_round(x).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -2.0, 0.5, 6.0]
+
+
 @pytest.mark.slow
 def test_int4_awq_export_packs_like_the_fake_quant_model(tmp_path, tiny_llama_dir):
     """Compare the export, read by rtk's loader, with ModelOpt's in-memory fake-quant model.

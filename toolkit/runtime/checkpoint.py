@@ -120,11 +120,19 @@ def fake_quant(x: torch.Tensor, kind: str, scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown activation quantization '{kind}'")
 
 
+E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+
+
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest FP4 (e2m1) value, keeping the sign; |x| is clamped to 6."""
+    """Round to the nearest FP4 (e2m1) value, ties to the even code, keeping the sign; |x| ≤ 6.
+
+    Ties to even as ModelOpt's GPU kernel and export cast do (0.75→1, 1.75→2, 3.5→4, 2.5→2; seen
+    on an H200, docs/gpu-checks.md).  ``bucketize`` alone would put every tie in the lower bucket.
+    """
     a = x.abs().clamp(max=6.0)
-    idx = torch.bucketize(a, (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2)
-    return torch.sign(x) * E2M1_VALUES[idx]
+    idx = torch.bucketize(a, E2M1_MIDPOINTS)
+    tie = (a == E2M1_MIDPOINTS[idx.clamp(max=len(E2M1_MIDPOINTS) - 1)]) & (idx % 2 == 1)
+    return torch.sign(x) * E2M1_VALUES[idx + tie.long()]
 
 
 def _nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
