@@ -225,6 +225,7 @@ _STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]
 
 def render(host: HostInfo, reports: list[TargetReport], console) -> None:
     """Rich tables: one per target, then a verdict line each."""
+    from rich.markup import escape
     from rich.table import Table
 
     console.print(f"[bold]host[/]: {host.describe_gpu()}; Python {host.python}; "
@@ -234,7 +235,7 @@ def render(host: HostInfo, reports: list[TargetReport], console) -> None:
         for col in ("check", "status", "found", "needs", "fix"):
             table.add_column(col, overflow="fold")
         for c in r.checks:
-            table.add_row(c.name, _STYLE[c.status], c.found, c.need, c.fix)
+            table.add_row(escape(c.name), _STYLE[c.status], escape(c.found), escape(c.need), escape(c.fix))  # e.g. 'tritonclient[grpc]'
         console.print(table)
     for r in reports:
         verdict = "[green]can run[/]" if r.ok else f"[red]cannot run[/] ({len(r.failures)} failed)"
