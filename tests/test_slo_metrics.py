@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import xml.etree.ElementTree as ET
 
 import numpy as np

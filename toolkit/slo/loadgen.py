@@ -100,6 +100,8 @@ class LoadGenerator:
         self._inflight: dict[str, RequestRecord] = {}
         self._broken: str | None = None
         self._next_index = 0
+        self._seen: set[str] = set()  # ids of every request sent
+        self.unmatched_errors: list[str] = []  # error responses whose request id matched none sent
 
     # -- transport callbacks (reader threads) ---------------------------------------------------
     def on_response(self, rid: str, t: int, payload: Any, final: bool) -> None:
@@ -119,6 +121,8 @@ class LoadGenerator:
             return
         rec = self._inflight.get(rid)
         if rec is None:
+            if rid not in self._seen:
+                self.unmatched_errors.append(message)
             return
         rec.error = message
         rec.final_ns = t
@@ -161,6 +165,7 @@ class LoadGenerator:
     def send(self, item: _Due, released: int) -> None:
         rec = item.rec
         rec.released_ns = released
+        self._seen.add(str(rec.index))
         self._inflight[str(rec.index)] = rec
         rec.sent_ns = now_ns()
         self.transport.submit(item.prepared)

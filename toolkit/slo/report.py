@@ -54,11 +54,18 @@ def latency_rows(report: SLOReport) -> list[list[str]]:
 
 # -- console ------------------------------------------------------------------------------------
 
-def print_report(report: SLOReport, console=None) -> None:
+def _console():
+    """stdout; wide enough for the tables when it is a CI log rather than a terminal."""
     from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=max(c.width, 132))
+
+
+def print_report(report: SLOReport, console=None) -> None:
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     v = report.verdict
     console.print(f"[bold]rtk slo[/] {report.target.transport}://{report.target.url.removeprefix('http://')} "
                   f"model [cyan]{report.target.model}[/] ({report.target.endpoint}) — {report.plan.describe()}")
@@ -95,10 +102,9 @@ def print_report(report: SLOReport, console=None) -> None:
 
 
 def print_sweep(sweep: SweepReport, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or _console()
     t = Table(title=("search" if sweep.search else "sweep") + f" over {sweep.kind}", title_justify="left")
     for c in [sweep.kind, "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p99", "E2E p99", "errors", "verdict"]:
         t.add_column(c, justify="right")

@@ -17,7 +17,6 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Literal
 
 from pydantic import ValidationError
@@ -224,6 +223,8 @@ def run_slo(
         sys.setswitchinterval(old_switch)
         transport.close()
     wall = time.perf_counter() - t_wall
+    if gen.unmatched_errors:
+        notes.append(f"{len(gen.unmatched_errors)} error response(s) named no request sent: {gen.unmatched_errors[0][:200]}")
     for r in records:
         if r.raw:
             finish_record(r, info, transport.name, keep_output)

@@ -289,7 +289,9 @@ class GrpcTransport(Transport):
                 t = now_ns()
                 resp = msg.infer_response
                 if msg.error_message:
-                    on_error(resp.id or None, t, msg.error_message)
+                    # An error without a request id cannot be matched; the request it belonged to
+                    # then ends by its timeout.  Only a broken stream (below) fails everything.
+                    on_error(resp.id, t, msg.error_message)
                     continue
                 p = resp.parameters
                 on_response(resp.id, t, resp, "triton_final_response" in p and p["triton_final_response"].bool_param)
