@@ -193,9 +193,9 @@ def test_real_model_fp8_export_matches_reference_layout(smollm2_fp8_dir):
 def test_quality_gate_fails_with_exit_3_and_keeps_only_the_report(tmp_path, smollm2_dir, monkeypatch):
     spec = tmp_path / "spec.yaml"
     spec.write_text(
-        # INT8 SmoothQuant costs this small model far more than 5 % (reference: ppl 25 → 45), and its
-        # calibration is seconds (AWQ's search would take minutes on 2 cores).
-        "name: gate\nquantization: {format: int8_sq, max_perplexity_increase: 0.05, eval_samples: 8,\n"
+        # INT8 SmoothQuant costs this small model several percent (measured +7 % on these 8 texts),
+        # and its calibration is seconds (AWQ's search would take minutes on 2 cores).
+        "name: gate\nquantization: {format: int8_sq, max_perplexity_increase: 0.01, eval_samples: 8,\n"
         "  calibration: {num_samples: 16, max_length: 128}}\n"
     )
     monkeypatch.chdir(tmp_path)
@@ -205,7 +205,7 @@ def test_quality_gate_fails_with_exit_3_and_keeps_only_the_report(tmp_path, smol
     q = tmp_path / "engines" / "gate"
     assert not (q / "quantized").exists()
     report = json.loads((q / "quantized.rejected-quality.json").read_text())
-    assert report["passed"] is False and report["increase"] > 0.05
+    assert report["passed"] is False and report["increase"] > 0.01
 
 
 @pytest.mark.slow
