@@ -1,0 +1,452 @@
+"""rtk's CPU engine: requests in, streamed tokens out (the ``cpu`` target's TensorRT-LLM stand-in).
+
+::
+
+    engine = Engine("engines/demo/quantized/hf", EngineConfig.from_build(spec.build))
+    rid = engine.add_request(GenerationRequest(prompt_ids=ids, max_new_tokens=64))
+    while engine.has_work():
+        for ev in engine.step():          # one in-flight batching iteration
+            print(ev.request_id, ev.token_id, ev.finished)
+
+:class:`BackgroundEngine` runs ``step()`` in its own thread and calls back per token; the Triton
+``tensorrt_llm`` python model wraps it.  Semantics follow TensorRT-LLM's executor where it has one:
+
+* ``end_id`` ends a request and is *not* part of the output; ``None`` means the checkpoint's EOS
+  ids (generation_config.json), ``-1`` means no end id.
+* a stop sequence ends a request *after* its tokens, which are part of the output.
+* timestamps are ``time.time_ns()`` (epoch), like TensorRT-LLM's request perf metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import UsageError
+from .kv_cache import BlockManager, blocks_for
+from .sampling import SamplingParams, sample
+from .scheduler import POLICIES, Scheduler, Sequence
+
+if TYPE_CHECKING:
+    from ..spec import BuildSpec
+    from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BackgroundEngine", "Engine", "EngineConfig", "GenerationRequest", "RequestTimes", "SamplingParams", "TokenEvent",
+]
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8
+    max_num_tokens: int = 512
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    tokens_per_block: int = 32
+    kv_cache_blocks: int | None = None  # default: max_batch_size full-length sequences
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = True
+    num_threads: int | None = None  # torch intra-op threads; default: all cores
+    dtype: str = "auto"  # auto = bfloat16 where the CPU has native bf16, else float32
+    scheduler_policy: str = "guaranteed_no_evict"  # or "max_utilization" (admit eagerly, preempt on a full pool)
+
+    @classmethod
+    def from_build(cls, build: "BuildSpec", **overrides) -> "EngineConfig":
+        fields = dict(
+            max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens, max_input_len=build.max_input_len,
+            max_seq_len=build.max_seq_len, tokens_per_block=build.tokens_per_block, kv_cache_blocks=build.kv_cache_blocks,
+            enable_kv_cache_reuse=build.enable_kv_cache_reuse, enable_chunked_context=build.enable_chunked_context,
+            num_threads=build.num_threads,
+        )
+        return cls(**{**fields, **overrides})
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_blocks or self.max_batch_size * blocks_for(self.max_seq_len, self.tokens_per_block)
+
+    def validate(self) -> None:
+        def bad(name, msg):
+            raise UsageError(f"engine config '{name}': {msg}")
+
+        for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len", "tokens_per_block"):
+            if getattr(self, name) < 1:
+                bad(name, f"{getattr(self, name)} must be at least 1")
+        if self.max_input_len >= self.max_seq_len:
+            bad("max_input_len", f"{self.max_input_len} must be below max_seq_len ({self.max_seq_len}) to leave room for output")
+        if self.max_num_tokens < self.max_batch_size:
+            bad("max_num_tokens", f"{self.max_num_tokens} is below max_batch_size ({self.max_batch_size}); a full batch could not decode")
+        need = blocks_for(self.max_seq_len, self.tokens_per_block)
+        if self.num_blocks < need:
+            bad("kv_cache_blocks", f"{self.num_blocks} blocks cannot hold one sequence of max_seq_len {self.max_seq_len} ({need} blocks of {self.tokens_per_block})")
+        if self.scheduler_policy not in POLICIES:
+            bad("scheduler_policy", f"'{self.scheduler_policy}' is not one of {', '.join(POLICIES)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            bad("num_threads", f"{self.num_threads} must be at least 1")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    end_id: int | None = None  # None: the checkpoint's EOS ids; -1: none
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None  # assigned by the engine when None
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int | None  # None on a final event that carries no token (end id, cancel, error)
+    index: int  # position of the token among the generated ones
+    time_ns: int
+    finished: bool
+    finish_reason: str | None  # "length" | "end_id" | "stop" | "cancelled" | "error"
+    error: str | None = None
+
+
+@dataclass
+class RequestTimes:
+    arrival_ns: int
+    first_scheduled_ns: int | None
+    first_token_ns: int | None
+    last_token_ns: int | None
+
+
+class Engine:
+    """Paged-KV transformer with an in-flight batching scheduler.  Not thread-safe; see BackgroundEngine."""
+
+    def __init__(self, checkpoint: "Checkpoint | str | Path", config: EngineConfig):
+        import torch
+
+        from .checkpoint import load_checkpoint
+        from .model import Transformer, resolve_dtype
+
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        ckpt = load_checkpoint(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
+        mc = ckpt.config
+        if config.max_seq_len > mc.max_position_embeddings:
+            raise UsageError(
+                f"engine config 'max_seq_len': {config.max_seq_len} exceeds the model's max_position_embeddings "
+                f"({mc.max_position_embeddings}); lower build.max_seq_len"
+            )
+        self.model_config = mc
+        self.eos_ids = frozenset(mc.eos_token_ids)
+        self.model = Transformer(ckpt, resolve_dtype(config.dtype), max_positions=config.max_seq_len)
+        self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
+        self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_batch_size, config.max_num_tokens, config.enable_chunked_context, config.scheduler_policy
+        )
+        self._seqs: dict[str, Sequence] = {}  # live requests
+        self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()
+        self._order = itertools.count()
+        self._ids = itertools.count()
+        self._pending_events: list[TokenEvent] = []
+        self.steps = 0
+        self._torch = torch
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> None:
+        """Raise UsageError naming what is wrong with ``req``; nothing changes."""
+        c = self.config
+        ids = req.prompt_ids
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            raise UsageError("prompt_ids is empty; send at least one token")
+        if len(ids) > c.max_input_len:
+            raise UsageError(f"prompt of {len(ids)} tokens exceeds max_input_len {c.max_input_len}; shorten it or raise build.max_input_len")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise UsageError(f"prompt_ids must be integers in [0, {vocab})")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens {req.max_new_tokens} must be at least 1")
+        if len(ids) + req.max_new_tokens > c.max_seq_len:
+            raise UsageError(
+                f"prompt ({len(ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds max_seq_len {c.max_seq_len}; "
+                f"ask for at most {c.max_seq_len - len(ids)} new tokens"
+            )
+        if req.end_id is not None and req.end_id != -1 and not (0 <= req.end_id < vocab):
+            raise UsageError(f"end_id {req.end_id} is not a token id (0..{vocab - 1}, or -1 for none)")
+        for s in req.stop_sequences:
+            if not s or any(not isinstance(t, int) or t < 0 or t >= vocab for t in s):
+                raise UsageError(f"stop sequence {s!r} must be a non-empty list of token ids")
+        req.sampling.validate()
+        if req.request_id is not None and req.request_id in self._seqs:
+            raise UsageError(f"request_id '{req.request_id}' is already in flight; use a unique id")
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, req: GenerationRequest, arrival_ns: int | None = None) -> str:
+        self.validate(req)
+        rid = req.request_id or self.new_request_id()
+        end_ids = self.eos_ids if req.end_id is None else (frozenset() if req.end_id == -1 else frozenset([req.end_id]))
+        seq = Sequence(
+            request_id=rid, order=next(self._order), tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
+            max_new_tokens=req.max_new_tokens, end_ids=end_ids, stop_sequences=[list(s) for s in req.stop_sequences],
+            sampling=req.sampling, generator=req.sampling.make_generator(), arrival_ns=arrival_ns or time.time_ns(),
+        )
+        self._seqs[rid] = seq
+        self._times.pop(rid, None)
+        self.scheduler.add(seq)
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request now: its blocks are freed and its final event (``cancelled``) comes with the next step()."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return  # already finished (or never known): nothing to do
+        self._finish(seq, "cancelled", None)
+        self._pending_events.append(
+            TokenEvent(request_id, None, seq.num_generated, time.time_ns(), True, "cancelled")
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_events)
+
+    def times(self, request_id: str) -> RequestTimes:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            return _times_of(seq)
+        if request_id in self._times:
+            return self._times[request_id]
+        raise UsageError(f"unknown request_id '{request_id}'")
+
+    def kv_stats(self) -> dict:
+        s = self.blocks.stats()
+        s.update(pool_bytes=self.pool.nbytes, preempted_total=self.scheduler.preempted_total,
+                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        return s
+
+    def request_stats(self, request_id: str) -> dict:
+        """KV usage of a live request (TensorRT-LLM's kv_cache_{reused,alloc_total}_blocks outputs)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UsageError(f"request '{request_id}' is not in flight")
+        return {"reused_blocks": seq.reused_blocks, "blocks": len(seq.block_table), "preemptions": seq.preemptions}
+
+    def _finish(self, seq: Sequence, reason: str, now: int | None) -> None:
+        seq.finished, seq.finish_reason = True, reason
+        self.scheduler.drop(seq)
+        del self._seqs[seq.request_id]
+        self._times[seq.request_id] = _times_of(seq)
+        if len(self._times) > 4096:  # keep the most recent finished requests' times only
+            for rid in list(itertools.islice(self._times, len(self._times) - 4096)):
+                del self._times[rid]
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list:
+        """Run one iteration: schedule, one forward over the flat batch, sample, stream."""
+        torch = self._torch
+        events, self._pending_events = self._pending_events, []
+        work = self.scheduler.schedule()
+        if not work:
+            return events
+        now = time.time_ns()
+        input_ids, logit_rows, sampled = [], [], []
+        row = 0
+        for seq, n in work:
+            if seq.first_scheduled_ns is None:
+                seq.first_scheduled_ns = now
+            input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
+            row += n
+            if seq.num_cached + n == len(seq.tokens):
+                logit_rows.append(row - 1)
+                sampled.append(seq)
+        from .model import build_plan
+
+        plan = build_plan(
+            [(seq.block_table, seq.num_cached, n) for seq, n in work], self.config.tokens_per_block,
+            reads_own_kv=self.pool.quant is None,
+        )
+        plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
+        with torch.inference_mode():
+            logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
+            for seq, n in work:
+                self.scheduler.commit(seq, n)
+            next_ids = sample(logits, [s.sampling for s in sampled], [s.generator for s in sampled]) if sampled else []
+        self.steps += 1
+        now = time.time_ns()
+        for seq, tok in zip(sampled, next_ids):
+            events.append(self._append(seq, tok, now))
+        return events
+
+    def _append(self, seq: Sequence, tok: int, now: int) -> TokenEvent:
+        index = seq.num_generated
+        if tok in seq.end_ids:
+            self._stamp(seq, now)
+            self._finish(seq, "end_id", now)
+            return TokenEvent(seq.request_id, None, index, now, True, "end_id")
+        seq.tokens.append(tok)
+        self._stamp(seq, now)
+        reason = None
+        if any(seq.num_generated >= len(s) and seq.tokens[-len(s):] == s for s in seq.stop_sequences):
+            reason = "stop"
+        elif seq.num_generated >= seq.max_new_tokens:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason, now)
+        return TokenEvent(seq.request_id, tok, index, now, reason is not None, reason)
+
+    @staticmethod
+    def _stamp(seq: Sequence, now: int) -> None:
+        if seq.first_token_ns is None:
+            seq.first_token_ns = now
+        seq.last_token_ns = now
+
+    def fail_all(self, message: str) -> list:
+        """End every live request with an ``error`` event (used when a step raised)."""
+        now = time.time_ns()
+        events = []
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "error", now)
+            events.append(TokenEvent(seq.request_id, None, seq.num_generated, now, True, "error", message))
+        return events
+
+    # -- conveniences -----------------------------------------------------------------------------
+    def generate(self, req: GenerationRequest) -> list[int]:
+        """Run ``req`` (alongside anything already queued) to completion; its generated ids.
+
+        Events of other requests produced meanwhile are dropped, so use this when the engine is otherwise idle.
+        """
+        rid = self.add_request(req)
+        out: list[int] = []
+        while True:
+            for ev in self.step():
+                if ev.request_id != rid:
+                    continue
+                if ev.token_id is not None:
+                    out.append(ev.token_id)
+                if ev.finished:
+                    if ev.finish_reason == "error":
+                        raise RuntimeError(ev.error)
+                    return out
+
+    def prompt_logits(self, token_ids: list[int]):
+        """Logits (float32 ``[T, vocab]``) at every position of ``token_ids``, computed through the
+        paged KV cache in ``max_num_tokens`` chunks (what perplexity evaluation needs)."""
+        torch = self._torch
+        from .model import build_plan
+
+        tpb = self.config.tokens_per_block
+        if not token_ids or len(token_ids) > self.config.max_seq_len:
+            raise UsageError(f"need 1..{self.config.max_seq_len} tokens, got {len(token_ids)}")
+        need = blocks_for(len(token_ids), tpb)
+        if need > self.blocks.num_available - self.scheduler._outstanding():
+            raise UsageError("the KV pool is busy; score prompts while the engine is idle")
+        table = [self.blocks.allocate() for _ in range(need)]
+        out = []
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(token_ids), self.config.max_num_tokens):
+                    chunk = token_ids[start : start + self.config.max_num_tokens]
+                    plan = build_plan([(table, start, len(chunk))], tpb, reads_own_kv=self.pool.quant is None)
+                    out.append(self.model.forward(torch.tensor(chunk, dtype=torch.int64), plan, self.pool))
+        finally:
+            self.blocks.release_all(table)
+        return torch.cat(out)
+
+
+def _times_of(seq: Sequence) -> RequestTimes:
+    return RequestTimes(seq.arrival_ns, seq.first_scheduled_ns, seq.first_token_ns, seq.last_token_ns)
+
+
+class BackgroundEngine:
+    """Runs :meth:`Engine.step` in a thread while there is work; callbacks come from that thread.
+
+    ``submit`` validates in the caller's thread (so a bad request raises UsageError there) and
+    hands the request over; the engine thread admits it before its next step.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: list[tuple[GenerationRequest, int, Callable]] = []
+        self._cancels: list[str] = []
+        self._callbacks: dict[str, Callable] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rtk-cpu-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> str:
+        if self._closed:
+            raise UsageError("the engine is closed")
+        self.engine.validate(req)
+        with self._lock:
+            if req.request_id is None:
+                req.request_id = self.engine.new_request_id()
+            elif req.request_id in self._callbacks:
+                raise UsageError(f"request_id '{req.request_id}' is already in flight; use a unique id")
+            self._callbacks[req.request_id] = on_event
+            self._incoming.append((req, time.time_ns(), on_event))
+        self._wake.set()
+        return req.request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.append(request_id)
+        self._wake.set()
+
+    def close(self) -> None:
+        """Cancel what is in flight (each gets its ``cancelled`` event) and stop the thread."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            with self._lock:
+                cb = self._callbacks.pop(ev.request_id, None) if ev.finished else self._callbacks.get(ev.request_id)
+            if cb is None:
+                continue
+            try:
+                cb(ev)
+            except Exception:  # a client's callback must not take the engine down
+                log.exception("token callback for request %s raised", ev.request_id)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+                cancels, self._cancels = self._cancels, []
+                self._wake.clear()
+            for req, arrival, _cb in incoming:
+                try:
+                    eng.add_request(req, arrival_ns=arrival)
+                except UsageError as exc:
+                    self._dispatch([TokenEvent(req.request_id, None, 0, time.time_ns(), True, "error", str(exc))])
+            for rid in cancels:
+                eng.cancel(rid)
+            if self._closed:
+                for rid in list(eng._seqs):
+                    eng.cancel(rid)
+                self._dispatch(eng.step())  # nothing is scheduled now: just the cancellation events
+                return
+            if eng.has_work():
+                try:
+                    events = eng.step()
+                except Exception as exc:  # a bug: fail loudly to every client instead of hanging them
+                    log.exception("engine step failed")
+                    events = eng.fail_all(f"engine step failed: {exc}")
+                self._dispatch(events)
+            else:
+                self._wake.wait()

@@ -1,0 +1,397 @@
+"""The decoder-only transformer forward over a paged KV cache (Llama / Mistral / Qwen2 family).
+
+Weights come from :func:`toolkit.runtime.checkpoint.load_checkpoint` (dense float32, quantized
+formats already dequantized) and are prepared once for speed:
+
+* converted to the compute dtype (bf16 where the CPU has native bf16 dot products, else fp32);
+* q/k/v and gate/up fused into single matmuls when their activation emulation is identical;
+* bf16 weights pre-packed into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+  what Inductor's CPU freezing does), which doubles GEMV bandwidth here with bit-identical results.
+
+Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre_quant_scale``
+are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype.
+
+One forward runs a *flat* batch of tokens from many sequences (TensorRT-LLM's packed,
+"remove input padding" layout): decode tokens first, then prefill chunks.  Linear layers see all
+tokens at once; attention reads each sequence's keys and values from the pool through its block
+table.  Numerics follow transformers' Llama in the same dtype (RMSNorm in fp32, RoPE tables in
+fp32 cast to the compute dtype, SDPA), so greedy tokens match ``generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SourceError
+from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
+from .kv_cache import KVPool, KVQuant
+
+log = logging.getLogger(__name__)
+
+
+def bf16_is_fast() -> bool:
+    """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX) that oneDNN uses."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_fast() else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        from ..errors import UsageError
+
+        raise UsageError(f"engine dtype '{name}' is not supported; use 'auto', 'bfloat16' or 'float32'")
+    return table[name]
+
+
+# -- projections --------------------------------------------------------------------------------
+
+def _same_emulation(a: Linear, b: Linear) -> bool:
+    def same(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    if not same(a.pre_quant_scale, b.pre_quant_scale):
+        return False
+    if (a.act_quant is None) != (b.act_quant is None):
+        return False
+    return a.act_quant is None or (a.act_quant.kind == b.act_quant.kind and torch.equal(a.act_quant.scale, b.act_quant.scale))
+
+
+ROWWISE_MAX_BYTES = 4 << 20  # a weight this small stays cache-resident across one-row calls
+
+
+class Projection:
+    """One or more linears sharing an input, run as a single matmul: ``y = [x W1^T + b1, x W2^T + b2, ...]``.
+
+    Batch invariance: oneDNN computes a one-row product with another kernel than a multi-row one,
+    and for long dot products (``in_features`` > 1024 on this CPU) the two round differently in the
+    last bf16 bit; the multi-row kernel itself gives every row the same result whatever the row
+    count.  A probe at load finds out, per weight shape, whether the kernels differ.  If they do:
+
+    * ``rowwise`` (weight <= 4 MiB): rows of single-token sequences go through the one-row kernel
+      one at a time, exactly as a lone decode (and transformers' decode) computes them;
+    * ``pad`` (larger weights, where re-reading them per row would cost too much): a lone row is
+      computed as two rows, so every row always takes the multi-row kernel.
+
+    Either way a sequence's numbers do not depend on what else is in the batch.
+    """
+
+    def __init__(self, linears: list[Linear], dtype: torch.dtype, pack: bool, probe_cache: dict | None = None):
+        first = linears[0]
+        self.dtype = dtype
+        self.out_features = sum(lin.weight.shape[0] for lin in linears)
+        self.in_features = first.weight.shape[1]
+        weight = torch.cat([lin.weight for lin in linears]).to(dtype).contiguous()
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([
+                lin.bias if lin.bias is not None else torch.zeros(lin.weight.shape[0]) for lin in linears
+            ]).to(dtype)
+        self.bias = bias
+        self.pre_quant_scale = None if first.pre_quant_scale is None else first.pre_quant_scale.to(dtype)
+        self.act_kind = first.act_quant.kind if first.act_quant is not None else None
+        self.act_scale = first.act_quant.scale if first.act_quant is not None else None
+        self.packed = None
+        self.weight = weight
+        if pack:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                self.weight = None
+            except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CPU / build
+                log.debug("oneDNN weight packing unavailable (%s); using plain linear", exc)
+        shape = (self.out_features, self.in_features, bias is not None)
+        cache = probe_cache if probe_cache is not None else {}
+        if shape not in cache:
+            cache[shape] = self._one_row_kernel_differs()
+        self.single_rows = None
+        if cache[shape]:
+            self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
+
+    def _one_row_kernel_differs(self) -> bool:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, self.in_features, generator=g).to(self.dtype)
+        with torch.inference_mode():
+            together = self._matmul(x)
+            alone = torch.cat([self._matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        return not torch.equal(together, alone)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights read per forward (the dense size, packed or not)."""
+        return self.out_features * self.in_features * torch.finfo(self.dtype).bits // 8
+
+    def __call__(self, x: torch.Tensor, singles: int = 0) -> torch.Tensor:
+        """``x``: ``[T, in]``; its first ``singles`` rows belong to single-token (decode) sequences."""
+        # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        if self.act_kind is not None:
+            x = fake_quant(x, self.act_kind, self.act_scale)
+        mode, rows = self.single_rows, x.shape[0]
+        if mode is None or (mode == "rowwise" and singles == 0) or (mode == "pad" and rows > 1):
+            return self._matmul(x)
+        if mode == "pad":
+            return self._matmul(x.expand(2, -1))[:1]
+        parts = [self._matmul(x[i : i + 1]) for i in range(singles)]
+        if rows > singles:
+            parts.append(self._matmul(x[singles:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedGroup:
+    """q/k/v (or gate/up) as one Projection when their emulation agrees, else one per linear."""
+
+    def __init__(self, linears: list[Linear], dtype: torch.dtype, pack: bool, probe_cache: dict | None = None):
+        if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
+            self.parts = [Projection(linears, dtype, pack, probe_cache)]
+        else:
+            self.parts = [Projection([lin], dtype, pack, probe_cache) for lin in linears]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, singles: int = 0) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](x, singles)
+        return torch.cat([p(x, singles) for p in self.parts], dim=-1)
+
+
+# -- rope -----------------------------------------------------------------------------------------
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (default, linear and Llama-3 rope types)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        # transformers/modeling_rope_utils.py::_compute_llama3_parameters
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        inv_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, inv_llama)
+    raise SourceError(
+        f"rope scaling type '{kind}' is not supported by the CPU engine (config.json rope_scaling / rope_parameters); "
+        "supported: default, linear, llama3"
+    )
+
+
+def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(config)
+    pos = torch.arange(length, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# -- one step's attention metadata --------------------------------------------------------------
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row in the flat batch
+    length: int  # query tokens
+    context: int  # tokens of context after this chunk (cached prefix + chunk)
+    slots: torch.Tensor | None  # [context] slots to read K/V from, None = use this chunk's own K/V
+    mask: torch.Tensor | None  # [length, context] bool, None = plain causal
+
+
+@dataclass
+class StepPlan:
+    """Per-step inputs shared by every layer: where to write K/V and what each sequence attends to."""
+
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T]
+    num_decode: int = 0  # rows [0, num_decode) are single-token decodes
+    decode_slots: torch.Tensor | None = None  # [sum of context lengths]: every decode's context, concatenated
+    decode_bounds: list[tuple[int, int]] = field(default_factory=list)  # each decode's range in decode_slots
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    logit_rows: torch.Tensor | None = None  # rows whose logits are needed; None = all
+
+
+def build_plan(
+    seqs: list[tuple[list[int], int, int]], tokens_per_block: int, reads_own_kv: bool = True
+) -> StepPlan:
+    """Metadata for sequences given as ``(block_table, num_cached, num_new)``; decodes (num_new == 1) must come first.
+
+    ``reads_own_kv``: a chunk that starts at position 0 may attend to its freshly computed K/V
+    instead of reading them back from the pool (not when the pool quantizes them).
+    """
+    tpb = tokens_per_block
+    positions, slots = [], []
+    num_decode = 0
+    decode_tables: list[torch.Tensor] = []
+    prefills = []
+    row = 0
+    for table, cached, new in seqs:
+        ctx = cached + new
+        pos = torch.arange(cached, ctx)
+        tbl = torch.tensor(table, dtype=torch.int64)
+        all_slots = tbl.repeat_interleave(tpb)[:ctx] * tpb + torch.arange(ctx) % tpb
+        positions.append(pos)
+        slots.append(all_slots[cached:])
+        if new == 1 and not prefills:
+            num_decode += 1
+            decode_tables.append(all_slots)
+        else:
+            if cached == 0 and reads_own_kv:
+                chunk_slots, mask = None, None
+            else:
+                chunk_slots = all_slots
+                mask = None if cached == 0 else (torch.arange(ctx)[None, :] <= pos[:, None])
+            prefills.append(PrefillChunk(row, new, ctx, chunk_slots, mask))
+        row += new
+    plan = StepPlan(positions=torch.cat(positions), write_slots=torch.cat(slots), num_decode=num_decode, prefills=prefills)
+    if num_decode:
+        plan.decode_slots = torch.cat(decode_tables)
+        start = 0
+        for s in decode_tables:
+            plan.decode_bounds.append((start, start + len(s)))
+            start += len(s)
+    return plan
+
+
+# -- the model --------------------------------------------------------------------------------------
+
+class Layer:
+    def __init__(self, spec: dict, dtype: torch.dtype, pack: bool, probe_cache: dict):
+        self.input_norm = spec["input_layernorm"].to(dtype)
+        self.post_norm = spec["post_attention_layernorm"].to(dtype)
+        self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], dtype, pack, probe_cache)
+        self.o = FusedGroup([spec["o_proj"]], dtype, pack, probe_cache)
+        self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], dtype, pack, probe_cache)
+        self.down = FusedGroup([spec["down_proj"]], dtype, pack, probe_cache)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.o.nbytes + self.gate_up.nbytes + self.down.nbytes
+
+
+class Transformer:
+    """Weights prepared for the CPU plus the forward over a :class:`KVPool`."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, max_positions: int):
+        cfg = ckpt.config
+        self.config = cfg
+        self.dtype = dtype
+        pack = dtype == torch.bfloat16 and bf16_is_fast()
+        self.packed = pack
+        self.eps = cfg.rms_norm_eps
+        self.embed = ckpt.embed_tokens.to(dtype)
+        self.final_norm = ckpt.final_norm.to(dtype)
+        probes: dict = {}  # weight shape -> whether the one-row kernel rounds differently
+        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes)
+        self.layers = [Layer(spec, dtype, pack, probes) for spec in ckpt.layers]
+        self.single_row_modes = {f"{o}x{i}": p for (o, i, _), p in probes.items()}
+        self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.kv_quant = self._kv_quant(ckpt)
+
+    @staticmethod
+    def _kv_quant(ckpt: Checkpoint) -> KVQuant | None:
+        kind = {"FP8": "fp8", "INT8": "int8"}.get((ckpt.kv_cache_quant_algo or "").upper())
+        if ckpt.kv_cache_quant_algo and kind is None:
+            raise SourceError(f"{ckpt.path}: kv_cache_quant_algo '{ckpt.kv_cache_quant_algo}' is not supported by the CPU engine (FP8, INT8)")
+        if kind is None:
+            return None
+
+        def scale(layer, name):  # TensorRT-LLM uses 1.0 where no scaling factor was calibrated
+            s = layer.get(name)
+            return 1.0 if s is None else float(s)
+
+        return KVQuant(kind, [scale(lay, "k_scale") for lay in ckpt.layers], [scale(lay, "v_scale") for lay in ckpt.layers])
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights a single-token forward reads: every projection, the lm_head and one embedding row."""
+        per = sum(layer.nbytes for layer in self.layers) + self.lm_head.nbytes
+        return per + self.config.hidden_size * self.embed.element_size()
+
+    def new_pool(self, num_blocks: int, tokens_per_block: int) -> KVPool:
+        return KVPool(len(self.layers), num_blocks, tokens_per_block, self.num_kv_heads, self.head_dim, self.dtype, self.kv_quant)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype.
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, plan: StepPlan, pool: KVPool) -> torch.Tensor:
+        """Logits (float32) for ``plan.logit_rows`` (all rows when None) of the flat token batch."""
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        T = input_ids.shape[0]
+        cos = self.cos.index_select(0, plan.positions)[:, None, :]
+        sin = self.sin.index_select(0, plan.positions)[:, None, :]
+        h = F.embedding(input_ids, self.embed)
+        half = D // 2
+        B = plan.num_decode
+        gqa = KVH != H
+        for li, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = layer.qkv(x, B)
+            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rot * sin
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+            pool.write(li, plan.write_slots, k, v)
+            outs = []
+            if B:
+                # One gather for all decodes, then one SDPA per sequence over its exact context: the
+                # same call transformers makes for a single decode, so results do not depend on who
+                # else is in the batch (a padded, masked batch would change the float reductions).
+                kd, vd = pool.gather(li, plan.decode_slots)  # [sum L, KVH, D]
+                for i, (s, e) in enumerate(plan.decode_bounds):
+                    o = F.scaled_dot_product_attention(
+                        q[i].view(1, H, 1, D), kd[s:e].transpose(0, 1)[None], vd[s:e].transpose(0, 1)[None],
+                        scale=self.scale, enable_gqa=gqa,
+                    )
+                    outs.append(o.view(1, H * D))
+            for c in plan.prefills:
+                qc = q[c.start : c.start + c.length].transpose(0, 1)[None]
+                if c.slots is None:
+                    kc = k[c.start : c.start + c.length].transpose(0, 1)[None]
+                    vc = v[c.start : c.start + c.length].transpose(0, 1)[None]
+                else:
+                    kc, vc = pool.gather(li, c.slots)
+                    kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None and c.length > 1, scale=self.scale, enable_gqa=gqa
+                )
+                outs.append(o[0].transpose(0, 1).reshape(c.length, H * D))
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            h = h + layer.o(attn, B)
+            x = self._rms_norm(h, layer.post_norm)
+            gu = layer.gate_up(x, B)
+            inter = gu.shape[-1] // 2
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], B)
+        singles = 0  # every row of a scoring pass (logits for all positions) is a prefill row
+        if plan.logit_rows is not None:
+            h = h.index_select(0, plan.logit_rows)
+            singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
+        return self.lm_head(self._rms_norm(h, self.final_norm), singles).float()

@@ -1,0 +1,269 @@
+"""In-flight batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget (``max_num_tokens``) and a sequence limit (``max_batch_size``):
+
+1. sequences that are decoding get their one token first, so a long prompt arriving never delays
+   anyone's next token by more than one chunk;
+2. prompts already being prefilled continue, chunked to what is left of the budget;
+3. waiting requests are admitted in arrival order while budget, batch slots and KV blocks last,
+   first matching their prompt against the prefix cache.
+
+Two capacity policies, after TensorRT-LLM's capacity scheduler
+(cpp/include/tensorrt_llm/batch_manager/capacityScheduler.h):
+
+* ``guaranteed_no_evict`` admits a request only when the blocks it could ever need (prompt +
+  max_new_tokens) are free after what running sequences may still claim; nothing is preempted.
+* ``max_utilization`` admits as soon as the next chunk fits; when a decode needs a block and the
+  pool is full, the most recently arrived sequence is preempted: its blocks are released (full
+  ones stay in the prefix cache) and it re-queues with its generated tokens, to be recomputed.
+
+Nothing is lost either way: a preempted sequence keeps its tokens and sampling state and its
+stream simply continues later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import BlockManager, block_key, blocks_for
+from .sampling import SamplingParams
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    order: int  # arrival order; lower = older = higher priority
+    tokens: list[int]  # prompt + generated
+    prompt_len: int
+    max_new_tokens: int
+    end_ids: frozenset[int]
+    stop_sequences: list[list[int]]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    arrival_ns: int
+    first_scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # keys of the full blocks of ``tokens``
+    num_cached: int = 0  # leading tokens whose K/V are in the pool
+    num_registered: int = 0  # leading blocks registered for reuse
+    reused_blocks: int = 0  # blocks taken from the prefix cache (all admissions)
+    preemptions: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.tokens) - self.num_cached
+
+    @property
+    def lifetime_blocks(self) -> int:
+        """Blocks this sequence may hold at most: K/V of the prompt and all but the last output token."""
+        return blocks_for(self.prompt_len + self.max_new_tokens - 1, self._tpb)
+
+    _tpb: int = 1
+
+    def keys_upto(self, num_blocks: int) -> list[bytes]:
+        """Keys of the first ``num_blocks`` full blocks (computed once, incrementally)."""
+        tpb = self._tpb
+        while len(self.block_keys) < num_blocks:
+            i = len(self.block_keys)
+            parent = self.block_keys[-1] if self.block_keys else b""
+            self.block_keys.append(block_key(parent, self.tokens[i * tpb : (i + 1) * tpb]))
+        return self.block_keys[:num_blocks]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, chunked: bool = True,
+                 policy: str = "guaranteed_no_evict"):
+        if policy not in POLICIES:
+            from ..errors import UsageError
+
+            raise UsageError(f"scheduler policy '{policy}' is not one of {', '.join(POLICIES)}")
+        self.blocks = blocks
+        self.tpb = blocks.tokens_per_block
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.chunked = chunked
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.preempted_total = 0
+
+    # -- membership ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq._tpb = self.tpb
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drop(self, seq: Sequence) -> None:
+        """Remove a finished or cancelled sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release_all(seq.block_table)
+        seq.block_table = []
+        seq.num_cached = 0
+        seq.num_registered = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preemptions += 1
+        self.preempted_total += 1
+        # Back into the queue by arrival order (preempted sequences are older than new arrivals).
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].order < seq.order:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    # -- capacity -----------------------------------------------------------------------------------
+    def _outstanding(self) -> int:
+        """Blocks running sequences may still claim (guaranteed_no_evict reservations)."""
+        return sum(max(0, s.lifetime_blocks - len(s.block_table)) for s in self.running)
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> None:
+        for _ in range(blocks_for(upto_tokens, self.tpb) - len(seq.block_table)):
+            seq.block_table.append(self.blocks.allocate())
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, blocks_for(seq.num_cached + n, self.tpb) - len(seq.block_table))
+
+    def _make_room(self, seq: Sequence, need: int) -> bool:
+        """max_utilization: preempt the newest sequences until ``need`` blocks are free.
+
+        Returns False when ``seq`` itself is the newest and was preempted.
+        """
+        while self.blocks.num_available < need:
+            victim = max(self.running, key=lambda s: s.order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = seq.remaining
+        if n <= budget:
+            return n
+        # Without chunked context a prompt must run in one step, unless it could never fit (a
+        # preempted sequence recomputing prompt + output longer than the step budget).
+        if self.chunked or n > self.max_num_tokens:
+            return budget
+        return 0
+
+    # -- the step -----------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's work as ``(sequence, tokens)``, single-token decodes first; blocks are allocated."""
+        budget = self.max_num_tokens
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        # Oldest first, so a preemption victim (the newest sequence) is never one already planned.
+        for seq in sorted((s for s in self.running if s.remaining == 1), key=lambda s: s.order):
+            if seq not in self.running:  # preempted to make room for an older one
+                continue
+            if budget == 0:
+                break
+            need = self._blocks_needed(seq, 1)
+            if need > self.blocks.num_available:
+                preempted = True
+                if self.policy == "guaranteed_no_evict":  # cannot happen: admission reserved the blocks
+                    raise AssertionError("KV pool exhausted under guaranteed_no_evict")
+                if not self._make_room(seq, need):
+                    continue
+            self._grow(seq, seq.num_cached + 1)
+            decodes.append((seq, 1))
+            budget -= 1
+
+        for seq in sorted((s for s in self.running if s.remaining > 1), key=lambda s: s.order):
+            if seq not in self.running or budget == 0:
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            if self.policy == "max_utilization":
+                n = self._fit(seq, n, nothing_planned=not decodes and not prefills)
+                if n == 0:
+                    continue
+            self._grow(seq, seq.num_cached + n)
+            prefills.append((seq, n))
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._grow(seq, seq.num_cached + n)
+            (decodes if n == 1 else prefills).append((seq, n))
+            budget -= n
+        # Single-token work first: the model runs those rows as decodes (see model.build_plan).
+        return decodes + [w for w in prefills if w[1] == 1] + [w for w in prefills if w[1] > 1]
+
+    def _fit(self, seq: Sequence, n: int, nothing_planned: bool) -> int:
+        """max_utilization: shrink a prefill chunk to the free blocks (preempting only to avoid a stall)."""
+        free_tokens = (len(seq.block_table) + self.blocks.num_available) * self.tpb - seq.num_cached
+        if free_tokens <= 0 and nothing_planned:
+            if not self._make_room(seq, 1):
+                return 0
+            free_tokens = (len(seq.block_table) + self.blocks.num_available) * self.tpb - seq.num_cached
+        return max(0, min(n, free_tokens))
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Match the prefix cache and reserve blocks for ``seq``; returns its first chunk (0 = not now)."""
+        # Reuse at most the blocks before the last token: that token must run to give logits.
+        reusable = (len(seq.tokens) - 1) // self.tpb
+        matched = self.blocks.match_prefix(seq.keys_upto(reusable)) if reusable else []
+        lru_hits = sum(1 for b in matched if self.blocks.is_cached_unused(b))
+        available = self.blocks.num_available - lru_hits
+        cached = len(matched) * self.tpb
+        remaining = len(seq.tokens) - cached
+        n = min(remaining, budget) if (self.chunked or remaining > self.max_num_tokens) else (remaining if remaining <= budget else 0)
+        if n == 0:
+            return 0
+        if self.policy == "guaranteed_no_evict":
+            need = max(seq.lifetime_blocks, blocks_for(len(seq.tokens), self.tpb)) - len(matched)
+            if available - self._outstanding() < need:
+                return 0
+        else:
+            free_tokens = (len(matched) + available) * self.tpb - cached
+            n = min(n, free_tokens)
+            if n <= 0:
+                return 0
+        for b in matched:
+            self.blocks.acquire(b)
+        seq.block_table = list(matched)
+        seq.num_cached = cached
+        seq.num_registered = len(matched)
+        seq.reused_blocks += len(matched)
+        return n
+
+    def commit(self, seq: Sequence, n: int) -> None:
+        """After the forward: ``n`` more tokens of ``seq`` have K/V in the pool; share its newly full blocks."""
+        seq.num_cached += n
+        full = seq.num_cached // self.tpb
+        if full > seq.num_registered and self.blocks.enable_reuse:
+            keys = seq.keys_upto(full)
+            for i in range(seq.num_registered, full):
+                self.blocks.register(seq.block_table[i], keys[i])
+        seq.num_registered = max(seq.num_registered, full)
