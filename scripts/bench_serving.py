@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""What Triton adds to rtk's CPU engine: TTFT and ITL through Triton vs calling the engine directly.
+
+    python scripts/bench_serving.py triton_repo/smollm2-cpu [--requests 24] [--concurrency 1 8]
+
+For each concurrency level the same closed-loop workload (every stream sends its next request when
+the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
+``--output-tokens`` tokens) runs three ways, one after the other on an otherwise idle engine:
+
+* ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token);
+* ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
+* ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing).
+
+TTFT is measured from the request's send to its first token (response); ITL is every gap between
+consecutive tokens (responses).  Printed: medians and p90 in ms, and the ratios / added ms against
+``engine`` measured in the same run.  The first requests (``--warmup``) of each level are dropped.
+The server is started by this script on free ports (tritonserver from toolkit/server.py) after the
+in-process engine has been closed, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
+
+QUESTION = "Explain in a few sentences why the sky is blue."
+
+
+def percentile(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+class Recorder:
+    def __init__(self):
+        self.ttft, self.itl = [], []
+        self.lock = threading.Lock()
+
+    def add(self, sent: float, times: list[float]):
+        with self.lock:
+            self.ttft.append(times[0] - sent)
+            self.itl.extend(b - a for a, b in zip(times, times[1:]))
+
+
+def closed_loop(concurrency: int, requests: int, warmup: int, one) -> Recorder:
+    """``concurrency`` workers; each runs ``one(record)`` until ``requests`` are done."""
+    rec = Recorder()
+    counter = iter(range(requests + warmup))
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            sent, times = one()
+            if i >= warmup:
+                rec.add(sent, times)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rec
+
+
+# -- the three paths ----------------------------------------------------------------------------
+
+def run_engine(engine_dir, prompt_ids, out_tokens, concurrency, requests, warmup):
+    from toolkit.build.cpu import load_engine
+    from toolkit.runtime.engine import BackgroundEngine, GenerationRequest
+
+    bg = BackgroundEngine(load_engine(engine_dir))
+    try:
+        def one():
+            done = threading.Event()
+            times = []
+
+            def on_event(ev):
+                if ev.token_id is not None:
+                    times.append(time.perf_counter())
+                if ev.finished:
+                    done.set()
+
+            sent = time.perf_counter()
+            bg.submit(GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=out_tokens, end_id=-1), on_event)
+            done.wait()
+            return sent, times
+
+        return {c: closed_loop(c, requests, warmup, one) for c in concurrency}
+    finally:
+        bg.close()
+
+
+def grpc_one(url, model, inputs_fn):
+    import tritonclient.grpc as g
+
+    def one():
+        client = g.InferenceServerClient(url)
+        q = queue.Queue()
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter())))
+        times = []
+        try:
+            sent = time.perf_counter()
+            client.async_stream_infer(model, inputs_fn(), enable_empty_final_response=True)
+            while True:
+                result, error, at = q.get(timeout=300)
+                if error is not None:
+                    raise RuntimeError(error)
+                r = result.get_response()
+                names = {o.name for o in r.outputs}
+                if "output_ids" in names and result.as_numpy("output_ids").size:
+                    times.append(at)
+                elif "text_output" in names and any(result.as_numpy("text_output").reshape(-1)):
+                    times.append(at)
+                if r.parameters["triton_final_response"].bool_param:
+                    return sent, times
+        finally:
+            client.stop_stream()
+            client.close()
+
+    return one
+
+
+def tensor(name, arr, dtype):
+    import tritonclient.grpc as g
+
+    t = g.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("repository", type=Path, help="an emitted cpu repository (rtk build SPEC)")
+    ap.add_argument("--requests", type=int, default=24, help="measured requests per level and path")
+    ap.add_argument("--warmup", type=int, default=2, help="requests per level and path not measured")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--output-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    from toolkit.artifacts import read_manifest
+    from toolkit.server import free_ports
+    from toolkit.triton import serve as S
+
+    import rtk_text
+
+    repo = args.repository
+    manifest = read_manifest(repo) or {}
+    if manifest.get("target") != "cpu":
+        ap.error(f"{repo} is not an emitted cpu repository")
+    engine_dir = manifest["inputs"]["engine_dir"]
+    tok = rtk_text.load_tokenizer(str(repo / "preprocessing/tokenizer"))
+    chat = json.dumps([{"role": "user", "content": QUESTION}])
+    prompt_ids, _ = rtk_text.encode_prompt(tok, chat, window=10_000, policy="reject")
+    n = args.output_tokens
+
+    print(f"# rtk serving overhead — {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
+          f" {args.requests} measured + {args.warmup} warm-up requests per level and path; closed loop", flush=True)
+    results = {"engine": run_engine(engine_dir, prompt_ids, n, args.concurrency, args.requests, args.warmup)}
+    print("# engine done; starting tritonserver", flush=True)
+
+    http, grpc, metrics = free_ports(3)
+    t = S.resolve(repo)
+    server = S.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    server.start()
+    try:
+        server.wait_ready(models=t.models)
+
+        def llm_inputs():
+            return [tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
+                    tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
+                    tensor("request_output_len", np.array([[n]], dtype=np.int32), "INT32"),
+                    tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
+                    tensor("streaming", np.array([[True]]), "BOOL")]
+
+        def ens_inputs():
+            return [tensor("text_input", np.array([[chat.encode()]], dtype=np.object_), "BYTES"),
+                    tensor("max_tokens", np.array([[n]], dtype=np.int32), "INT32"),
+                    tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
+                    tensor("stream", np.array([[True]]), "BOOL")]
+
+        for model, fn in (("tensorrt_llm", llm_inputs), ("ensemble", ens_inputs)):
+            one = grpc_one(server.grpc_url, model, fn)
+            results[model] = {c: closed_loop(c, args.requests, args.warmup, one) for c in args.concurrency}
+    finally:
+        server.stop()
+
+    ms = 1e3
+    print()
+    print("| streams | path | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | TTFT ratio | TTFT added ms | ITL ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        base = results["engine"][c]
+        b_ttft, b_itl = statistics.median(base.ttft), statistics.median(base.itl)
+        for path in ("engine", "tensorrt_llm", "ensemble"):
+            r = results[path][c]
+            ttft, itl = statistics.median(r.ttft), statistics.median(r.itl)
+            print(f"| {c} | {path} | {ttft * ms:.1f} | {percentile(r.ttft, 90) * ms:.1f} | {itl * ms:.1f} | "
+                  f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | {itl / b_itl:.2f} |")
+    print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
