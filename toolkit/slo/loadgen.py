@@ -245,12 +245,12 @@ class _Run:
             # Send what is due (or park it while the max_inflight slots are taken).
             while self.heap and self.heap[0].due <= now:
                 item = heapq.heappop(self.heap)
-                if item is self.arrival_item:
-                    self.next_arrival()  # prepared now, long before it is due
                 if plan.max_inflight and len(inflight) >= plan.max_inflight:
                     self.held.append(item)
                 else:
                     gen.send(item, item.due)
+                if item is self.arrival_item:
+                    self.next_arrival()  # after the send: prepared now, long before it is due
                 now = now_ns()
             # Requests that never finished.
             while inflight:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor  # numpy only; light
 
 from ..errors import ServerError, UsageError
 from .records import SERVER_STAMPS, RequestRecord
@@ -106,24 +107,25 @@ class Decoded:
     stamps: dict[str, int] = field(default_factory=dict)
 
 
-def decode_grpc(info: ModelInfo, resp) -> Decoded:
-    """A ``ModelInferResponse`` → tokens, text/ids and server stamps."""
-    from tritonclient.grpc import InferResult
-
-    names = {o.name for o in resp.outputs}
-    if not names:
-        return Decoded(0)
-    res = InferResult(resp)
-    stamps = {s: int(res.as_numpy(s).reshape(-1)[0]) for s in SERVER_STAMPS if s in names}
-    out = INTERFACES[info.interface]["output"]
-    if out not in names:
-        return Decoded(0, stamps=stamps)
-    arr = res.as_numpy(out)
+def decode_grpc(info: ModelInfo, resp, *, content: bool = True, stamps: bool = True) -> Decoded:
+    """A ``ModelInferResponse`` → tokens (from the output's shape), and, when asked, text/ids and
+    server stamps, read straight from ``raw_output_contents`` (no InferResult: this runs per token)."""
+    name = INTERFACES[info.interface]["output"]
+    index = {o.name: i for i, o in enumerate(resp.outputs)}
+    raws = resp.raw_output_contents
+    st = {s: int(np.frombuffer(raws[index[s]], dtype=np.int64)[0]) for s in SERVER_STAMPS if s in index} if stamps else {}
+    if name not in index:
+        return Decoded(0, stamps=st)
     if info.interface == "ensemble":
-        text = "".join(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1))
-        return Decoded(1, text=text, stamps=stamps)
-    ids = _first_beam(arr)
-    return Decoded(len(ids), ids=ids, stamps=stamps)
+        if not content:
+            return Decoded(1, stamps=st)
+        raw = raws[index[name]]
+        text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raw))
+        return Decoded(1, text=text, stamps=st)
+    shape = resp.outputs[index[name]].shape
+    n = int(shape[-1]) if len(shape) else 0  # [batch, beam, tokens]: the first beam is the first n values
+    ids = np.frombuffer(raws[index[name]], dtype=np.int32)[:n].tolist() if content else None
+    return Decoded(n, ids=ids, stamps=st)
 
 
 def _first_beam(arr: np.ndarray) -> list[int]:
@@ -133,19 +135,19 @@ def _first_beam(arr: np.ndarray) -> list[int]:
     return [int(x) for x in a.reshape(-1)]
 
 
-def decode_http(info: ModelInfo, body: bytes) -> Decoded:
-    """One SSE ``data:`` payload → tokens, text/ids and server stamps."""
+def decode_http(info: ModelInfo, body: bytes, *, content: bool = True, stamps: bool = True) -> Decoded:
+    """One SSE ``data:`` payload → tokens, and when asked text/ids and server stamps."""
     obj = json.loads(body)
-    stamps = {s: int(obj[s][0] if isinstance(obj[s], list) else obj[s]) for s in SERVER_STAMPS if s in obj}
-    out = INTERFACES[info.interface]["output"]
-    if out not in obj:
-        return Decoded(0, stamps=stamps)
-    val = obj[out]
+    st = {s: int(obj[s][0] if isinstance(obj[s], list) else obj[s]) for s in SERVER_STAMPS if s in obj} if stamps else {}
+    name = INTERFACES[info.interface]["output"]
+    if name not in obj:
+        return Decoded(0, stamps=st)
+    val = obj[name]
     if info.interface == "ensemble":
-        text = "".join(map(str, val)) if isinstance(val, list) else str(val)
-        return Decoded(1, text=text, stamps=stamps)
+        text = ("".join(map(str, val)) if isinstance(val, list) else str(val)) if content else None
+        return Decoded(1, text=text, stamps=st)
     ids = _first_beam(np.asarray(val))
-    return Decoded(len(ids), ids=ids, stamps=stamps)
+    return Decoded(len(ids), ids=ids if content else None, stamps=st)
 
 
 def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_output: bool = True) -> None:
@@ -154,17 +156,10 @@ def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_outp
     text, ids = [], []
     for t, payload in rec.raw:
         try:
-            d = decode(info, payload)
+            d = decode(info, payload, content=keep_output, stamps=False)
         except Exception as exc:  # a response we cannot read is the request's failure, not ours
             rec.error = rec.error or f"unreadable response: {exc}"
             continue
-        for k, v in d.stamps.items():  # each response repeats the stamps known so far
-            if not v:
-                continue
-            if k == "last_token_time_ns":
-                rec.server[k] = max(v, rec.server.get(k, 0))
-            else:
-                rec.server.setdefault(k, v)
         if d.tokens:
             rec.chunk_ns.append(t)
             rec.chunk_tokens.append(d.tokens)
@@ -172,6 +167,15 @@ def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_outp
                 text.append(d.text)
             if d.ids is not None:
                 ids.extend(d.ids)
+    # Each response repeats the server stamps known so far: the last one that has them has all.
+    for _, payload in reversed(rec.raw):
+        try:
+            found = {k: v for k, v in decode(info, payload, content=False).stamps.items() if v}
+        except Exception:
+            continue
+        if found:
+            rec.server.update(found)
+            break
     rec.raw = []
     if keep_output:
         if info.interface == "ensemble":
@@ -241,7 +245,6 @@ class GrpcTransport(Transport):
 
     def prepare(self, rid: str, p: Payload):
         from tritonclient.grpc import service_pb2
-        from tritonclient.utils import serialize_byte_tensor
 
         info = self.info
         batched = info.max_batch_size > 0
