@@ -181,6 +181,7 @@ def run_slo(
     spec, slo = as_slo(config)
     target = Target.from_spec(spec, slo, url, metrics_url, repository)
     objectives = list(slo.objectives if objectives is None else objectives)
+    slo = slo.model_copy(update={"objectives": objectives})  # the report names what was checked
     plan = plan_of(slo)
     notes: list[str] = []
 
