@@ -263,6 +263,26 @@ def test_concurrent_requests_are_batched_in_flight_and_get_their_solo_tokens(ser
     wait_idle(served)
 
 
+def test_many_short_concurrent_streams_all_complete_and_the_server_stays_up(served):
+    """8 streams x 6 requests: final sends racing the cancellation watcher once crashed tritonserver
+    (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen at this load with the real model)."""
+    failures = []
+
+    def worker(k):
+        for i in range(6):
+            responses = run(served["grpc"], "tensorrt_llm", llm_inputs([1, 50 + k, 60 + i], 24))
+            if responses[-1][1] is not None or len(tokens_of(responses)) != 24:
+                failures.append((k, i, responses[-1][1]))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert failures == []
+    wait_idle(served)
+
+
 @pytest.mark.parametrize("model", ["tensorrt_llm", "ensemble", "tensorrt_llm_bls"])
 def test_a_cancelled_stream_frees_its_kv_blocks(served, model):
     if model == "tensorrt_llm":

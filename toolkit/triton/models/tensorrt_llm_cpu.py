@@ -61,7 +61,7 @@ class _Stream:
 
     __slots__ = ("request", "sender", "triton_id", "engine_id", "prompt", "streaming", "exclude_input", "want_perf",
                  "want_in", "want_out", "dropped", "end_id", "generated", "sent", "arrival_ns", "first_token_ns",
-                 "last_token_ns", "done", "finished_event", "final_response", "stop_sequences")
+                 "last_token_ns", "done", "finished_event", "final_response", "stop_sequences", "lock", "closed")
 
     def __init__(self, request, sender, triton_id, prompt):
         self.request, self.sender, self.triton_id, self.prompt = request, sender, triton_id, prompt
@@ -73,6 +73,11 @@ class _Stream:
         self.done = False
         self.finished_event = threading.Event()
         self.final_response = None
+        # Guards the sender: is_cancelled() on a sender whose final response has gone crashes
+        # tritonserver 2.51 (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so the cancel
+        # watcher and the final send never overlap, and nothing touches the sender after it.
+        self.lock = threading.Lock()
+        self.closed = False
 
 
 class TritonPythonModel:
@@ -291,19 +296,36 @@ class TritonPythonModel:
         }
 
     def _send(self, s, response, *, final):
-        if self.decoupled:
+        if not self.decoupled:
+            if final:
+                s.final_response = response
+                s.finished_event.set()
+            return
+        with s.lock:
+            if s.closed:
+                return
+            s.closed = final
             try:
                 if response is None:
                     s.sender.send(flags=FINAL)
                 else:
                     s.sender.send(response, flags=FINAL if final else 0)
-            except Exception as exc:  # the client went away; the request is cancelled below
+            except Exception as exc:  # the client went away
                 self.logger.log_warn(f"tensorrt_llm: could not send a response: {exc}")
-                if not s.done:
-                    self.background.cancel(s.engine_id)
-        elif final:
-            s.final_response = response
-            s.finished_event.set()
+                failed = True
+            else:
+                failed = False
+        if failed and not s.done:
+            self.background.cancel(s.engine_id)
+
+    def _client_cancelled(self, s):
+        with s.lock:
+            if s.closed:
+                return False
+            try:
+                return s.sender.is_cancelled()
+            except Exception:
+                return False
 
     # -- metrics ------------------------------------------------------------------------------
     def _init_metrics(self, args):
@@ -346,12 +368,9 @@ class TritonPythonModel:
             for s in streams:
                 if s.done:
                     continue
-                try:
-                    if s.sender is not None and s.sender.is_cancelled():
-                        self.background.cancel(s.engine_id)
-                        continue
-                except Exception:
-                    pass
+                if s.sender is not None and self._client_cancelled(s):
+                    self.background.cancel(s.engine_id)
+                    continue
                 if self.queue_timeout_ns and s.first_token_ns is None and now - s.arrival_ns > self.queue_timeout_ns:
                     try:
                         scheduled = self.engine.times(s.engine_id).first_scheduled_ns
