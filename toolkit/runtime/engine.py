@@ -267,8 +267,8 @@ class Engine:
         from .model import build_plan
 
         plan = build_plan(
-            [(seq.block_table, seq.num_cached, n) for seq, n in work], self.config.tokens_per_block,
-            reads_own_kv=self.pool.quant is None,
+            [(seq.block_table, seq.num_cached, n, seq.prefilling) for seq, n in work], self.config.tokens_per_block,
+            self.scheduler.unit, reads_own_kv=self.pool.quant is None,
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
         with torch.inference_mode():
@@ -349,9 +349,11 @@ class Engine:
         out = []
         try:
             with torch.inference_mode():
-                for start in range(0, len(token_ids), self.config.max_num_tokens):
-                    chunk = token_ids[start : start + self.config.max_num_tokens]
-                    plan = build_plan([(table, start, len(chunk))], tpb, reads_own_kv=self.pool.quant is None)
+                unit = self.scheduler.unit
+                step = max(unit, self.config.max_num_tokens // unit * unit)
+                for start in range(0, len(token_ids), step):
+                    chunk = token_ids[start : start + step]
+                    plan = build_plan([(table, start, len(chunk), True)], tpb, unit, reads_own_kv=self.pool.quant is None)
                     out.append(self.model.forward(torch.tensor(chunk, dtype=torch.int64), plan, self.pool))
         finally:
             self.blocks.release_all(table)

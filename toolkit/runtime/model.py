@@ -213,65 +213,69 @@ def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[t
 
 @dataclass
 class PrefillChunk:
-    start: int  # first row in the flat batch
-    length: int  # query tokens
-    context: int  # tokens of context after this chunk (cached prefix + chunk)
-    slots: torch.Tensor | None  # [context] slots to read K/V from, None = use this chunk's own K/V
-    mask: torch.Tensor | None  # [length, context] bool, None = plain causal
+    """Prompt rows ``[start, start + length)`` of the flat batch, at positions ``cached ...``."""
+
+    start: int
+    length: int
+    cached: int
+    slots: torch.Tensor | None  # [cached + length] slots to read K/V from; None = this chunk's own K/V
+    units: list[tuple[int, int, torch.Tensor]]  # query rows [a, b) of the chunk and their mask [b - a, cached + b]
 
 
 @dataclass
 class StepPlan:
-    """Per-step inputs shared by every layer: where to write K/V and what each sequence attends to."""
+    """Per-step inputs shared by every layer: where to write K/V and what each row attends to."""
 
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T]
-    num_decode: int = 0  # rows [0, num_decode) are single-token decodes
-    decode_slots: torch.Tensor | None = None  # [sum of context lengths]: every decode's context, concatenated
-    decode_bounds: list[tuple[int, int]] = field(default_factory=list)  # each decode's range in decode_slots
+    num_decode: int = 0  # rows [0, num_decode) are one-row (generation) attention calls
+    decode_slots: torch.Tensor | None = None  # contexts of the one-row calls' sequences, concatenated
+    decode_bounds: list[tuple[int, int]] = field(default_factory=list)  # each one-row call's keys in decode_slots
     prefills: list[PrefillChunk] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None  # rows whose logits are needed; None = all
 
 
 def build_plan(
-    seqs: list[tuple[list[int], int, int]], tokens_per_block: int, reads_own_kv: bool = True
+    work: list[tuple[list[int], int, int, bool]], tokens_per_block: int, unit: int, reads_own_kv: bool = True
 ) -> StepPlan:
-    """Metadata for sequences given as ``(block_table, num_cached, num_new)``; decodes (num_new == 1) must come first.
+    """Metadata for ``(block_table, num_cached, num_new, is_prompt)`` entries, generation entries first.
 
-    ``reads_own_kv``: a chunk that starts at position 0 may attend to its freshly computed K/V
-    instead of reading them back from the pool (not when the pool quantizes them).
+    Generation rows (``is_prompt`` False) each attend alone, like a decode.  A prompt chunk's
+    queries attend in units of ``unit`` rows aligned to absolute positions, so a row's numbers do
+    not depend on how the prompt was split into steps.  ``reads_own_kv``: a chunk starting at
+    position 0 may use its fresh K/V instead of reading them back (not when the pool quantizes).
     """
     tpb = tokens_per_block
     positions, slots = [], []
-    num_decode = 0
-    decode_tables: list[torch.Tensor] = []
+    decode_ctx: list[torch.Tensor] = []
+    bounds: list[tuple[int, int]] = []
     prefills = []
-    row = 0
-    for table, cached, new in seqs:
+    row = offset = 0
+    for table, cached, new, is_prompt in work:
         ctx = cached + new
-        pos = torch.arange(cached, ctx)
         tbl = torch.tensor(table, dtype=torch.int64)
         all_slots = tbl.repeat_interleave(tpb)[:ctx] * tpb + torch.arange(ctx) % tpb
-        positions.append(pos)
+        positions.append(torch.arange(cached, ctx))
         slots.append(all_slots[cached:])
-        if new == 1 and not prefills:
-            num_decode += 1
-            decode_tables.append(all_slots)
+        if not is_prompt:
+            if prefills:
+                raise ValueError("generation entries must come before prompt chunks")
+            decode_ctx.append(all_slots)
+            bounds.extend((offset, offset + cached + i + 1) for i in range(new))
+            offset += ctx
         else:
-            if cached == 0 and reads_own_kv:
-                chunk_slots, mask = None, None
-            else:
-                chunk_slots = all_slots
-                mask = None if cached == 0 else (torch.arange(ctx)[None, :] <= pos[:, None])
-            prefills.append(PrefillChunk(row, new, ctx, chunk_slots, mask))
+            units = []
+            for a in range(0, new, unit):
+                b = min(a + unit, new)
+                qpos = torch.arange(cached + a, cached + b)
+                units.append((a, b, torch.arange(cached + b)[None, :] <= qpos[:, None]))
+            own = cached == 0 and reads_own_kv
+            prefills.append(PrefillChunk(row, new, cached, None if own else all_slots, units))
         row += new
-    plan = StepPlan(positions=torch.cat(positions), write_slots=torch.cat(slots), num_decode=num_decode, prefills=prefills)
-    if num_decode:
-        plan.decode_slots = torch.cat(decode_tables)
-        start = 0
-        for s in decode_tables:
-            plan.decode_bounds.append((start, start + len(s)))
-            start += len(s)
+    plan = StepPlan(positions=torch.cat(positions), write_slots=torch.cat(slots), num_decode=len(bounds), prefills=prefills)
+    if bounds:
+        plan.decode_slots = torch.cat(decode_ctx)
+        plan.decode_bounds = bounds
     return plan
 
 
@@ -373,17 +377,19 @@ class Transformer:
                     )
                     outs.append(o.view(1, H * D))
             for c in plan.prefills:
-                qc = q[c.start : c.start + c.length].transpose(0, 1)[None]
                 if c.slots is None:
                     kc = k[c.start : c.start + c.length].transpose(0, 1)[None]
                     vc = v[c.start : c.start + c.length].transpose(0, 1)[None]
                 else:
                     kc, vc = pool.gather(li, c.slots)
                     kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None and c.length > 1, scale=self.scale, enable_gqa=gqa
-                )
-                outs.append(o[0].transpose(0, 1).reshape(c.length, H * D))
+                qc = q[c.start : c.start + c.length].transpose(0, 1)[None]
+                for a, b, mask in c.units:
+                    end = c.cached + b
+                    o = F.scaled_dot_product_attention(
+                        qc[:, :, a:b], kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale, enable_gqa=gqa
+                    )
+                    outs.append(o[0].transpose(0, 1).reshape(b - a, H * D))
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             h = h + layer.o(attn, B)
             x = self._rms_norm(h, layer.post_norm)

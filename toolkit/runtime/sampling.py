@@ -54,7 +54,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if 0 < params.top_k < scaled.numel():
         values, ids = torch.topk(scaled, params.top_k)  # sorted, descending
     else:
-        values, ids = torch.sort(scaled, descending=True)
+        values, ids = torch.sort(scaled, descending=True, stable=True)  # ties: lowest id first, as argmax
     probs = torch.softmax(values, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).

@@ -2,20 +2,28 @@
 
 Every step has a token budget (``max_num_tokens``) and a sequence limit (``max_batch_size``):
 
-1. sequences that are decoding get their one token first, so a long prompt arriving never delays
-   anyone's next token by more than one chunk;
+1. sequences that are generating get their token first, so a long prompt arriving never delays
+   anyone's next token by more than one step;
 2. prompts already being prefilled continue, chunked to what is left of the budget;
 3. waiting requests are admitted in arrival order while budget, batch slots and KV blocks last,
    first matching their prompt against the prefix cache.
+
+Prompt chunks end on multiples of the *attention unit* (``unit``: the block size, or a smaller
+power of two when the step budget is tiny) or at the prompt's end, and the model computes
+attention one unit of queries at a time, so how a prompt is split into steps (which depends on
+the load) never changes its numbers.  TensorRT-LLM also sizes context chunks in whole blocks
+(cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp).
 
 Two capacity policies, after TensorRT-LLM's capacity scheduler
 (cpp/include/tensorrt_llm/batch_manager/capacityScheduler.h):
 
 * ``guaranteed_no_evict`` admits a request only when the blocks it could ever need (prompt +
   max_new_tokens) are free after what running sequences may still claim; nothing is preempted.
-* ``max_utilization`` admits as soon as the next chunk fits; when a decode needs a block and the
-  pool is full, the most recently arrived sequence is preempted: its blocks are released (full
-  ones stay in the prefix cache) and it re-queues with its generated tokens, to be recomputed.
+* ``max_utilization`` admits as soon as the next chunk fits; when a sequence needs a block and
+  the pool is full, the most recently arrived sequence is preempted: its blocks are released (full
+  ones stay in the prefix cache) and it re-queues with its generated tokens.  On readmission its
+  prompt is prefilled again and its generated tokens are recomputed one row each, as they were
+  first computed, so the continuation is exactly what it would have been.
 
 Nothing is lost either way: a preempted sequence keeps its tokens and sampling state and its
 stream simply continues later.
@@ -46,6 +54,7 @@ class Sequence:
     sampling: SamplingParams
     generator: torch.Generator | None
     arrival_ns: int
+    tokens_per_block: int = 1
     first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     last_token_ns: int | None = None
@@ -68,20 +77,31 @@ class Sequence:
         return len(self.tokens) - self.num_cached
 
     @property
+    def prefilling(self) -> bool:
+        return self.num_cached < self.prompt_len
+
+    @property
     def lifetime_blocks(self) -> int:
         """Blocks this sequence may hold at most: K/V of the prompt and all but the last output token."""
-        return blocks_for(self.prompt_len + self.max_new_tokens - 1, self._tpb)
-
-    _tpb: int = 1
+        return blocks_for(self.prompt_len + self.max_new_tokens - 1, self.tokens_per_block)
 
     def keys_upto(self, num_blocks: int) -> list[bytes]:
         """Keys of the first ``num_blocks`` full blocks (computed once, incrementally)."""
-        tpb = self._tpb
+        tpb = self.tokens_per_block
         while len(self.block_keys) < num_blocks:
             i = len(self.block_keys)
             parent = self.block_keys[-1] if self.block_keys else b""
             self.block_keys.append(block_key(parent, self.tokens[i * tpb : (i + 1) * tpb]))
         return self.block_keys[:num_blocks]
+
+
+def attention_unit(tokens_per_block: int, max_num_tokens: int, max_batch_size: int) -> int:
+    """Query rows per prefill attention call: the block size, unless a step could not fit one."""
+    room = max(1, max_num_tokens - max_batch_size + 1)  # budget a lone prefill always has
+    unit = tokens_per_block
+    while unit > room:
+        unit //= 2
+    return unit
 
 
 class Scheduler:
@@ -93,6 +113,7 @@ class Scheduler:
             raise UsageError(f"scheduler policy '{policy}' is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
         self.tpb = blocks.tokens_per_block
+        self.unit = attention_unit(self.tpb, max_num_tokens, max_batch_size)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
@@ -103,7 +124,7 @@ class Scheduler:
 
     # -- membership ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq._tpb = self.tpb
+        seq.tokens_per_block = self.tpb
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -134,7 +155,7 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
-    # -- capacity -----------------------------------------------------------------------------------
+    # -- sizing ---------------------------------------------------------------------------------------
     def _outstanding(self) -> int:
         """Blocks running sequences may still claim (guaranteed_no_evict reservations)."""
         return sum(max(0, s.lifetime_blocks - len(s.block_table)) for s in self.running)
@@ -143,8 +164,31 @@ class Scheduler:
         for _ in range(blocks_for(upto_tokens, self.tpb) - len(seq.block_table)):
             seq.block_table.append(self.blocks.allocate())
 
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, blocks_for(seq.num_cached + n, self.tpb) - len(seq.block_table))
+    def _step_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` runs this step within ``budget`` (0 = not now).
+
+        Generation (and the recompute of generated tokens) runs one row per token; a prompt runs
+        in chunks that end on a multiple of the attention unit or at the prompt's end.
+        """
+        if not seq.prefilling:
+            return min(seq.remaining, budget)
+        left = seq.prompt_len - seq.num_cached
+        if left <= budget:
+            return left
+        if not self.chunked and left <= self.max_num_tokens:
+            return 0  # without chunked context a prompt runs whole; wait for a step with room
+        return self._align(seq, budget)
+
+    def _align(self, seq: Sequence, n: int) -> int:
+        """Largest chunk <= ``n`` ending on an attention-unit boundary (num_cached is on one)."""
+        return max(0, (seq.num_cached + n) // self.unit * self.unit - seq.num_cached)
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """max_utilization: shrink ``n`` to the blocks that are free."""
+        free = (len(seq.block_table) + self.blocks.num_available) * self.tpb - seq.num_cached
+        if n <= free:
+            return n
+        return self._align(seq, free) if seq.prefilling else max(0, free)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """max_utilization: preempt the newest sequences until ``need`` blocks are free.
@@ -158,51 +202,47 @@ class Scheduler:
                 return False
         return True
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = seq.remaining
-        if n <= budget:
-            return n
-        # Without chunked context a prompt must run in one step, unless it could never fit (a
-        # preempted sequence recomputing prompt + output longer than the step budget).
-        if self.chunked or n > self.max_num_tokens:
-            return budget
-        return 0
-
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """This step's work as ``(sequence, tokens)``, single-token decodes first; blocks are allocated."""
+        """This step's work as ``(sequence, tokens)``, generating sequences first; blocks are allocated."""
         budget = self.max_num_tokens
-        decodes: list[tuple[Sequence, int]] = []
+        generating: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
 
         # Oldest first, so a preemption victim (the newest sequence) is never one already planned.
-        for seq in sorted((s for s in self.running if s.remaining == 1), key=lambda s: s.order):
+        for seq in sorted((s for s in self.running if not s.prefilling), key=lambda s: s.order):
             if seq not in self.running:  # preempted to make room for an older one
                 continue
-            if budget == 0:
+            n = self._step_tokens(seq, budget)
+            if n == 0:
                 break
-            need = self._blocks_needed(seq, 1)
+            need = max(0, blocks_for(seq.num_cached + n, self.tpb) - len(seq.block_table))
             if need > self.blocks.num_available:
-                preempted = True
                 if self.policy == "guaranteed_no_evict":  # cannot happen: admission reserved the blocks
                     raise AssertionError("KV pool exhausted under guaranteed_no_evict")
+                preempted = True
+                if n > 1:  # a recompute: take what fits, at least one token
+                    n = max(1, self._fit(seq, n))
+                    need = max(0, blocks_for(seq.num_cached + n, self.tpb) - len(seq.block_table))
                 if not self._make_room(seq, need):
                     continue
-            self._grow(seq, seq.num_cached + 1)
-            decodes.append((seq, 1))
-            budget -= 1
+            self._grow(seq, seq.num_cached + n)
+            generating.append((seq, n))
+            budget -= n
 
-        for seq in sorted((s for s in self.running if s.remaining > 1), key=lambda s: s.order):
+        for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.order):
             if seq not in self.running or budget == 0:
                 continue
-            n = self._chunk(seq, budget)
+            n = self._step_tokens(seq, budget)
+            if n and self.policy == "max_utilization":
+                n = self._fit(seq, n)
+                if n == 0 and not generating and not prefills:  # nothing else can move: free blocks
+                    preempted = True
+                    if self._make_room(seq, blocks_for(seq.num_cached + self.unit, self.tpb) - len(seq.block_table)):
+                        n = self._fit(seq, self._step_tokens(seq, budget))
             if n == 0:
                 continue
-            if self.policy == "max_utilization":
-                n = self._fit(seq, n, nothing_planned=not decodes and not prefills)
-                if n == 0:
-                    continue
             self._grow(seq, seq.num_cached + n)
             prefills.append((seq, n))
             budget -= n
@@ -215,19 +255,9 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             self._grow(seq, seq.num_cached + n)
-            (decodes if n == 1 else prefills).append((seq, n))
+            (prefills if seq.prefilling else generating).append((seq, n))
             budget -= n
-        # Single-token work first: the model runs those rows as decodes (see model.build_plan).
-        return decodes + [w for w in prefills if w[1] == 1] + [w for w in prefills if w[1] > 1]
-
-    def _fit(self, seq: Sequence, n: int, nothing_planned: bool) -> int:
-        """max_utilization: shrink a prefill chunk to the free blocks (preempting only to avoid a stall)."""
-        free_tokens = (len(seq.block_table) + self.blocks.num_available) * self.tpb - seq.num_cached
-        if free_tokens <= 0 and nothing_planned:
-            if not self._make_room(seq, 1):
-                return 0
-            free_tokens = (len(seq.block_table) + self.blocks.num_available) * self.tpb - seq.num_cached
-        return max(0, min(n, free_tokens))
+        return generating + prefills
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the prefix cache and reserve blocks for ``seq``; returns its first chunk (0 = not now)."""
@@ -236,24 +266,22 @@ class Scheduler:
         matched = self.blocks.match_prefix(seq.keys_upto(reusable)) if reusable else []
         lru_hits = sum(1 for b in matched if self.blocks.is_cached_unused(b))
         available = self.blocks.num_available - lru_hits
-        cached = len(matched) * self.tpb
-        remaining = len(seq.tokens) - cached
-        n = min(remaining, budget) if (self.chunked or remaining > self.max_num_tokens) else (remaining if remaining <= budget else 0)
-        if n == 0:
-            return 0
-        if self.policy == "guaranteed_no_evict":
+        seq.num_cached = len(matched) * self.tpb
+        n = self._step_tokens(seq, budget)
+        if n and self.policy == "guaranteed_no_evict":
             need = max(seq.lifetime_blocks, blocks_for(len(seq.tokens), self.tpb)) - len(matched)
             if available - self._outstanding() < need:
-                return 0
-        else:
-            free_tokens = (len(matched) + available) * self.tpb - cached
-            n = min(n, free_tokens)
-            if n <= 0:
-                return 0
+                n = 0
+        elif n:
+            free = (len(matched) + available) * self.tpb - seq.num_cached
+            if n > free:
+                n = self._align(seq, free) if seq.prefilling else max(0, free)
+        if n == 0:
+            seq.num_cached = 0
+            return 0
         for b in matched:
             self.blocks.acquire(b)
         seq.block_table = list(matched)
-        seq.num_cached = cached
         seq.num_registered = len(matched)
         seq.reused_blocks += len(matched)
         return n

@@ -1,0 +1,412 @@
+"""The CPU engine on the tiny random Llama, checked against transformers (the independent reference).
+
+Every comparison with transformers is exact (token for token): the engine reproduces
+transformers' bf16 arithmetic and is batch-invariant (see docs/engine.md), so batching, chunked
+prefill, prefix reuse and preemption must not change a single greedy token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from toolkit.errors import UsageError
+from toolkit.runtime.engine import (
+    BackgroundEngine, Engine, EngineConfig, GenerationRequest, SamplingParams, TokenEvent,
+)
+
+NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tests share 2 cores with other work; two OpenMP threads then stall on each other's barriers
+    # (2-3x slower here).  Numbers are compared within one thread count, so this changes nothing.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16)
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir) -> Engine:
+    return Engine(tiny_llama_dir, config())
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_greedy(model, ids: list[int], n: int = NEW) -> list[int]:
+    """transformers' greedy continuation (memoized: several tests ask for the same one)."""
+    key = (id(model), tuple(ids), n)
+    if key not in _HF_CACHE:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        _HF_CACHE[key] = out[0, len(ids):].tolist()
+    return _HF_CACHE[key]
+
+
+def greedy(ids: list[int], n: int = NEW, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=n, end_id=-1, **kw)
+
+
+def run(engine: Engine, reqs: list[GenerationRequest], arrivals: dict[int, int] | None = None, max_steps: int = 10_000):
+    """Step until done; request i is added before step ``arrivals[i]`` (default 0). Returns (ids, events by id, steps)."""
+    arrivals = arrivals or {}
+    ids: list[str | None] = [None] * len(reqs)
+    events: dict[str, list[TokenEvent]] = {}
+    step = 0
+    while step < max_steps:
+        for i, r in enumerate(reqs):
+            if ids[i] is None and arrivals.get(i, 0) <= step:
+                ids[i] = engine.add_request(r)
+                events[ids[i]] = []
+        if all(i is not None for i in ids) and not engine.has_work():
+            break
+        for ev in engine.step():
+            events[ev.request_id].append(ev)
+        step += 1
+    return ids, events, step
+
+
+def tokens(evs: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in evs if e.token_id is not None]
+
+
+# -- agreement with transformers -------------------------------------------------------------------
+
+def test_greedy_matches_transformers_generate(engine, hf_model):
+    # lengths around block (16) and step (64) boundaries; 130 and 150 are prefilled in chunks
+    for n, seed in [(1, 1), (5, 2), (16, 3), (23, 4), (64, 5), (130, 6), (150, 7)]:
+        ids = prompt(n, seed)
+        assert engine.generate(greedy(ids)) == hf_greedy(hf_model, ids), f"prompt of {n} tokens"
+
+
+def test_prompt_logits_match_transformers(engine, hf_model):
+    ids = prompt(150, 11)  # three chunks of max_num_tokens=64 through the paged cache
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    got = engine.prompt_logits(ids)
+    assert got.shape == ref.shape
+    # chunked attention reads K/V back from the pool; the first chunk is bit-identical, later ones
+    # may differ in the last bf16 bit of a logit
+    assert torch.equal(got[:64], ref[:64])
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert engine.kv_stats()["blocks_used"] == 0
+
+
+# -- in-flight batching --------------------------------------------------------------------------------
+
+def test_mixed_batch_gives_each_request_its_alone_tokens(engine, hf_model):
+    lens = [3, 17, 40, 90, 130, 7, 1, 64]
+    reqs = [greedy(prompt(n, 20 + i), n=NEW + i) for i, n in enumerate(lens)]
+    # staggered arrivals: requests join while others prefill and decode
+    ids, events, _ = run(engine, reqs, arrivals={0: 0, 1: 0, 2: 1, 3: 2, 4: 2, 5: 5, 6: 9, 7: 12})
+    for i, r in enumerate(reqs):
+        assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens), f"request {i} (prompt {lens[i]})"
+        assert events[ids[i]][-1].finish_reason == "length"
+    assert engine.kv_stats()["blocks_used"] == 0
+
+
+def test_long_prompt_is_chunked_and_does_not_stall_decodes(tiny_llama_dir):
+    eng = Engine(tiny_llama_dir, config(max_num_tokens=35, enable_kv_cache_reuse=False))
+    short = [greedy(prompt(8, 30 + i), n=40) for i in range(3)]
+    long = greedy(prompt(200, 40), n=4)
+    ids = [eng.add_request(r) for r in short]
+    for _ in range(2):
+        eng.step()  # all three prefilled and decoding
+    long_id = eng.add_request(long)
+    steps_until_first = None
+    for s in range(12):
+        evs = eng.step()
+        got = {e.request_id for e in evs if e.token_id is not None}
+        assert set(ids) <= got, f"step {s}: a decoding request got no token while the long prompt prefilled"
+        if long_id in got and steps_until_first is None:
+            steps_until_first = s + 1
+    # 35 - 3 decodes = 32 prompt tokens per step (two 16-token units): 200 tokens need 7 steps,
+    # and the decodes never wait
+    assert steps_until_first == 7
+
+
+def test_chunked_context_disabled_runs_prompts_whole(tiny_llama_dir, hf_model):
+    eng = Engine(tiny_llama_dir, config(max_num_tokens=256, enable_chunked_context=False))
+    reqs = [greedy(prompt(200, 50)), greedy(prompt(100, 51)), greedy(prompt(30, 52))]
+    ids, events, _ = run(eng, reqs)
+    for i, r in enumerate(reqs):
+        assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids)
+
+
+# -- prefix reuse ------------------------------------------------------------------------------------
+
+def test_prefix_reuse_gives_the_same_tokens_as_no_reuse(tiny_llama_dir, hf_model):
+    history = prompt(100, 60)
+    with_reuse = Engine(tiny_llama_dir, config())
+    without = Engine(tiny_llama_dir, config(enable_kv_cache_reuse=False))
+    first = with_reuse.generate(greedy(history))
+    assert first == without.generate(greedy(history)) == hf_greedy(hf_model, history)
+    # next turn: the whole conversation so far plus a new user message
+    turn2 = history + first + prompt(20, 61)
+    rid = with_reuse.add_request(greedy(turn2))
+    out = tokens(with_reuse.step())
+    # last turn computed K/V for 100 + 23 tokens (the last output token never ran): 7 full blocks
+    # of 16, found again by the hash of their token prefix
+    assert with_reuse.request_stats(rid)["reused_blocks"] == 7
+    while with_reuse.has_work():
+        out += tokens(with_reuse.step())
+    assert out == without.generate(greedy(turn2)) == hf_greedy(hf_model, turn2)
+    assert with_reuse.kv_stats()["blocks_reused_total"] == 7 and without.kv_stats()["blocks_reused_total"] == 0
+
+
+def test_identical_prompts_in_flight_share_blocks(tiny_llama_dir):
+    eng = Engine(tiny_llama_dir, config())
+    p = prompt(64, 70)
+    a = eng.add_request(greedy(p, n=30))
+    eng.step()  # prefilled: 4 full blocks registered
+    b = eng.add_request(greedy(p, n=30))
+    eng.step()
+    # b reuses 3 blocks (its last prompt token must run); the shared blocks are counted once
+    assert eng.request_stats(b)["reused_blocks"] == 3
+    used = eng.kv_stats()["blocks_used"]
+    assert used == eng.request_stats(a)["blocks"] + eng.request_stats(b)["blocks"] - 3
+
+
+# -- bounded memory ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,reuse", [("guaranteed_no_evict", True), ("max_utilization", True), ("max_utilization", False)])
+def test_pool_smaller_than_demand_every_request_completes(tiny_llama_dir, hf_model, policy, reuse):
+    # 6 requests of 40 + 40 tokens need 5 blocks of 16 each (30 in all); the pool holds 8
+    eng = Engine(tiny_llama_dir, config(max_seq_len=128, max_input_len=64, kv_cache_blocks=8, scheduler_policy=policy,
+                                        enable_kv_cache_reuse=reuse))
+    reqs = [greedy(prompt(40, 80 + i), n=40) for i in range(6)]
+    most_running = 0
+    ids = [eng.add_request(r) for r in reqs]
+    events = {i: [] for i in ids}
+    while eng.has_work():
+        for ev in eng.step():
+            events[ev.request_id].append(ev)
+        stats = eng.kv_stats()
+        assert stats["blocks_used"] <= 8
+        most_running = max(most_running, stats["running"])
+    for i, r in zip(ids, reqs):
+        assert tokens(events[i]) == hf_greedy(hf_model, r.prompt_ids, 40)
+        assert [e.index for e in events[i]] == list(range(40))  # streamed once each, even across preemption
+    stats = eng.kv_stats()
+    assert stats["blocks_used"] == 0 and stats["waiting"] == 0
+    if policy == "guaranteed_no_evict":
+        assert stats["preempted_total"] == 0 and most_running == 1  # 5 blocks reserved each; 8 in the pool
+    else:
+        assert stats["preempted_total"] > 0 and most_running >= 2
+
+
+# -- cancellation, stop conditions, sampling -----------------------------------------------------
+
+def test_cancel_frees_blocks_and_ends_the_stream(tiny_llama_dir, hf_model):
+    eng = Engine(tiny_llama_dir, config())
+    keep = greedy(prompt(30, 90), n=20)
+    a = eng.add_request(keep)
+    b = eng.add_request(greedy(prompt(50, 91), n=100))
+    c = eng.add_request(greedy(prompt(10, 92), n=5))
+    evs = {a: [], b: [], c: []}
+    for _ in range(3):
+        for e in eng.step():
+            evs[e.request_id].append(e)
+    before = eng.kv_stats()["blocks_used"]
+    b_blocks = eng.request_stats(b)["blocks"]
+    eng.cancel(b)
+    eng.cancel(b)  # twice: harmless
+    eng.cancel("no-such-request")
+    assert eng.kv_stats()["blocks_used"] == before - b_blocks
+    while eng.has_work():
+        for e in eng.step():
+            evs[e.request_id].append(e)
+    last = evs[b][-1]
+    assert last.finished and last.finish_reason == "cancelled" and last.token_id is None
+    assert sum(1 for e in evs[b] if e.finished) == 1
+    assert tokens(evs[a]) == hf_greedy(hf_model, keep.prompt_ids, 20)
+    assert eng.kv_stats()["blocks_used"] == 0
+    # a request cancelled before it was ever scheduled
+    w = eng.add_request(greedy(prompt(5, 93)))
+    eng.cancel(w)
+    (ev,) = eng.step()
+    assert (ev.request_id, ev.finish_reason, ev.index) == (w, "cancelled", 0)
+    assert not eng.has_work()
+
+
+def test_end_id_and_stop_sequences(engine, hf_model):
+    ids = prompt(12, 100)
+    ref = hf_greedy(hf_model, ids, 30)
+    # end id: generation stops before it, and it is not part of the output (TensorRT-LLM semantics)
+    end = ref[9]
+    cut = ref.index(end)
+    _, evs, _ = run(engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=end)])
+    (evs,) = evs.values()
+    assert tokens(evs) == ref[:cut]
+    assert (evs[-1].finish_reason, evs[-1].token_id, evs[-1].index) == ("end_id", None, cut)
+    # stop sequence: the stop tokens are part of the output
+    stop = ref[14:16]
+    first = next(i for i in range(len(ref) - 1) if ref[i : i + 2] == stop)
+    _, evs, _ = run(engine, [greedy(ids, 30, stop_sequences=[[1, 2, 3], stop])])
+    (evs,) = evs.values()
+    assert tokens(evs) == ref[: first + 2] and evs[-1].finish_reason == "stop" and evs[-1].finished
+    # the default end id is the checkpoint's EOS (2): a request whose output would contain it stops there
+    assert engine.eos_ids == frozenset({2})
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
+    ids = prompt(20, 110)
+    sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234)
+    alone = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp))
+    again = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp))
+    assert alone == again
+    others = [GenerationRequest(prompt_ids=prompt(n, 111 + n), max_new_tokens=30, end_id=-1,
+                                sampling=SamplingParams(temperature=0.8, seed=n)) for n in (5, 50, 90)]
+    rids, evs, _ = run(engine, others + [GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp)],
+                       arrivals={3: 2})
+    assert tokens(evs[rids[3]]) == alone
+    other_seed = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1,
+                                                   sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=99)))
+    assert other_seed != alone
+    # degenerate settings reduce to greedy
+    g = engine.generate(greedy(ids, 10))
+    assert engine.generate(greedy(ids, 10, sampling=SamplingParams(temperature=0.7, top_k=1, seed=5))) == g
+    assert engine.generate(greedy(ids, 10, sampling=SamplingParams(temperature=0.7, top_p=1e-6, seed=5))) == g
+
+
+# -- timing and streaming ---------------------------------------------------------------------------
+
+def test_events_and_timestamps(engine):
+    before = time.time_ns()
+    rids, evs, _ = run(engine, [greedy(prompt(40, 120), n=12), greedy(prompt(10, 121), n=5)], arrivals={1: 3})
+    for rid, n in zip(rids, (12, 5)):
+        e = evs[rid]
+        assert [x.index for x in e] == list(range(n)) and [x.finished for x in e] == [False] * (n - 1) + [True]
+        assert all(a.time_ns <= b.time_ns for a, b in zip(e, e[1:]))
+        t = engine.times(rid)  # still answered after the request finished
+        assert before <= t.arrival_ns <= t.first_scheduled_ns <= t.first_token_ns <= t.last_token_ns
+        assert t.first_token_ns == e[0].time_ns and t.last_token_ns == e[-1].time_ns
+    with pytest.raises(UsageError):
+        engine.times("never-seen")
+
+
+def test_background_engine_streams_concurrent_submissions(engine, hf_model):
+    reqs = [greedy(prompt(n, 130 + n), n=16) for n in (7, 33, 70, 2)]
+    got: dict[str, list[TokenEvent]] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+    bg = BackgroundEngine(engine)
+    try:
+        def on_event(ev):
+            with lock:
+                got.setdefault(ev.request_id, []).append(ev)
+                if sum(1 for v in got.values() if v[-1].finished) == len(reqs) + 1:
+                    done.set()
+
+        rids = [None] * len(reqs)
+
+        def submit(i):
+            rids[i] = bg.submit(reqs[i], on_event)
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        long_id = bg.submit(greedy(prompt(50, 140), n=400), on_event)
+        while not got.get(long_id):
+            time.sleep(0.01)
+        bg.cancel(long_id)
+        assert done.wait(60)
+        with pytest.raises(UsageError):
+            bg.submit(greedy([]), on_event)
+    finally:
+        bg.close()
+    for rid, r in zip(rids, reqs):
+        assert tokens(got[rid]) == hf_greedy(hf_model, r.prompt_ids, 16)
+    assert got[long_id][-1].finish_reason == "cancelled"
+    assert engine.kv_stats()["blocks_used"] == 0
+
+
+def test_background_close_cancels_what_is_in_flight(engine):
+    got = []
+    bg = BackgroundEngine(engine)
+    bg.submit(greedy(prompt(20, 150), n=400), got.append)
+    while not got:
+        time.sleep(0.01)
+    bg.close()
+    assert got[-1].finished and got[-1].finish_reason == "cancelled"
+    with pytest.raises(UsageError):
+        bg.submit(greedy(prompt(3, 151)), got.append)
+    assert not engine.has_work() and engine.kv_stats()["blocks_used"] == 0
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("req,match", [
+    (GenerationRequest(prompt_ids=[], max_new_tokens=4), "empty"),
+    (GenerationRequest(prompt_ids=[5] * 257, max_new_tokens=4), "max_input_len"),
+    (GenerationRequest(prompt_ids=[5] * 200, max_new_tokens=400), "max_seq_len"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=0), "max_new_tokens"),
+    (GenerationRequest(prompt_ids=[5, 49152], max_new_tokens=4), r"\[0, 49152\)"),
+    (GenerationRequest(prompt_ids=[5, -1], max_new_tokens=4), "prompt_ids"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, end_id=10**6), "end_id"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, stop_sequences=[[]]), "stop sequence"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(temperature=-1)), "temperature"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_p=0)), "top_p"),
+    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_k=-2)), "top_k"),
+])
+def test_bad_requests_raise_usage_error(engine, req, match):
+    with pytest.raises(UsageError, match=match):
+        engine.add_request(req)
+    assert not engine.has_work()
+
+
+def test_duplicate_request_id_is_refused(engine):
+    engine.add_request(GenerationRequest(prompt_ids=[5, 6], max_new_tokens=2, request_id="dup"))
+    with pytest.raises(UsageError, match="already in flight"):
+        engine.add_request(GenerationRequest(prompt_ids=[5, 6], max_new_tokens=2, request_id="dup"))
+    while engine.has_work():
+        engine.step()
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_input_len=512), "max_input_len"),
+    (dict(max_num_tokens=4), "max_num_tokens"),
+    (dict(kv_cache_blocks=10), "kv_cache_blocks"),
+    (dict(scheduler_policy="fifo"), "scheduler_policy"),
+    (dict(max_seq_len=8192), "max_seq_len"),  # tiny model: max_position_embeddings 4096
+    (dict(dtype="float16"), "dtype"),
+])
+def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
+    with pytest.raises(UsageError, match=field):
+        Engine(tiny_llama_dir, config(**{"max_input_len": 256, **kw}))
+
+
+def test_engine_config_from_build_spec():
+    from conftest import spec_for
+
+    spec = spec_for("t", "builtin:smollm2-135m-instruct", build={"max_batch_size": 4, "max_num_tokens": 128, "kv_cache_blocks": 300,
+                                                                 "tokens_per_block": 64, "enable_kv_cache_reuse": False})
+    c = EngineConfig.from_build(spec.build)
+    assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (4, 128, 64, 300, False)
+    assert (c.max_input_len, c.max_seq_len, c.enable_chunked_context) == (1024, 2048, True)
+    assert EngineConfig.from_build(spec_for("t", "x").build).num_blocks == 8 * 2048 // 32  # default: a full batch of full sequences

@@ -1,0 +1,96 @@
+"""The CPU engine on the real embedded SmolLM2-135M-Instruct: transformers parity, batching, and the
+FP8 export's perplexity against the quantize stage's own report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers.",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # see test_runtime_engine.py: two OpenMP threads on 2 shared cores stall each other
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
+def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    engine = Engine(smollm2_dir, EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512))
+    assert engine.model.dtype == torch.bfloat16 or not engine.model.packed
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    refs = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+        if out and out[-1] == tokenizer.eos_token_id:  # transformers keeps the EOS; the engine leaves it out
+            out = out[:-1]
+        refs.append(out)
+        got = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=40))
+        assert got == out, f"{tokenizer.decode(got)!r} != {tokenizer.decode(out)!r}"
+    assert "Paris" in tokenizer.decode(refs[0])
+    # all four at once, the last two joining while the first two decode
+    ids = [engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=40)) for p in prompts[:2]]
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    step = 0
+    while engine.has_work() or len(ids) < 4:
+        if step == 3:
+            for p in prompts[2:]:
+                ids.append(engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=40)))
+                outs[ids[-1]] = []
+        for ev in engine.step():
+            if ev.token_id is not None:
+                outs[ev.request_id].append(ev.token_id)
+        step += 1
+    assert [outs[i] for i in ids] == refs
+
+
+def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smollm2_fp8_dir):
+    from transformers import AutoTokenizer
+
+    from toolkit.quality import eval_token_lists, perplexity
+
+    report = json.loads((smollm2_fp8_dir / "quality.json").read_text())
+    hf_dir = smollm2_fp8_dir / "hf"
+    texts = eval_token_lists(AutoTokenizer.from_pretrained(hf_dir), report["eval_texts"])
+    assert sum(len(t) - 1 for t in texts) == report["eval_tokens"]
+
+    def engine_ppl(dtype: str) -> float:
+        eng = Engine(hf_dir, EngineConfig(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=512, dtype=dtype))
+        assert eng.model.layers[0].qkv.parts[0].act_kind == "fp8"  # activation quantization is emulated
+        return perplexity(lambda x: eng.prompt_logits(x[0].tolist())[None], texts)
+
+    want = report["quantized_ppl"]
+    # float32: the report's own arithmetic, up to summation order
+    assert engine_ppl("float32") == pytest.approx(want, rel=1e-3)
+    # the served dtype (bf16 weights and activations, fp8 emulated on bf16 inputs)
+    assert engine_ppl("auto") == pytest.approx(want, rel=0.02)
