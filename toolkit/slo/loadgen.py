@@ -45,8 +45,10 @@ class LoadPlan:
     seed: int = 0
 
     def __post_init__(self):
-        if (self.concurrency is None) == (self.rate is None):
-            self.concurrency = self.concurrency or (None if self.rate else 1)
+        if self.concurrency is not None and self.rate is not None:
+            raise ValueError("a load is either a concurrency (closed loop) or a rate (open loop), not both")
+        if self.concurrency is None and self.rate is None:
+            self.concurrency = 1
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("a load needs num_requests or duration_s")
 
