@@ -5,17 +5,20 @@
 
 For each concurrency level the same closed-loop workload (every stream sends its next request when
 the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
-``--output-tokens`` tokens) runs three ways, one after the other on an otherwise idle engine:
+``--output-tokens`` tokens) runs three ways:
 
 * ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token);
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing).
 
-TTFT is measured from the request's send to its first token (response); ITL is every gap between
-consecutive tokens (responses).  Printed: medians and p90 in ms, and the ratios / added ms against
-``engine`` measured in the same run.  The first requests (``--warmup``) of each level are dropped.
-The server is started by this script on free ports (tritonserver from toolkit/server.py) after the
-in-process engine has been closed, so the two never share the CPU.
+Both engines are loaded (the server's by tritonserver from toolkit/server.py, on free ports) but
+only one path runs at a time: the paths take turns, ``--rounds`` times per level, so drift of a
+shared host falls on each path alike.  On the ``tensorrt_llm`` path the model's own time stamps
+also split TTFT into engine time and Triton's share (send → execute, first token → client; same
+host clock).  TTFT is measured from the request's send to its first token
+(response); ITL is every gap between consecutive tokens (responses).  Printed: medians and p90 in
+ms, and the ratios / added ms against ``engine`` from the same run.  The first ``--warmup``
+requests of each path and level are not measured.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def percentile(xs, q):
 class Recorder:
     def __init__(self):
         self.ttft, self.itl = [], []
+        self.triton_ms = []  # tensorrt_llm path: (execute - send) + (response - first token), from server stamps
         self.lock = threading.Lock()
 
     def add(self, sent: float, times: list[float]):
@@ -54,9 +58,8 @@ class Recorder:
             self.itl.extend(b - a for a, b in zip(times, times[1:]))
 
 
-def closed_loop(concurrency: int, requests: int, warmup: int, one) -> Recorder:
-    """``concurrency`` workers; each runs ``one(record)`` until ``requests`` are done."""
-    rec = Recorder()
+def closed_loop(concurrency: int, requests: int, warmup: int, one, rec: Recorder) -> Recorder:
+    """``concurrency`` client threads; each runs ``one()`` until ``requests`` (+ ``warmup``) are done."""
     counter = iter(range(requests + warmup))
     lock = threading.Lock()
 
@@ -66,9 +69,11 @@ def closed_loop(concurrency: int, requests: int, warmup: int, one) -> Recorder:
                 i = next(counter, None)
             if i is None:
                 return
-            sent, times = one()
+            sent, times, overhead = one()
             if i >= warmup:
                 rec.add(sent, times)
+                if overhead is not None:
+                    rec.triton_ms.append(overhead)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -80,30 +85,59 @@ def closed_loop(concurrency: int, requests: int, warmup: int, one) -> Recorder:
 
 # -- the three paths ----------------------------------------------------------------------------
 
-def run_engine(engine_dir, prompt_ids, out_tokens, concurrency, requests, warmup):
-    from toolkit.build.cpu import load_engine
-    from toolkit.runtime.engine import BackgroundEngine, GenerationRequest
+def engine_runner(bg, prompt_ids, out_tokens):
+    """The in-process peer: ``run(concurrency, count, warmup, rec)``.  The closed loop is driven from the
+    engine's own callbacks (the next request is submitted when one finishes), so no client thread
+    competes with the engine for the GIL."""
+    from toolkit.runtime.engine import GenerationRequest
 
-    bg = BackgroundEngine(load_engine(engine_dir))
-    try:
-        def one():
-            done = threading.Event()
+    def run(c, count, warmup, rec):
+        total = count + warmup
+        state = {"next": 0, "running": 0}
+        lock = threading.Lock()
+        all_done = threading.Event()
+
+        def submit(index):
             times = []
+            sent = time.perf_counter()
 
             def on_event(ev):
                 if ev.token_id is not None:
                     times.append(time.perf_counter())
                 if ev.finished:
-                    done.set()
+                    if index >= warmup:
+                        rec.add(sent, times)
+                    start_next()
 
-            sent = time.perf_counter()
             bg.submit(GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=out_tokens, end_id=-1), on_event)
-            done.wait()
-            return sent, times
 
-        return {c: closed_loop(c, requests, warmup, one) for c in concurrency}
-    finally:
-        bg.close()
+        def start_next():
+            with lock:
+                state["running"] -= 1
+                if state["next"] == total:
+                    if state["running"] == 0:
+                        all_done.set()
+                    return
+                index = state["next"]
+                state["next"] += 1
+                state["running"] += 1
+            submit(index)
+
+        with lock:
+            first = min(c, total)
+            state["next"] = state["running"] = first
+        for i in range(first):
+            submit(i)
+        all_done.wait()
+
+    return run
+
+
+def client_runner(one):
+    def run(c, count, warmup, rec):
+        closed_loop(c, count, warmup, one, rec)
+
+    return run
 
 
 def grpc_one(url, model, inputs_fn):
@@ -112,23 +146,27 @@ def grpc_one(url, model, inputs_fn):
     def one():
         client = g.InferenceServerClient(url)
         q = queue.Queue()
-        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter())))
-        times = []
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter(), time.time_ns())))
+        times, overhead = [], None
         try:
-            sent = time.perf_counter()
+            sent, sent_ns = time.perf_counter(), time.time_ns()
             client.async_stream_infer(model, inputs_fn(), enable_empty_final_response=True)
             while True:
-                result, error, at = q.get(timeout=300)
+                result, error, at, at_ns = q.get(timeout=300)
                 if error is not None:
                     raise RuntimeError(error)
                 r = result.get_response()
                 names = {o.name for o in r.outputs}
-                if "output_ids" in names and result.as_numpy("output_ids").size:
-                    times.append(at)
-                elif "text_output" in names and any(result.as_numpy("text_output").reshape(-1)):
+                token = ("output_ids" in names and result.as_numpy("output_ids").size) or (
+                    "text_output" in names and any(result.as_numpy("text_output").reshape(-1)))
+                if token:
+                    if not times and "first_token_time_ns" in names:
+                        arrival = int(result.as_numpy("arrival_time_ns").reshape(-1)[0])
+                        first = int(result.as_numpy("first_token_time_ns").reshape(-1)[0])
+                        overhead = ((arrival - sent_ns) + (at_ns - first)) / 1e6
                     times.append(at)
                 if r.parameters["triton_final_response"].bool_param:
-                    return sent, times
+                    return sent, times, overhead
         finally:
             client.stop_stream()
             client.close()
@@ -151,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="requests per level and path not measured")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="the paths take turns this many times per level")
     args = ap.parse_args(argv)
 
     from toolkit.artifacts import read_manifest
@@ -171,23 +210,26 @@ def main(argv=None) -> int:
 
     print(f"# rtk serving overhead — {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     print(f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
-          f" {args.requests} measured + {args.warmup} warm-up requests per level and path; closed loop", flush=True)
-    results = {"engine": run_engine(engine_dir, prompt_ids, n, args.concurrency, args.requests, args.warmup)}
-    print("# engine done; starting tritonserver", flush=True)
+          f" ~{args.requests} measured + {args.warmup} warm-up requests per level and path in {args.rounds} interleaved rounds; closed loop", flush=True)
+    from toolkit.build.cpu import load_engine
+    from toolkit.runtime.engine import BackgroundEngine
 
     http, grpc, metrics = free_ports(3)
     t = S.resolve(repo)
     server = S.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
+    bg = None
     try:
         server.wait_ready(models=t.models)
+        bg = BackgroundEngine(load_engine(engine_dir))
 
         def llm_inputs():
             return [tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
                     tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
                     tensor("request_output_len", np.array([[n]], dtype=np.int32), "INT32"),
                     tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                    tensor("streaming", np.array([[True]]), "BOOL")]
+                    tensor("streaming", np.array([[True]]), "BOOL"),
+                    tensor("return_perf_metrics", np.array([[True]]), "BOOL")]
 
         def ens_inputs():
             return [tensor("text_input", np.array([[chat.encode()]], dtype=np.object_), "BYTES"),
@@ -195,10 +237,21 @@ def main(argv=None) -> int:
                     tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
                     tensor("stream", np.array([[True]]), "BOOL")]
 
-        for model, fn in (("tensorrt_llm", llm_inputs), ("ensemble", ens_inputs)):
-            one = grpc_one(server.grpc_url, model, fn)
-            results[model] = {c: closed_loop(c, args.requests, args.warmup, one) for c in args.concurrency}
+        paths = {
+            "engine": engine_runner(bg, prompt_ids, n),
+            "tensorrt_llm": client_runner(grpc_one(server.grpc_url, "tensorrt_llm", llm_inputs)),
+            "ensemble": client_runner(grpc_one(server.grpc_url, "ensemble", ens_inputs)),
+        }
+        results = {p: {c: Recorder() for c in args.concurrency} for p in paths}
+        for c in args.concurrency:
+            per_round = max(c, args.requests // args.rounds)
+            for r in range(args.rounds):  # interleaved, so drift of a shared host hits every path alike
+                for name, run in paths.items():
+                    run(c, per_round, args.warmup if r == 0 else 0, results[name][c])
+            print(f"# {c} stream(s) done", flush=True)
     finally:
+        if bg is not None:
+            bg.close()
         server.stop()
 
     ms = 1e3
@@ -213,6 +266,11 @@ def main(argv=None) -> int:
             ttft, itl = statistics.median(r.ttft), statistics.median(r.itl)
             print(f"| {c} | {path} | {ttft * ms:.1f} | {percentile(r.ttft, 90) * ms:.1f} | {itl * ms:.1f} | "
                   f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | {itl / b_itl:.2f} |")
+    for c in args.concurrency:
+        share = results["tensorrt_llm"][c].triton_ms
+        if share:
+            print(f"# {c} stream(s), tensorrt_llm path: Triton's own share of TTFT (send -> execute + first token -> client,"
+                  f" from the model's time stamps): median {statistics.median(share):.2f} ms, p90 {percentile(share, 90):.2f} ms")
     print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -98,7 +98,9 @@ def test_rtk_build_runs_every_stage_once_then_skips_them(tmp_path, tiny_llama_di
     assert second.exit_code == 0, second.output
     assert {d: read_manifest(tmp_path / "engines/tiny" / d)["created_unix"] for d in stamps} == stamps
     assert read_manifest(repo)["created_unix"] > emitted
-    assert "max_queue_size: 9" in (repo / "tensorrt_llm/config.pbtxt").read_text()
+    from toolkit.triton.config import parse
+
+    assert parse((repo / "tensorrt_llm/config.pbtxt").read_text()).parameters["max_queue_size"].string_value == "9"
 
     bad = runner.invoke(cli, ["build", str(spec_path), "--force", "link"])
     assert bad.exit_code == 2 and "not a stage" in bad.output

@@ -37,7 +37,7 @@ def served(tmp_path_factory, tiny_llama_dir):
     http, grpc, metrics = free_ports(3)
     spec = spec_for("tiny", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
                     serving={"repository": str(root / "repo"), "http_port": http, "grpc_port": grpc, "metrics_port": metrics,
-                             "context_policy": "truncate_oldest", "default_max_tokens": 16})
+                             "context_policy": "truncate_oldest", "default_max_tokens": 16, "max_queue_size": 4})
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     repo = emit(spec, engine).path
@@ -294,6 +294,9 @@ def test_a_cancelled_stream_frees_its_kv_blocks(served, model):
     for _ in range(3):
         result, error, _ = s.next()
         assert error is None
+    deadline = time.monotonic() + 2
+    while kv_used(served) == (0.0, 0.0) and time.monotonic() < deadline:  # the gauges update every 50 ms
+        time.sleep(0.02)
     used, active = kv_used(served)
     assert used >= 1 and active == 1
     s.close(cancel=True)
@@ -328,6 +331,23 @@ def test_bad_requests_get_clear_errors_while_others_are_served(served, reference
     long.close()
     assert all(r[1] is None for r in good)
     assert tokens_of(good) == generate_here(reference_engine, PROMPT, 40)
+
+
+def test_requests_beyond_the_batch_and_queue_are_refused_and_the_rest_served(served):
+    """max_batch_size 4 + max_queue_size 4: of 11 long requests at once, some are refused with
+    UNAVAILABLE ("Exceeds maximum queue size") and every other one completes."""
+    streams = [Stream(served["grpc"]) for _ in range(11)]
+    for s in streams:
+        s.send("tensorrt_llm", llm_inputs(PROMPT, 120))
+    outcomes = []
+    for s in streams:
+        outcomes.append(s.responses())
+        s.close()
+    refused = [r[-1][1] for r in outcomes if r[-1][1] is not None]
+    served_ok = [r for r in outcomes if r[-1][1] is None]
+    assert refused and all("Exceeds maximum queue size" in str(e) for e in refused), refused
+    assert len(served_ok) >= 8 and all(len(tokens_of(r)) == 120 for r in served_ok)
+    wait_idle(served)
 
 
 def test_a_long_conversation_drops_its_oldest_turns_and_says_so(served, tokenizer):

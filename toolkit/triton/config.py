@@ -84,26 +84,6 @@ def _cpu_instances(cfg, count: int) -> None:
     cfg.instance_group.add(count=count, kind=_pb().ModelInstanceGroup.KIND_CPU)
 
 
-def queue_policy(cfg, max_queue_size: int, queue_timeout_ms: int | None) -> None:
-    """``dynamic_batching`` with a ``default_queue_policy`` only when the spec bounds the queue.
-
-    tritonserver 2.51's dynamic batcher can idle ~500 ms before dispatching a queued request when
-    *any* default_queue_policy is set (reference/triton-on-cpu.md §4.2), so an unbounded queue gets
-    a plain ``dynamic_batching {}``.
-    """
-    pb = _pb()
-    db = cfg.dynamic_batching
-    db.SetInParent()
-    db.max_queue_delay_microseconds = 0
-    if max_queue_size or queue_timeout_ms:
-        qp = db.default_queue_policy
-        qp.max_queue_size = max_queue_size
-        if queue_timeout_ms:
-            qp.timeout_action = pb.ModelQueuePolicy.REJECT
-            qp.default_timeout_microseconds = queue_timeout_ms * 1000
-            qp.allow_timeout_override = True
-
-
 # -- tensor interfaces ------------------------------------------------------------------------
 
 def tensorrt_llm_inputs(*, rtk_extensions: bool) -> list[T]:
@@ -254,14 +234,18 @@ def tensorrt_llm_cpu(spec, s: RepoSettings):
     _add(cfg.input, tensorrt_llm_inputs(rtk_extensions=True), is_input=True)
     _add(cfg.output, tensorrt_llm_outputs(rtk_extensions=True), is_input=False)
     cfg.model_transaction_policy.decoupled = sv.decoupled
-    queue_policy(cfg, sv.max_queue_size, sv.queue_timeout_ms)
+    # The queue forms in the engine, not in Triton: execute() hands requests over and returns at
+    # once.  So the model enforces serving.max_queue_size / queue_timeout_ms itself, and the config
+    # has no default_queue_policy: with one, tritonserver 2.51's dynamic batcher held the 3rd and 4th
+    # of 4 simultaneous requests back 0.5 s and 1.0 s (tests/test_serve_tiny.py; reference §4.2).
+    cfg.dynamic_batching.max_queue_delay_microseconds = 0
     _cpu_instances(cfg, sv.instance_count)
     _params(cfg, {
         "engine_dir": s.engine_dir,
-        "max_queue_size": sv.max_queue_size,  # also enforced on the engine's own waiting queue
+        "max_queue_size": sv.max_queue_size,
         "queue_timeout_ms": sv.queue_timeout_ms,
         "batch_scheduler_policy": sv.batch_scheduler_policy,
-        "cancellation_check_period_ms": 20,
+        "cancellation_check_period_ms": 50,  # TensorRT-LLM's backend: 100
     })
     return cfg
 

@@ -59,6 +59,10 @@ def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         if manifest["spec"].get("build") != spec.build.model_dump():
             raise UsageError(f"'{repo}' was emitted for other build settings than {source} has now; run `rtk build {source}` again")
         serving = spec.serving.model_dump()
+        how = {"host", "http_port", "grpc_port", "metrics_port", "tritonserver", "repository"}  # not in the repository
+        emitted = {k: v for k, v in (section.get("serving") or {}).items() if k not in how}
+        if emitted != {k: v for k, v in serving.items() if k not in how}:
+            raise UsageError(f"'{repo}' was emitted for other serving settings than {source} has now; run `rtk build {source}` again")
     engine = (manifest.get("inputs") or {}).get("engine_dir")
     build = section.get("build") or {}
     if C.ENSEMBLE in manifest.get("models", []) and not (repo / C.ENSEMBLE / "1").is_dir():

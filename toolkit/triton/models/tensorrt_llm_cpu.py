@@ -52,10 +52,6 @@ def _scalar(request, name, default=None, kind=int):
     return kind(a.reshape(-1)[0])
 
 
-def _i32(v):
-    return np.array([v], dtype=np.int32)  # [batch=1, ...] added by the caller's shape
-
-
 class _Stream:
     """One Triton request in the engine."""
 
@@ -87,13 +83,13 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.max_queue = int(p.get("max_queue_size") or 0)
         self.queue_timeout_ns = int(float(p.get("queue_timeout_ms") or 0) * 1e6)
-        self.check_period = float(p.get("cancellation_check_period_ms") or 20) / 1e3
+        self.check_period = float(p.get("cancellation_check_period_ms") or 50) / 1e3
         self.logger = pb_utils.Logger
 
         from toolkit.build.cpu import load_engine
         from toolkit.runtime.engine import BackgroundEngine
 
-        self.engine = load_engine(p["engine_dir"])
+        self.engine = load_engine(p["engine_dir"], scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict")
         self.config = self.engine.config
         self.background = BackgroundEngine(self.engine)
         self.lock = threading.Lock()
@@ -342,17 +338,22 @@ class TritonPythonModel:
         self.metric_families = (kv, req)  # keep them alive
         self.kv_gauges = {t: kv.Metric(labels={**base, "kv_cache_block_type": t}) for t in ("max", "free", "used", "tokens_per")}
         self.req_gauges = {t: req.Metric(labels={**base, "request_type": t}) for t in ("active", "max", "scheduled", "waiting")}
+        self.last_metrics = {}
+        self.metrics_failed = False
         self.kv_gauges["tokens_per"].set(self.config.tokens_per_block)
         self.req_gauges["max"].set(self.config.max_batch_size)
 
     def _update_metrics(self, active):
+        """Set the gauges that changed (each set is a message to the server process)."""
         stats = self.engine.kv_stats()
-        self.kv_gauges["max"].set(stats["blocks_total"])
-        self.kv_gauges["free"].set(stats["blocks_free"])
-        self.kv_gauges["used"].set(stats["blocks_used"])
-        self.req_gauges["active"].set(active)
-        self.req_gauges["scheduled"].set(stats.get("running", 0))
-        self.req_gauges["waiting"].set(stats.get("waiting", 0))
+        values = {
+            ("kv", "max"): stats["blocks_total"], ("kv", "free"): stats["blocks_free"], ("kv", "used"): stats["blocks_used"],
+            ("req", "active"): active, ("req", "scheduled"): stats.get("running", 0), ("req", "waiting"): stats.get("waiting", 0),
+        }
+        for key, value in values.items():
+            if self.last_metrics.get(key) != value:
+                (self.kv_gauges if key[0] == "kv" else self.req_gauges)[key[1]].set(value)
+                self.last_metrics[key] = value
 
     # -- cancellation and queue timeouts ----------------------------------------------------
     def _watch(self):
@@ -360,8 +361,10 @@ class TritonPythonModel:
         while not self.closing.wait(self.check_period):
             try:
                 self._update_metrics(len(self.streams))
-            except Exception:  # a torn read of the engine's counters; the next period fixes it
-                pass
+            except Exception as exc:  # never let metrics stop cancellation; say so once
+                if not self.metrics_failed:
+                    self.metrics_failed = True
+                    self.logger.log_warn(f"tensorrt_llm: updating the engine gauges failed: {exc!r}")
             with self.lock:
                 streams = list(self.streams.values())
             now = time.time_ns()
