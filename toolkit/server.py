@@ -200,19 +200,13 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 # -- the server -------------------------------------------------------------------------------
 
-@dataclass
-class ServerState:
-    """What a detached server leaves behind so another process can find and stop it."""
+class _Endpoints:
+    """URLs of a server from its ``host`` and ports (shared by the live server and its state file)."""
 
-    pid: int
-    repository: str
-    binary: str
     host: str
     http_port: int
     grpc_port: int
     metrics_port: int
-    log_path: str
-    started_unix: float
 
     @property
     def http_url(self) -> str:
@@ -225,6 +219,21 @@ class ServerState:
     @property
     def metrics_url(self) -> str:
         return f"http://{_connect_host(self.host)}:{self.metrics_port}/metrics"
+
+
+@dataclass
+class ServerState(_Endpoints):
+    """What a detached server leaves behind so another process can find and stop it."""
+
+    pid: int
+    repository: str
+    binary: str
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: str
+    started_unix: float
 
 
 def state_path(repository: str | os.PathLike) -> Path:
@@ -246,7 +255,7 @@ def _set_parent_death_signal() -> None:  # runs in the child between fork and ex
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class TritonServer:
+class TritonServer(_Endpoints):
     """One tritonserver process serving ``repository``.
 
     ``with TritonServer(repo, http_port=..., grpc_port=..., metrics_port=...) as srv:`` starts it,
@@ -301,19 +310,6 @@ class TritonServer:
         opts = dict(host=s.host, http_port=s.http_port, grpc_port=s.grpc_port, metrics_port=s.metrics_port, tritonserver=s.tritonserver)
         opts.update(kwargs)
         return cls(repository or spec.repository_dir(), **opts)
-
-    # -- urls -----------------------------------------------------------------------------
-    @property
-    def http_url(self) -> str:
-        return f"http://{_connect_host(self.host)}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{_connect_host(self.host)}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{_connect_host(self.host)}:{self.metrics_port}/metrics"
 
     @property
     def binary(self) -> TritonBinary:
