@@ -1,8 +1,12 @@
 """The CPU engine on the tiny random Llama, checked against transformers (the independent reference).
 
-Every comparison with transformers is exact (token for token): the engine reproduces
-transformers' bf16 arithmetic and is batch-invariant (see docs/engine.md), so batching, chunked
-prefill, prefix reuse and preemption must not change a single greedy token.
+The engine computes attention in float32 (its default, ``attention_dtype="float32"``); the
+reference is transformers' own model with its SDPA attention run in float32 through a registered
+attention function, everything else (embedding, norms, RoPE, MLP, cache, generate) stock.  With
+``attention_dtype="model"`` the engine is compared with stock bf16 transformers.  Every comparison
+is exact (token for token): the engine reproduces transformers' arithmetic and is batch-invariant
+(see docs/engine.md), so batching, chunked prefill, prefix reuse and preemption must not change a
+single greedy token.
 """
 
 from __future__ import annotations
@@ -41,11 +45,23 @@ def engine(tiny_llama_dir) -> Engine:
     return Engine(tiny_llama_dir, config())
 
 
+def transformers_model(path, fp32_attention: bool = True):
+    """transformers' model in bf16; with ``fp32_attention`` its SDPA runs on float32 q/k/v (as the engine's default)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa_fp32(module, query, key, value, attention_mask, **kw):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
+        return out.to(query.dtype), weights
+
+    AttentionInterface.register("sdpa_fp32", sdpa_fp32)
+    impl = "sdpa_fp32" if fp32_attention else "sdpa"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=impl).eval()
+
+
 @pytest.fixture(scope="module")
 def hf_model(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    return transformers_model(tiny_llama_dir)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -100,6 +116,14 @@ def test_greedy_matches_transformers_generate(engine, hf_model):
     for n, seed in [(1, 1), (5, 2), (16, 3), (23, 4), (64, 5), (130, 6), (150, 7)]:
         ids = prompt(n, seed)
         assert engine.generate(greedy(ids)) == hf_greedy(hf_model, ids), f"prompt of {n} tokens"
+
+
+def test_bf16_attention_matches_stock_transformers(tiny_llama_dir):
+    stock = transformers_model(tiny_llama_dir, fp32_attention=False)
+    eng = Engine(tiny_llama_dir, config(attention_dtype="model"))
+    for n, seed in [(5, 2), (23, 4), (130, 6)]:
+        ids = prompt(n, seed)
+        assert eng.generate(greedy(ids)) == hf_greedy(stock, ids), f"prompt of {n} tokens"
 
 
 def test_prompt_logits_match_transformers(engine, hf_model):
@@ -395,6 +419,7 @@ def test_duplicate_request_id_is_refused(engine):
     (dict(scheduler_policy="fifo"), "scheduler_policy"),
     (dict(max_seq_len=8192), "max_seq_len"),  # tiny model: max_position_embeddings 4096
     (dict(dtype="float16"), "dtype"),
+    (dict(attention_dtype="bfloat16"), "attention_dtype"),
 ])
 def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
     with pytest.raises(UsageError, match=field):

@@ -41,22 +41,24 @@ def chat_ids(tokenizer, question: str) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
-def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
+def hf_reply(model, ids: list[int], eos: int, n: int = 40) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    return out[:-1] if out and out[-1] == eos else out  # transformers keeps the EOS; the engine leaves it out
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+
+def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, tokenizer):
+    from test_runtime_engine import transformers_model
+
+    hf = transformers_model(smollm2_dir)  # float32 attention, as the engine's default
     engine = Engine(smollm2_dir, EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512))
-    assert engine.model.dtype == torch.bfloat16 or not engine.model.packed
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     refs = []
     for ids in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
-        if out and out[-1] == tokenizer.eos_token_id:  # transformers keeps the EOS; the engine leaves it out
-            out = out[:-1]
-        refs.append(out)
+        refs.append(hf_reply(hf, ids, tokenizer.eos_token_id))
         got = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=40))
-        assert got == out, f"{tokenizer.decode(got)!r} != {tokenizer.decode(out)!r}"
+        assert got == refs[-1], f"{tokenizer.decode(got)!r} != {tokenizer.decode(refs[-1])!r}"
     assert "Paris" in tokenizer.decode(refs[0])
     # all four at once, the last two joining while the first two decode
     ids = [engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=40)) for p in prompts[:2]]
@@ -72,6 +74,17 @@ def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, t
                 outs[ev.request_id].append(ev.token_id)
         step += 1
     assert [outs[i] for i in ids] == refs
+
+
+def test_bf16_attention_is_bit_identical_to_stock_transformers(smollm2_dir, tokenizer):
+    from test_runtime_engine import transformers_model
+
+    hf = transformers_model(smollm2_dir, fp32_attention=False)
+    engine = Engine(smollm2_dir, EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512,
+                                              attention_dtype="model"))
+    for q in QUESTIONS[:2]:
+        ids = chat_ids(tokenizer, q)
+        assert engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=40)) == hf_reply(hf, ids, tokenizer.eos_token_id)
 
 
 def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smollm2_fp8_dir):

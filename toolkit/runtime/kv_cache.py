@@ -165,6 +165,7 @@ class KVPool:
         shape = (num_layers, self.num_slots, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=store)
         self.v = torch.zeros(shape, dtype=store)
+        self._k_layers, self._v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))  # views, made once
 
     @property
     def nbytes(self) -> int:
@@ -187,14 +188,14 @@ class KVPool:
         if self.quant is not None:
             k = self._encode(k, self.quant.k_scales[layer])
             v = self._encode(v, self.quant.v_scales[layer])
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self._k_layers[layer].index_copy_(0, slots, k)
+        self._v_layers[layer].index_copy_(0, slots, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``slots`` (any shape ``S``) as ``S + [kv_heads, head_dim]`` in the compute dtype."""
         flat = slots.reshape(-1)
-        k = self.k[layer].index_select(0, flat)
-        v = self.v[layer].index_select(0, flat)
+        k = self._k_layers[layer].index_select(0, flat)
+        v = self._v_layers[layer].index_select(0, flat)
         if self.quant is not None:
             k = self._decode(k, self.quant.k_scales[layer])
             v = self._decode(v, self.quant.v_scales[layer])

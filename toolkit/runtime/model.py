@@ -202,11 +202,19 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and *signed* sin tables ``[length, head_dim]`` in ``dtype``, as transformers rounds them.
+
+    transformers rotates with ``x * cos + rotate_half(x) * sin`` where ``rotate_half(x) =
+    cat(-x2, x1)``; that equals ``x[..., swap] * (sign * sin)`` exactly (negation is exact), which
+    takes one gather instead of two slices, a negation and a concatenation.
+    """
     inv_freq = rope_inv_freq(config)
     pos = torch.arange(length, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    half = config.head_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    return emb.cos().to(dtype), emb.sin().to(dtype) * sign.to(dtype)
 
 
 # -- one step's attention metadata --------------------------------------------------------------
@@ -298,7 +306,7 @@ class Layer:
 class Transformer:
     """Weights prepared for the CPU plus the forward over a :class:`KVPool`."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, max_positions: int):
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, max_positions: int, attention_dtype: torch.dtype = torch.float32):
         cfg = ckpt.config
         self.config = cfg
         self.dtype = dtype
@@ -312,8 +320,11 @@ class Transformer:
         self.layers = [Layer(spec, dtype, pack, probes) for spec in ckpt.layers]
         self.single_row_modes = {f"{o}x{i}": p for (o, i, _), p in probes.items()}
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
+        half = cfg.head_dim // 2
+        self.rope_swap = torch.cat([torch.arange(half, cfg.head_dim), torch.arange(half)])
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
 
     @staticmethod
@@ -340,10 +351,9 @@ class Transformer:
         return KVPool(len(self.layers), num_blocks, tokens_per_block, self.num_kv_heads, self.head_dim, self.dtype, self.kv_quant)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype.
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype
+        # (F.rms_norm on fp32 gives the same bits as its pow/mean/rsqrt sequence, in one op).
+        return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, plan: StepPlan, pool: KVPool) -> torch.Tensor:
         """Logits (float32) for ``plan.logit_rows`` (all rows when None) of the flat token batch."""
@@ -352,24 +362,26 @@ class Transformer:
         cos = self.cos.index_select(0, plan.positions)[:, None, :]
         sin = self.sin.index_select(0, plan.positions)[:, None, :]
         h = F.embedding(input_ids, self.embed)
-        half = D // 2
+        swap = self.rope_swap
         B = plan.num_decode
         gqa = KVH != H
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = layer.qkv(x, B)
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rot * sin
+            qk = qk * cos + qk.index_select(-1, swap) * sin
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
             pool.write(li, plan.write_slots, k, v)
             outs = []
+            ad = self.attn_dtype
+            q = q.to(ad)
             if B:
                 # One gather for all decodes, then one SDPA per sequence over its exact context: the
                 # same call transformers makes for a single decode, so results do not depend on who
                 # else is in the batch (a padded, masked batch would change the float reductions).
                 kd, vd = pool.gather(li, plan.decode_slots)  # [sum L, KVH, D]
+                kd, vd = kd.to(ad), vd.to(ad)
                 for i, (s, e) in enumerate(plan.decode_bounds):
                     o = F.scaled_dot_product_attention(
                         q[i].view(1, H, 1, D), kd[s:e].transpose(0, 1)[None], vd[s:e].transpose(0, 1)[None],
@@ -383,6 +395,7 @@ class Transformer:
                 else:
                     kc, vc = pool.gather(li, c.slots)
                     kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
+                kc, vc = kc.to(ad), vc.to(ad)
                 qc = q[c.start : c.start + c.length].transpose(0, 1)[None]
                 for a, b, mask in c.units:
                     end = c.cached + b
@@ -390,7 +403,7 @@ class Transformer:
                         qc[:, :, a:b], kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale, enable_gqa=gqa
                     )
                     outs.append(o[0].transpose(0, 1).reshape(b - a, H * D))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            attn = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(self.dtype)
             h = h + layer.o(attn, B)
             x = self._rms_norm(h, layer.post_norm)
             gu = layer.gate_up(x, B)

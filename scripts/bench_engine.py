@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""rtk's CPU engine against transformers, measured in one run on the same model and machine.
+
+Model: the embedded SmolLM2-135M-Instruct (bf16 checkpoint from ``rtk fetch``), or ``--checkpoint``.
+Each side runs in the dtype it is fastest in here (bf16 on a CPU with AVX512-BF16; named in the
+table).  Parity of the tokens is checked by the tests (tests/test_runtime_*.py), not here.
+
+1. **Memory bandwidth** the machine gives this process: a full read of a 1 GiB tensor
+   (``torch.sum``) with the same thread count; the bound for a batch-1 decode is
+   ``bandwidth / bytes of weights read per token``.
+2. **Batch 1**: time to first token and decode tokens/s of one request (prompt of ~``--prompt``
+   tokens, ``--new`` tokens) vs ``transformers`` ``generate`` (timed per token by a streamer).
+3. **Share of the bandwidth bound** reached by the engine's batch-1 decode.
+4. **8 concurrent requests**: aggregate output tokens/s of the engine vs the same 8 requests run
+   one after another through ``generate``.
+5. **Inter-token latency p99 / p50** over 8 streams while a long prompt arrives mid-stream and
+   is prefilled in chunks of the step budget (``--itl-budget`` tokens per step); the same with one
+   step per prompt (no chunking) for contrast.
+
+Every figure is the median of ``--repeats`` runs; engine and transformers runs are interleaved so
+that load from other processes falls on both.  Usage::
+
+    python scripts/bench_engine.py [--threads 2] [--repeats 5] [--checkpoint DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
+
+
+def default_checkpoint() -> Path:
+    """The embedded model as a bf16 checkpoint, fetched once into rtk's cache."""
+    from toolkit.fetch import fetch
+    from toolkit.spec import spec_from_dict
+
+    out = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtk" / "bench" / "smollm2" / "checkpoint"
+    spec = spec_from_dict({"name": "bench", "model": {"source": "builtin:smollm2-135m-instruct"}})
+    return fetch(spec, output=out).path
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct prompts of exactly ``length`` tokens from the shipped held-out texts."""
+    from toolkit.quality import builtin_texts
+
+    ids = tokenizer("\n".join(builtin_texts("eval")), add_special_tokens=False)["input_ids"]
+    if len(ids) < n * length:
+        ids = ids * (n * length // len(ids) + 1)
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+def read_bandwidth(repeats: int) -> float:
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
+
+
+class Stamps:
+    """A transformers streamer that records when each new token arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def hf_run(model, ids: list[int], new: int) -> tuple[float, float, float]:
+    """(ttft s, decode tokens/s, total s) of one transformers generate()."""
+    s = Stamps()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=s,
+                       eos_token_id=None, pad_token_id=0)
+    total = time.perf_counter() - t0
+    return s.times[0] - t0, (len(s.times) - 1) / (s.times[-1] - s.times[0]), total
+
+
+def engine_run(engine: Engine, ids: list[int], new: int) -> tuple[float, float, float]:
+    t0 = time.time_ns()
+    rid = engine.add_request(GenerationRequest(prompt_ids=ids, max_new_tokens=new, end_id=-1))
+    stamps = []
+    while engine.has_work():
+        stamps += [e.time_ns for e in engine.step() if e.request_id == rid and e.token_id is not None]
+    total = (time.time_ns() - t0) / 1e9
+    return (stamps[0] - t0) / 1e9, (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1e9), total
+
+
+def engine_concurrent(engine: Engine, batch: list[list[int]], new: int) -> float:
+    t0 = time.perf_counter()
+    for ids in batch:
+        engine.add_request(GenerationRequest(prompt_ids=ids, max_new_tokens=new, end_id=-1))
+    n = 0
+    while engine.has_work():
+        n += sum(1 for e in engine.step() if e.token_id is not None)
+    return n / (time.perf_counter() - t0)
+
+
+def hf_sequential(model, batch: list[list[int]], new: int) -> float:
+    total = sum(hf_run(model, ids, new)[2] for ids in batch)
+    return len(batch) * new / total
+
+
+def itl_ratio(engine: Engine, streams: list[list[int]], long_prompt: list[int], new: int, arrive_after: int) -> tuple[float, float, float, float]:
+    """(p50 ms, p99 ms, p99/p50, long prompt's ttft s) of the streams' inter-token latencies."""
+    rids = [engine.add_request(GenerationRequest(prompt_ids=ids, max_new_tokens=new, end_id=-1)) for ids in streams]
+    stamps: dict[str, list[int]] = {r: [] for r in rids}
+    steps, long_id, long_t0, long_first = 0, None, 0, None
+    while engine.has_work():
+        if steps == arrive_after:
+            long_t0 = time.time_ns()
+            long_id = engine.add_request(GenerationRequest(prompt_ids=long_prompt, max_new_tokens=4, end_id=-1))
+        for e in engine.step():
+            if e.token_id is None:
+                continue
+            if e.request_id in stamps:
+                stamps[e.request_id].append(e.time_ns)
+            elif e.request_id == long_id and long_first is None:
+                long_first = e.time_ns
+        steps += 1
+    itls = sorted((b - a) / 1e6 for s in stamps.values() for a, b in zip(s, s[1:]))
+    p50 = statistics.median(itls)
+    p99 = itls[min(len(itls) - 1, int(0.99 * len(itls)))]
+    return p50, p99, p99 / p50, (long_first - long_t0) / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the embedded SmolLM2, fetched once)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both sides")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens for batch-1 and concurrent runs")
+    ap.add_argument("--new", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--long", type=int, default=768, help="tokens of the long prompt in the ITL run")
+    ap.add_argument("--itl-budget", type=int, default=64, help="max_num_tokens (step budget) of the ITL run")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    ckpt = args.checkpoint or default_checkpoint()
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    base = dict(max_batch_size=8, max_input_len=1024, max_seq_len=2048, tokens_per_block=32, num_threads=args.threads)
+    engine = Engine(ckpt, EngineConfig(max_num_tokens=512, **base))
+    hf_dtype = torch.bfloat16 if engine.model.dtype == torch.bfloat16 else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=hf_dtype).eval()
+    batch = prompts(tok, 9, args.prompt)
+    one, eight = batch[0], batch[1:]
+    R = args.repeats
+
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"threads {args.threads}, model {ckpt}", flush=True)
+    bw = [read_bandwidth(3) for _ in range(R)]
+    engine_run(engine, one, 8), hf_run(hf, one, 8)  # warm-up
+    b1_e, b1_h = [], []
+    for _ in range(R):
+        b1_e.append(engine_run(engine, one, args.new))
+        b1_h.append(hf_run(hf, one, args.new))
+    conc_e, conc_h = [], []
+    for _ in range(max(1, R // 2)):  # the sequential transformers run is the slowest part
+        conc_e.append(engine_concurrent(engine, eight, args.new))
+        conc_h.append(hf_sequential(hf, eight, args.new))
+    itl_engine = Engine(ckpt, EngineConfig(max_num_tokens=args.itl_budget, **base))
+    whole_engine = Engine(ckpt, EngineConfig(max_num_tokens=max(1024, args.long + 8), enable_chunked_context=False,
+                                             **{**base, "max_input_len": max(1024, args.long)}))
+    long_prompt = prompts(tok, 1, args.long)[0]
+    streams = prompts(tok, 8, 32)
+    itl_c, itl_w = [], []
+    for _ in range(R):
+        itl_c.append(itl_ratio(itl_engine, streams, long_prompt, 96, arrive_after=16))
+        itl_w.append(itl_ratio(whole_engine, streams, long_prompt, 96, arrive_after=16))
+
+    med = statistics.median
+    bandwidth = med(bw)
+    ttft_e, tps_e = med(r[0] for r in b1_e), med(r[1] for r in b1_e)
+    ttft_h, tps_h = med(r[0] for r in b1_h), med(r[1] for r in b1_h)
+    wbytes = engine.model.weight_bytes_per_token
+    bound = bandwidth / wbytes
+    hf_bytes = wbytes * (2 if hf_dtype == torch.float32 and engine.model.dtype == torch.bfloat16 else 1)  # same weights
+    c_e, c_h = med(conc_e), med(conc_h)
+    p50c, p99c, rc, lt_c = (med(r[i] for r in itl_c) for i in range(4))
+    p50w, p99w, rw, lt_w = (med(r[i] for r in itl_w) for i in range(4))
+    edt = str(engine.model.dtype).replace("torch.", "")
+    hdt = str(hf_dtype).replace("torch.", "")
+
+    rows = [
+        ("batch-1 decode tokens/s", f"{tps_e:.1f}", f"{tps_h:.1f}", f"{tps_e / tps_h:.2f}x", ">= 1.5x", tps_e / tps_h >= 1.5),
+        (f"batch-1 time to first token ({args.prompt}-token prompt), ms", f"{ttft_e * 1e3:.0f}", f"{ttft_h * 1e3:.0f}",
+         f"{ttft_h / ttft_e:.2f}x faster", "", None),
+        ("8 concurrent, aggregate output tokens/s (transformers: one after another)", f"{c_e:.1f}", f"{c_h:.1f}",
+         f"{c_e / c_h:.2f}x", ">= 4x", c_e / c_h >= 4),
+        (f"batch-1 share of the bandwidth bound ({wbytes / 1e6:.0f} MB/token at {bandwidth / 1e9:.1f} GB/s = {bound:.0f} tok/s)",
+         f"{tps_e / bound * 100:.0f} %", f"{tps_h * hf_bytes / bandwidth * 100:.0f} %", "", ">= 50 %", tps_e / bound >= 0.5),
+        (f"ITL p99/p50, 8 streams + {args.long}-token prompt mid-stream, chunks of {args.itl_budget}-token steps",
+         f"{rc:.2f} ({p99c:.0f}/{p50c:.0f} ms)", "", "", "<= 2", rc <= 2),
+        (f"  same, prompt in one step (no chunking), for contrast", f"{rw:.2f} ({p99w:.0f}/{p50w:.0f} ms)", "", "", "", None),
+        (f"  long prompt's time to first token: chunked / one step, s", f"{lt_c:.2f} / {lt_w:.2f}", "", "", "", None),
+    ]
+    print(f"\n| metric | rtk engine ({edt}) | transformers ({hdt}) | ratio | target | met |")
+    print("|---|---|---|---|---|---|")
+    for name, e, h, r, target, ok in rows:
+        print(f"| {name} | {e} | {h} | {r} | {target} | {'' if ok is None else ('yes' if ok else 'NO')} |")
+    print(f"\nmedians of {R} runs ({max(1, R // 2)} for the sequential transformers run); new tokens per request {args.new}; "
+          f"engine: max_batch_size 8, tokens_per_block 32, max_num_tokens 512 (ITL run: {args.itl_budget}); "
+          f"single-row kernels: {engine.model.single_row_modes}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [r[:5] for r in rows], "bandwidth": bandwidth, "weight_bytes": wbytes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
