@@ -435,3 +435,94 @@ def test_engine_config_from_build_spec():
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (4, 128, 64, 300, False)
     assert (c.max_input_len, c.max_seq_len, c.enable_chunked_context) == (1024, 2048, True)
     assert EngineConfig.from_build(spec_for("t", "x").build).num_blocks == 8 * 2048 // 32  # default: a full batch of full sequences
+
+
+# -- architectures and KV-cache quantization ----------------------------------------------------------
+
+def _tiny_variant(dest, tokenizer_dir, arch: str, **overrides):
+    """A random 2-layer model of ``arch`` (Qwen2 has q/k/v biases) with the embedded tokenizer."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from conftest import TINY_CONFIG
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy2(f, dest / f.name)
+    vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    torch.manual_seed(1)
+    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = cfg_cls(vocab_size=vocab, **{**TINY_CONFIG, **overrides})
+    model = model_cls(cfg).to(torch.bfloat16)
+    if arch == "qwen2":  # random, visible biases (transformers initialises them to zero)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.data.normal_(0, 0.5)
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen2", dict(tie_word_embeddings=False)),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+], ids=["qwen2-bias-untied", "llama3-rope"])
+def test_other_architectures_match_transformers(tmp_path, smollm2_tokenizer_dir, arch, overrides):
+    path = _tiny_variant(tmp_path / arch, smollm2_tokenizer_dir, arch, **overrides)
+    eng = Engine(path, config())
+    ref = transformers_model(path)
+    if arch == "qwen2":
+        assert eng.model.config.attention_bias and eng.model.layers[0].qkv.parts[0].bias is not None
+        assert not eng.model.config.tie_word_embeddings
+    else:
+        assert eng.model.config.rope_scaling["rope_type"] == "llama3"
+    for n, seed in [(7, 1), (150, 2)]:  # positions beyond 64 exercise the llama3 frequency scaling
+        ids = prompt(n, seed)
+        assert eng.generate(greedy(ids)) == hf_greedy(ref, ids), f"{arch}, prompt of {n} tokens"
+
+
+@pytest.mark.parametrize("kind,scales", [("FP8", (0.02, 0.01)), ("INT8", (0.05, 0.03))])
+def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(tmp_path, tiny_llama_dir, kind, scales):
+    """K/V stored as 1-byte codes after RoPE (as TensorRT-LLM's KV cache and ModelOpt's k/v_bmm_quantizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from toolkit.runtime.checkpoint import fake_quant
+
+    path = tmp_path / f"kv-{kind}"
+    shutil.copytree(tiny_llama_dir, path)
+    tensors = load_file(path / "model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}}))
+
+    qkind = kind.lower()
+
+    def sdpa_fp32_kvq(module, query, key, value, attention_mask, **kw):
+        i = module.layer_idx
+        key = fake_quant(key, qkind, torch.tensor(scales[0] * (i + 1)))
+        value = fake_quant(value, qkind, torch.tensor(scales[1] * (i + 1)))
+        out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
+        return out.to(query.dtype), w
+
+    from transformers import AutoModelForCausalLM
+
+    AttentionInterface.register(f"sdpa_fp32_kv_{qkind}", sdpa_fp32_kvq)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=f"sdpa_fp32_kv_{qkind}").eval()
+    eng = Engine(path, config())
+    assert eng.pool.quant.kind == qkind and eng.pool.k.element_size() == 1
+    plain = Engine(tiny_llama_dir, config())
+    for n, seed in [(9, 3), (70, 4)]:
+        ids = prompt(n, seed)
+        out = eng.generate(greedy(ids))
+        assert out == hf_greedy(ref, ids)
+        assert eng.prompt_logits(ids).sub(plain.prompt_logits(ids)).abs().max() > 0  # the quantization is really applied
