@@ -12,7 +12,6 @@ marks the *next* step's request instead.  So a cancelled postprocessing request 
 request named by ``REQUEST_KEY`` (sent by the cpu ``tensorrt_llm``) with a ``stop`` request.
 """
 
-import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -22,14 +21,8 @@ import rtk_text
 
 class TritonPythonModel:
     def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        path = p["tokenizer_dir"]
-        if not path.startswith("/"):
-            import os
-
-            path = os.path.normpath(os.path.join(args["model_repository"], "..", path))
-        self.tokenizer = rtk_text.load_tokenizer(path)
+        p = rtk_text.model_parameters(args)
+        self.tokenizer = rtk_text.tokenizer_for(args, p)
         self.skip_special = p.get("skip_special_tokens", "true").lower() == "true"
         self.llm = p.get("tensorrt_llm_model_name", "tensorrt_llm")
 

@@ -7,7 +7,6 @@ window with the ``context_policy`` parameter.  Bad requests get an INVALID_ARG e
 input and what to change; the other requests of the batch are served.
 """
 
-import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -33,9 +32,8 @@ def _strings(a):
 
 class TritonPythonModel:
     def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        self.tokenizer = rtk_text.load_tokenizer(_resolve(args, p["tokenizer_dir"]))
+        p = rtk_text.model_parameters(args)
+        self.tokenizer = rtk_text.tokenizer_for(args, p)
         self.add_special_tokens = p.get("add_special_tokens", "true").lower() == "true"
         self.max_input_len = int(p["max_input_len"])
         self.max_seq_len = int(p["max_seq_len"])
@@ -76,11 +74,3 @@ class TritonPythonModel:
             pb_utils.Tensor("DROPPED_TURNS", i32(dropped)),
         ])
 
-
-def _resolve(args, path):
-    """A relative ``tokenizer_dir`` is relative to the model repository root (the repository is relocatable)."""
-    import os
-
-    if os.path.isabs(path):
-        return path
-    return os.path.normpath(os.path.join(args["model_repository"], "..", path))

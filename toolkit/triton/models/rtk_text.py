@@ -36,6 +36,23 @@ class PromptError(ValueError):
     """A request that cannot be served as sent; the message says what to change."""
 
 
+def model_parameters(args) -> dict[str, str]:
+    """The ``parameters`` of a python model's config, as strings (Triton's ``initialize`` args)."""
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+def tokenizer_for(args, params: dict[str, str]):
+    """The tokenizer named by ``tokenizer_dir``; a relative path is relative to the repository root
+    (so a repository can be moved as a whole)."""
+    import os
+
+    path = params["tokenizer_dir"]
+    if not os.path.isabs(path):
+        path = os.path.normpath(os.path.join(args["model_repository"], "..", path))
+    return load_tokenizer(path)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

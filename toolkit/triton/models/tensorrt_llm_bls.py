@@ -49,21 +49,15 @@ def _strings(a):
 
 class TritonPythonModel:
     def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        path = p["tokenizer_dir"]
-        if not path.startswith("/"):
-            import os
-
-            path = os.path.normpath(os.path.join(args["model_repository"], "..", path))
-        self.tokenizer = rtk_text.load_tokenizer(path)
+        p = rtk_text.model_parameters(args)
+        self.tokenizer = rtk_text.tokenizer_for(args, p)
         self.llm = p.get("tensorrt_llm_model_name", "tensorrt_llm")
         self.max_input_len = int(p["max_input_len"])
         self.max_seq_len = int(p["max_seq_len"])
         self.policy = p.get("context_policy", "truncate_oldest")
         self.default_max_tokens = int(p.get("default_max_tokens", "128"))
         self.skip_special = p.get("skip_special_tokens", "true").lower() == "true"
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
     def execute(self, requests):
         if not self.decoupled:
