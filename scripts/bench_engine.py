@@ -158,6 +158,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="output tokens per request")
     ap.add_argument("--long", type=int, default=768, help="tokens of the long prompt in the ITL run")
     ap.add_argument("--itl-budget", type=int, default=64, help="max_num_tokens (step budget) of the ITL run")
+    ap.add_argument("--quantized", type=Path, action="append", default=[],
+                    help="a quantized export (…/quantized/hf) whose batch-1 decode to compare with the bf16 checkpoint "
+                         "(the cost of activation-quantization emulation); repeatable")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -188,15 +191,26 @@ def main() -> int:
     for _ in range(max(1, R // 2)):  # the sequential transformers run is the slowest part
         conc_e.append(engine_concurrent(engine, eight, args.new))
         conc_h.append(hf_sequential(hf, eight, args.new))
-    itl_engine = Engine(ckpt, EngineConfig(max_num_tokens=args.itl_budget, **base))
-    whole_engine = Engine(ckpt, EngineConfig(max_num_tokens=max(1024, args.long + 8), enable_chunked_context=False,
-                                             **{**base, "max_input_len": max(1024, args.long)}))
+    # 8 streams + the long prompt run together: room for 9 sequences
+    itl_base = {**base, "max_batch_size": 16, "max_input_len": max(1024, args.long)}
+    itl_engine = Engine(ckpt, EngineConfig(max_num_tokens=max(args.itl_budget, 16), **itl_base))
+    whole_engine = Engine(ckpt, EngineConfig(max_num_tokens=args.long + 16, enable_chunked_context=False, **itl_base))
     long_prompt = prompts(tok, 1, args.long)[0]
     streams = prompts(tok, 8, 32)
     itl_c, itl_w = [], []
     for _ in range(R):
         itl_c.append(itl_ratio(itl_engine, streams, long_prompt, 96, arrive_after=16))
         itl_w.append(itl_ratio(whole_engine, streams, long_prompt, 96, arrive_after=16))
+
+    quant_rows = []
+    for qdir in args.quantized:
+        qeng = Engine(qdir, EngineConfig(max_num_tokens=512, **base))
+        engine_run(qeng, one, 8)
+        q = [(engine_run(qeng, one, args.new)[1], engine_run(engine, one, args.new)[1]) for _ in range(R)]
+        qt, bt = statistics.median(r[0] for r in q), statistics.median(r[1] for r in q)
+        quant_rows.append((f"batch-1 decode tokens/s, {qeng.model.quant_algo or 'unquantized'} export ({qdir.parent.name}/{qdir.name}) vs bf16 checkpoint",
+                           f"{qt:.1f} vs {bt:.1f}", "", f"{qt / bt:.2f}x", "", None))
+        del qeng
 
     med = statistics.median
     bandwidth = med(bw)
@@ -224,6 +238,7 @@ def main() -> int:
         (f"  same, prompt in one step (no chunking), for contrast", f"{rw:.2f} ({p99w:.0f}/{p50w:.0f} ms)", "", "", "", None),
         (f"  long prompt's time to first token: chunked / one step, s", f"{lt_c:.2f} / {lt_w:.2f}", "", "", "", None),
     ]
+    rows += quant_rows
     print(f"\n| metric | rtk engine ({edt}) | transformers ({hdt}) | ratio | target | met |")
     print("|---|---|---|---|---|---|")
     for name, e, h, r, target, ok in rows:

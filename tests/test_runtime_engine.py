@@ -152,6 +152,35 @@ def test_mixed_batch_gives_each_request_its_alone_tokens(engine, hf_model):
     assert engine.kv_stats()["blocks_used"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_projection_rows_do_not_depend_on_the_batch(dtype):
+    """The GEMM kernel choice by row count must not change any row's bits (see model.Projection)."""
+    from toolkit.runtime.checkpoint import Linear
+    from toolkit.runtime.model import Projection, bf16_is_fast
+
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(weight=torch.randn(576, 1536, generator=g) * 0.05)  # SmolLM2's down_proj shape
+    proj = Projection([lin], dtype, pack=dtype == torch.bfloat16 and bf16_is_fast())
+    x = torch.randn(64, 1536, generator=g).to(dtype)
+    with torch.inference_mode():
+        batch = proj(x, singles=32)  # 32 decode rows, then a 32-row prompt chunk
+        for i in range(32):  # a decode row alone, as in a batch of one
+            assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
+        for a, b in [(32, 34), (32, 64), (40, 43)]:  # prompt rows in other groupings
+            assert torch.equal(proj(x[a:b]), batch[a:b]), f"prompt rows {a}:{b}"
+        assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
+
+
+def test_float32_engine_is_batch_invariant_too(tiny_llama_dir):
+    # MKL's fp32 GEMM changes kernels below ~12 rows: exercises the probe's padding and row-by-row paths
+    eng = Engine(tiny_llama_dir, config(dtype="float32"))
+    assert eng.model.dtype == torch.float32
+    reqs = [greedy(prompt(n, 200 + n)) for n in (3, 40, 90, 1)]
+    alone = [eng.generate(r) for r in reqs]
+    ids, events, _ = run(eng, reqs, arrivals={2: 3})
+    assert [tokens(events[i]) for i in ids] == alone
+
+
 def test_long_prompt_is_chunked_and_does_not_stall_decodes(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, config(max_num_tokens=35, enable_kv_cache_reuse=False))
     short = [greedy(prompt(8, 30 + i), n=40) for i in range(3)]

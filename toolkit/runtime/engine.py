@@ -442,7 +442,7 @@ class BackgroundEngine:
             for req, arrival, _cb in incoming:
                 try:
                     eng.add_request(req, arrival_ns=arrival)
-                except UsageError as exc:
+                except Exception as exc:  # e.g. the same id submitted twice at once: tell that client only
                     self._dispatch([TokenEvent(req.request_id, None, 0, time.time_ns(), True, "error", str(exc))])
             for rid in cancels:
                 eng.cancel(rid)

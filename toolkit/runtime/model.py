@@ -69,18 +69,24 @@ def _same_emulation(a: Linear, b: Linear) -> bool:
 ROWWISE_MAX_BYTES = 4 << 20  # a weight this small stays cache-resident across one-row calls
 
 
+MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is worth
+
+
 class Projection:
     """One or more linears sharing an input, run as a single matmul: ``y = [x W1^T + b1, x W2^T + b2, ...]``.
 
-    Batch invariance: oneDNN computes a one-row product with another kernel than a multi-row one,
-    and for long dot products (``in_features`` > 1024 on this CPU) the two round differently in the
-    last bf16 bit; the multi-row kernel itself gives every row the same result whatever the row
-    count.  A probe at load finds out, per weight shape, whether the kernels differ.  If they do:
+    Batch invariance: a GEMM library may compute a row with different kernels depending on how
+    many rows the call has.  On this CPU oneDNN's bf16 one-row kernel rounds long dot products
+    (``in_features`` > 1024) differently from its multi-row kernel, which gives every row the same
+    bits for any row count >= 2; MKL's fp32 GEMM differs below 4-8 rows.  A probe at load measures,
+    per weight shape, the smallest row count ``min_rows`` from which every call agrees with any
+    larger one.  Where ``min_rows`` > 1:
 
-    * ``rowwise`` (weight <= 4 MiB): rows of single-token sequences go through the one-row kernel
-      one at a time, exactly as a lone decode (and transformers' decode) computes them;
-    * ``pad`` (larger weights, where re-reading them per row would cost too much): a lone row is
-      computed as two rows, so every row always takes the multi-row kernel.
+    * ``rowwise`` (weight <= 4 MiB): rows of single-token (decode) sequences go through the
+      one-row kernel one at a time, exactly as a lone decode — and transformers' decode — computes
+      them; the other rows run together, padded to ``min_rows``;
+    * ``pad`` (larger weights, where re-reading them per row would cost too much): every call
+      with fewer than ``min_rows`` rows is padded to ``min_rows``.
 
     Either way a sequence's numbers do not depend on what else is in the batch.
     """
@@ -111,18 +117,33 @@ class Projection:
         shape = (self.out_features, self.in_features, bias is not None)
         cache = probe_cache if probe_cache is not None else {}
         if shape not in cache:
-            cache[shape] = self._one_row_kernel_differs()
+            cache[shape] = self._probe_min_rows()
+        self.min_rows = cache[shape]
         self.single_rows = None
-        if cache[shape]:
+        if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
 
-    def _one_row_kernel_differs(self) -> bool:
+    def _probe_min_rows(self) -> int:
+        """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, self.in_features, generator=g).to(self.dtype)
+        x = torch.randn(128, self.in_features, generator=g).to(self.dtype)
+        counts = list(range(1, MAX_PAD_ROWS + 1)) + [24, 32, 64]
+        # a kernel difference shows in a few outputs per row: wide weights need fewer rows to see it
+        cover = min(64, max(4, (1 << 16) // self.out_features))
         with torch.inference_mode():
-            together = self._matmul(x)
-            alone = torch.cat([self._matmul(x[i : i + 1]) for i in range(x.shape[0])])
-        return not torch.equal(together, alone)
+            ref = self._matmul(x)
+
+            def agrees(m: int) -> bool:  # calls of m rows over (at least) the first ``cover`` rows
+                n = -(-cover // m) * m
+                return all(torch.equal(self._matmul(x[i : i + m]), ref[i : i + m]) for i in range(0, n, m))
+
+            agree = [agrees(m) for m in counts]
+        if not agree[-1] or not all(agree[MAX_PAD_ROWS:]):
+            log.warning("GEMM of shape %s is not row-invariant for large batches here; batching may change results "
+                        "in the last bit", (self.out_features, self.in_features))
+            return 1
+        first_bad_from_end = max((i for i, ok in enumerate(agree) if not ok), default=-1)
+        return counts[first_bad_from_end + 1] if first_bad_from_end >= 0 else 1
 
     @property
     def nbytes(self) -> int:
@@ -136,15 +157,21 @@ class Projection:
             x = x * self.pre_quant_scale
         if self.act_kind is not None:
             x = fake_quant(x, self.act_kind, self.act_scale)
-        mode, rows = self.single_rows, x.shape[0]
-        if mode is None or (mode == "rowwise" and singles == 0) or (mode == "pad" and rows > 1):
+        if self.single_rows is None:
             return self._matmul(x)
-        if mode == "pad":
-            return self._matmul(x.expand(2, -1))[:1]
+        if self.single_rows == "pad" or singles == 0:
+            return self._padded(x)
         parts = [self._matmul(x[i : i + 1]) for i in range(singles)]
-        if rows > singles:
-            parts.append(self._matmul(x[singles:]))
+        if x.shape[0] > singles:
+            parts.append(self._padded(x[singles:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return self._matmul(x)
+        pad = x.new_zeros(self.min_rows - rows, x.shape[1])
+        return self._matmul(torch.cat([x, pad]))[:rows]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -309,16 +336,17 @@ class Transformer:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, max_positions: int, attention_dtype: torch.dtype = torch.float32):
         cfg = ckpt.config
         self.config = cfg
+        self.quant_algo = ckpt.quant_algo
         self.dtype = dtype
         pack = dtype == torch.bfloat16 and bf16_is_fast()
         self.packed = pack
         self.eps = cfg.rms_norm_eps
         self.embed = ckpt.embed_tokens.to(dtype)
         self.final_norm = ckpt.final_norm.to(dtype)
-        probes: dict = {}  # weight shape -> whether the one-row kernel rounds differently
+        probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes)
         self.layers = [Layer(spec, dtype, pack, probes) for spec in ckpt.layers]
-        self.single_row_modes = {f"{o}x{i}": p for (o, i, _), p in probes.items()}
+        self.single_row_modes = {f"{o}x{i}": m for (o, i, _), m in probes.items()}  # min_rows per weight shape
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
         half = cfg.head_dim // 2
         self.rope_swap = torch.cat([torch.arange(half, cfg.head_dim), torch.arange(half)])
