@@ -538,9 +538,10 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
 
     def sdpa_fp32_kvq(module, query, key, value, attention_mask, **kw):
         i = module.layer_idx
-        key = fake_quant(key, qkind, torch.tensor(scales[0] * (i + 1)))
-        value = fake_quant(value, qkind, torch.tensor(scales[1] * (i + 1)))
-        out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
+        # bf16 K/V after RoPE -> 1-byte codes -> dequantized in float32, where attention runs
+        key = fake_quant(key.float(), qkind, torch.tensor(scales[0] * (i + 1)))
+        value = fake_quant(value.float(), qkind, torch.tensor(scales[1] * (i + 1)))
+        out, w = sdpa_attention_forward(module, query.float(), key, value, attention_mask, **kw)
         return out.to(query.dtype), w
 
     from transformers import AutoModelForCausalLM

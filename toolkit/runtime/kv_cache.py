@@ -178,10 +178,10 @@ class KVPool:
             return xf.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
         return xf.round().clamp(-128, 127).to(torch.int8)
 
-    def _decode(self, codes: torch.Tensor, scale: float) -> torch.Tensor:
+    def _decode(self, codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         if self.quant.kind == "fp8":
             codes = codes.view(torch.float8_e4m3fn)
-        return (codes.to(torch.float32) * scale).to(self.dtype)
+        return (codes.to(torch.float32) * scale).to(dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[T, kv_heads, head_dim]``) at ``slots`` (``[T]``)."""
@@ -191,13 +191,17 @@ class KVPool:
         self._k_layers[layer].index_copy_(0, slots, k)
         self._v_layers[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at ``slots`` (any shape ``S``) as ``S + [kv_heads, head_dim]`` in the compute dtype."""
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (any shape ``S``) as ``S + [kv_heads, head_dim]`` in ``dtype`` (default: the
+        compute dtype); quantized codes are dequantized straight into ``dtype``."""
+        dtype = dtype or self.dtype
         flat = slots.reshape(-1)
         k = self._k_layers[layer].index_select(0, flat)
         v = self._v_layers[layer].index_select(0, flat)
         if self.quant is not None:
-            k = self._decode(k, self.quant.k_scales[layer])
-            v = self._decode(v, self.quant.v_scales[layer])
+            k = self._decode(k, self.quant.k_scales[layer], dtype)
+            v = self._decode(v, self.quant.v_scales[layer], dtype)
+        elif dtype != self.dtype:
+            k, v = k.to(dtype), v.to(dtype)
         tail = k.shape[1:]
         return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)

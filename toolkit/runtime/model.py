@@ -12,10 +12,13 @@ Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre
 are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype.
 
 One forward runs a *flat* batch of tokens from many sequences (TensorRT-LLM's packed,
-"remove input padding" layout): decode tokens first, then prefill chunks.  Linear layers see all
-tokens at once; attention reads each sequence's keys and values from the pool through its block
-table.  Numerics follow transformers' Llama in the same dtype (RMSNorm in fp32, RoPE tables in
-fp32 cast to the compute dtype, SDPA), so greedy tokens match ``generate``.
+"remove input padding" layout): generation rows first, then prompt chunks.  Linear layers see all
+rows at once; attention reads each sequence's keys and values from the pool through its block
+table, one SDPA call per generating row and per aligned unit of prompt rows.  Numerics follow
+transformers' Llama operation by operation (RMSNorm in fp32, RoPE tables in fp32 rounded to the
+compute dtype, SDPA) and are batch-invariant (see :class:`Projection`), so greedy tokens match
+``generate`` whatever else is running.  Attention runs on float32 q/k/v by default
+(``attention_dtype``): torch's bf16 CPU SDPA is several times slower at decode shapes.
 """
 
 from __future__ import annotations
@@ -408,8 +411,7 @@ class Transformer:
                 # One gather for all decodes, then one SDPA per sequence over its exact context: the
                 # same call transformers makes for a single decode, so results do not depend on who
                 # else is in the batch (a padded, masked batch would change the float reductions).
-                kd, vd = pool.gather(li, plan.decode_slots)  # [sum L, KVH, D]
-                kd, vd = kd.to(ad), vd.to(ad)
+                kd, vd = pool.gather(li, plan.decode_slots, ad)  # [sum L, KVH, D]
                 for i, (s, e) in enumerate(plan.decode_bounds):
                     o = F.scaled_dot_product_attention(
                         q[i].view(1, H, 1, D), kd[s:e].transpose(0, 1)[None], vd[s:e].transpose(0, 1)[None],
@@ -421,9 +423,9 @@ class Transformer:
                     kc = k[c.start : c.start + c.length].transpose(0, 1)[None]
                     vc = v[c.start : c.start + c.length].transpose(0, 1)[None]
                 else:
-                    kc, vc = pool.gather(li, c.slots)
+                    kc, vc = pool.gather(li, c.slots, ad)
                     kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
-                kc, vc = kc.to(ad), vc.to(ad)
+                kc, vc = kc.to(ad), vc.to(ad)  # no-op when gathered
                 qc = q[c.start : c.start + c.length].transpose(0, 1)[None]
                 for a, b, mask in c.units:
                     end = c.cached + b
