@@ -113,7 +113,7 @@ class Projection:
         self.weight = weight
         if pack:
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
                 self.weight = None
             except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CPU / build
                 log.debug("oneDNN weight packing unavailable (%s); using plain linear", exc)
