@@ -97,7 +97,7 @@ def smollm2_fp8_dir(tmp_path_factory, smollm2_dir) -> Path:
 
     spec = spec_for(
         "smollm2-fp8", smollm2_dir,
-        quantization={"format": "fp8", "calibration": {"num_samples": 16, "max_length": 128}, "eval_samples": 8},
+        quantization={"format": "fp8", "calibration": {"num_samples": 16, "max_length": 128}, "eval_samples": 16},
     )
     return quantize(spec, checkpoint=smollm2_dir, output=tmp_path_factory.mktemp("smollm2-fp8") / "quantized").path
 

@@ -105,5 +105,7 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     want = report["quantized_ppl"]
     # float32: the report's own arithmetic, up to summation order
     assert engine_ppl("float32") == pytest.approx(want, rel=1e-3)
-    # the served dtype (bf16 weights and activations, fp8 emulated on bf16 inputs)
-    assert engine_ppl("auto") == pytest.approx(want, rel=0.02)
+    # the served dtype (bf16 weights and activations, fp8 emulated on bf16 inputs): bf16 vs fp32
+    # compute alone moves this model's FP8 perplexity by ~3 % (shared/reference/modelopt-on-cpu.md §8;
+    # measured here +2.4 % on 8 texts), so this is a sanity bound, the float32 line above the check
+    assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
