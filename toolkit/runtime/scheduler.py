@@ -170,8 +170,8 @@ class Scheduler:
         Generation (and the recompute of generated tokens) runs one row per token; a prompt runs
         in chunks that end on a multiple of the attention unit or at the prompt's end.
         """
-        if not seq.prefilling:
-            return min(seq.remaining, budget)
+        if not seq.prefilling:  # one row per token; a recompute takes at most a unit of rows per step
+            return min(seq.remaining, budget, self.unit)
         left = seq.prompt_len - seq.num_cached
         if left <= budget:
             return left
