@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     print(f"# rtk serving overhead — {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     print(f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
           f" ~{args.requests} measured + {args.warmup} warm-up requests per level and path in {args.rounds} interleaved rounds; closed loop", flush=True)
-    from toolkit.build.cpu import load_engine
+    from toolkit.targets.cpu import load_engine
     from toolkit.runtime.engine import BackgroundEngine
 
     http, grpc, metrics = free_ports(3)

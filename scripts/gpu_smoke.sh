@@ -89,7 +89,7 @@ step "doctor: this host can run trt-engine" "$RTK" doctor --target trt-engine
 check_flags() {  # every flag rtk passes exists in this container's trtllm-build
     "$PY" - "$SPEC" "$NAME" "$FORMAT" <<'PY'
 import re, subprocess, sys
-from toolkit.build.trt_engine import trtllm_build_command
+from toolkit.targets.trt_engine import trtllm_build_command
 from toolkit.spec import load_spec
 spec = load_spec(sys.argv[1], [f"name={sys.argv[2]}", "build.target=trt-engine", f"quantization.format={sys.argv[3]}"])
 algo = {"fp8": "FP8", "int4_awq": "W4A16_AWQ"}[sys.argv[3]]

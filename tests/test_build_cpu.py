@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from toolkit.artifacts import read_manifest
-from toolkit.build import build
-from toolkit.build.cpu import ENGINE_CONFIG, load_engine
+from toolkit.targets import build
+from toolkit.targets.cpu import ENGINE_CONFIG, load_engine
 from toolkit.errors import SourceError
 from toolkit.runtime.engine import EngineConfig, GenerationRequest
 

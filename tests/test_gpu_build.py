@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.artifacts import read_manifest
-from toolkit.build import trt_engine
-from toolkit.build.gpu_memory import GiB, ModelShape, check_fits, estimate_memory
+from toolkit.targets import trt_engine
+from toolkit.targets.gpu_memory import GiB, ModelShape, check_fits, estimate_memory
 from toolkit.errors import HostMismatchError, SpecError, StageError, UsageError
 from toolkit.hostinfo import GPUInfo, HostInfo
 from toolkit.spec import load_spec, spec_from_dict

@@ -168,9 +168,9 @@ every_help = [[name, "--help"] for name in cli.commands]  # every registered com
 for args in (["--help"], *every_help, ["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]):
     r = runner.invoke(cli, args)
     assert r.exit_code in (0, 2), (args, r.output, r.exception)
-import toolkit.build.trt_engine, toolkit.build.llmapi, toolkit.build.mpi, toolkit.doctor, toolkit.hostinfo
+import toolkit.targets.trt_engine, toolkit.targets.llmapi, toolkit.targets.mpi, toolkit.doctor, toolkit.hostinfo
 from toolkit.spec import load_spec
-from toolkit.build import trt_engine, llmapi
+from toolkit.targets import trt_engine, llmapi
 spec = load_spec("examples/llama-3.1-8b-trt-engine.yaml")
 trt_engine.triton_model_config(spec, "/e")
 llmapi.model_yaml(load_spec("examples/qwen2.5-7b-llmapi.yaml"), "/m")

@@ -17,7 +17,7 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from toolkit.build import llmapi, mpi, trt_engine
+from toolkit.targets import llmapi, mpi, trt_engine
 from toolkit.errors import SpecError
 from toolkit.spec import load_spec, spec_from_dict
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from toolkit.build import build
+from toolkit.targets import build
 from toolkit.client import chat_messages, generate, stream_chat
 from toolkit.errors import ServerError
 from toolkit.server import free_ports

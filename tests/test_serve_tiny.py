@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from toolkit.build import build
+from toolkit.targets import build
 from toolkit.server import free_ports, read_state
 from toolkit.triton import serve as S
 from toolkit.triton.emit import emit
@@ -53,7 +53,7 @@ def served(tmp_path_factory, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def reference_engine(served):
-    from toolkit.build.cpu import load_engine
+    from toolkit.targets.cpu import load_engine
 
     return load_engine(served["engine"])
 

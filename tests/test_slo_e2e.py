@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_rtk_slo_gates_the_embedded_model_on_the_cpu_target(tmp_path, smollm2_fp8_dir):
-    from toolkit.build import build
+    from toolkit.targets import build
     from toolkit.triton.emit import emit
 
     http, grpc, metrics = free_ports(3)

@@ -167,7 +167,7 @@ def test_ensemble_steps_wire_existing_tensors_of_matching_types(cpu_repo):
 
 
 def test_trt_engine_repository_config_parses_and_names_the_spec(tiny_llama_dir, tmp_path):
-    """The trt-engine target's repository: the C++ backend config (from toolkit/build/trt_engine.py) with
+    """The trt-engine target's repository: the C++ backend config (from toolkit/targets/trt_engine.py) with
     the spec's values, and an ensemble without the cpu model's extensions."""
     spec = spec_for("trt", tiny_llama_dir, build={"target": "trt-engine", "max_batch_size": 16, "kv_cache_free_gpu_mem_fraction": 0.75,
                                                   "enable_kv_cache_reuse": False, "enable_chunked_context": True},

@@ -31,7 +31,7 @@ class PipelineResult:
 
 def build(spec: Spec, *, force: tuple[str, ...] | list[str] = (), engines_root: Path | str = "engines") -> PipelineResult:
     """Run the four stages for ``spec``; ``force``: stage names to redo even if cached ("all" for every one)."""
-    from .build import build as build_target
+    from .targets import build as build_target
     from .errors import UsageError
     from .fetch import fetch
     from .quantize import quantize

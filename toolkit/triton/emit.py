@@ -125,7 +125,7 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
             _warm_tensorrt_llm(llm, root / C.TENSORRT_LLM, tokenizer, spec)
         _write_model(root, llm, "tensorrt_llm_cpu.py")
     else:  # trt-engine: the C++ tensorrtllm backend; its config and warm-up come from the GPU build module
-        from ..build import trt_engine
+        from ..targets import trt_engine
 
         trt_engine.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
 
@@ -137,7 +137,7 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
 
 def _write_llmapi(spec: Spec, root: Path, engine_dir: Path) -> list[str]:
     """The llmapi target: one ``tensorrt_llm`` python model (text in, text out) with its model.yaml."""
-    from ..build import llmapi
+    from ..targets import llmapi
 
     llmapi.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
     return [C.TENSORRT_LLM]

@@ -6,7 +6,7 @@ checked against this host (toolkit/hostinfo.check_host_compatible) so a mismatch
 error, not a crash inside the backend.  Triton runs each model's ``model_warmup`` before it marks
 the model ready, so "ready" here means warm.  The process itself is handled by
 toolkit/server.py's :class:`TritonServer`; a multi-GPU engine is launched under ``mpirun`` with the
-command toolkit/build/mpi.py gives.
+command toolkit/targets/mpi.py gives.
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ def make_server(t: ServeTarget, *, host: str | None = None, http_port: int | Non
 
 
 def _use_mpirun(server, t: ServeTarget) -> None:
-    """Launch one tritonserver per rank under mpirun (toolkit/build/mpi.py)."""
+    """Launch one tritonserver per rank under mpirun (toolkit/targets/mpi.py)."""
     from dataclasses import replace
 
-    from ..build.mpi import tritonserver_launch
+    from ..targets.mpi import tritonserver_launch
 
     spec = t.spec.model_copy(deep=True)
     spec.serving.host, spec.serving.http_port = server.host, server.http_port

@@ -86,7 +86,7 @@ class TritonPythonModel:
         self.check_period = float(p.get("cancellation_check_period_ms") or 50) / 1e3
         self.logger = pb_utils.Logger
 
-        from toolkit.build.cpu import load_engine
+        from toolkit.targets.cpu import load_engine
         from toolkit.runtime.engine import BackgroundEngine
 
         self.engine = load_engine(p["engine_dir"], scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict")
