@@ -42,11 +42,15 @@ class RtkGroup(click.Group):
 
 @click.group(cls=RtkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="rtk")
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("-v", "--verbose", count=True,
+              help="Show library output (ModelOpt, transformers) instead of keeping it in the stage log; -vv for debug.")
 def cli(verbose: int) -> None:
     """rtk: take an LLM from a hub to a measured, low-latency Triton deployment."""
+    from .console import set_verbosity
+
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    set_verbosity(verbose)
 
 
 for _name in COMMANDS:
