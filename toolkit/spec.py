@@ -133,6 +133,86 @@ class BuildSpec(Section):
         return self.tp_size * self.pp_size
 
 
+SECRET_SOURCE = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def _secret_source(v: str | None) -> str | None:
+    if v is not None and not SECRET_SOURCE.fullmatch(v):
+        raise ValueError("give where the secret is, not the secret: 'env:VARIABLE' or 'file:PATH'")
+    return v
+
+
+class FrontendSpec(Section):
+    """The OpenAI-compatible HTTP front door in front of Triton (toolkit/frontdoor, docs/guard.md)."""
+
+    enabled: bool = Field(True, description="start the front door with the server")
+    host: str = Field("127.0.0.1", description="address it binds to; any other than loopback needs api_keys")
+    port: int = Field(8080, ge=1, le=65535)
+    api_keys: str | None = Field(
+        None, description="'env:VARIABLE' or 'file:PATH' holding accepted keys (one per line or comma-separated)"
+    )
+    model_name: str | None = Field(None, description="model id in /v1/models and requests; default: the spec name")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="larger request bodies are refused (413)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_source(cls, v: str | None) -> str | None:
+        return _secret_source(v)
+
+
+class FallbackTier(Section):
+    """One tier of ``serving.guard.fallbacks``, tried in order when the primary cannot meet the deadline."""
+
+    kind: Literal["deployment", "cache", "rule"]
+    name: str | None = Field(None, description="label in the tier header and /metrics; default: the kind")
+    url: str | None = Field(None, description="deployment: base URL of an OpenAI-compatible server (…/v1)")
+    spec: str | None = Field(None, description="deployment: another rtk spec; its running front door is used")
+    model: str | None = Field(None, description="deployment: model id to ask for (default: the one it lists first)")
+    api_key: str | None = Field(None, description="deployment: 'env:VARIABLE' or 'file:PATH'")
+    template: str | None = Field(None, description="rule: the answer; {model} and {deadline_ms} are filled in")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_source(cls, v: str | None) -> str | None:
+        return _secret_source(v)
+
+    @model_validator(mode="after")
+    def _fields_for_kind(self) -> "FallbackTier":
+        if self.kind == "deployment" and (self.url is None) == (self.spec is None):
+            raise ValueError("a 'deployment' fallback needs exactly one of 'url' (OpenAI-compatible) or 'spec' (an rtk spec)")
+        if self.kind == "rule" and not self.template:
+            raise ValueError("a 'rule' fallback needs a 'template' (the answer text)")
+        if self.kind != "deployment" and (self.url or self.spec or self.model or self.api_key):
+            raise ValueError(f"'url', 'spec', 'model' and 'api_key' belong to a 'deployment' fallback, not '{self.kind}'")
+        if self.kind != "rule" and self.template:
+            raise ValueError(f"'template' belongs to a 'rule' fallback, not '{self.kind}'")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+
+class GuardSpec(Section):
+    """Deadline-aware admission: predict each request's TTFT at arrival and degrade before the first byte."""
+
+    ttft_deadline_ms: float | None = Field(
+        None, gt=0, description="TTFT deadline; a request predicted to miss it falls back or is refused (none: no deadline)"
+    )
+    fallbacks: list[FallbackTier] = Field(default_factory=list, description="tiers tried in order; then 429")
+    retry_after_s: int = Field(1, ge=1, le=3600, description="least Retry-After on a refusal (seconds)")
+    metrics_poll_ms: int = Field(100, ge=10, le=10_000, description="how often the engine's gauges are read")
+
+
+class CacheSpec(Section):
+    """The response cache tier (deterministic requests: temperature 0 or a fixed seed)."""
+
+    url: str | None = Field(None, description="redis://HOST:PORT/DB for a shared cache; default: in-process")
+    ttl_s: float = Field(300.0, gt=0, description="seconds an answer stays valid")
+    max_entries: int = Field(4096, ge=1, description="in-process cache: least recently used beyond this are dropped")
+
+
 class ServingSpec(Section):
     repository: str | None = Field(None, description="model repository directory; default triton_repo/<name>")
     host: str = Field("127.0.0.1", description="address tritonserver binds to; loopback unless told otherwise")
@@ -154,6 +234,9 @@ class ServingSpec(Section):
     )
     default_max_tokens: int = Field(128, ge=1)
     tritonserver: str | None = Field(None, description="path to a tritonserver binary; default: found on PATH or bundled")
+    frontend: FrontendSpec = FrontendSpec()
+    guard: GuardSpec = GuardSpec()
+    cache: CacheSpec = CacheSpec()
 
 
 class Objective(Section):
@@ -268,6 +351,18 @@ class Spec(Section):
         ports = [s.http_port, s.grpc_port, s.metrics_port]
         if len(set(ports)) != 3:
             raise _Rule("serving.http_port", f"http, grpc and metrics ports must differ (got {ports})")
+        f = s.frontend
+        if f.enabled and f.port in ports:
+            raise _Rule("serving.frontend.port", f"{f.port} is already one of Triton's ports {ports}; choose another")
+        if f.enabled and f.host not in LOOPBACK_HOSTS and not f.api_keys:
+            raise _Rule("serving.frontend.api_keys", f"the front door binds to {f.host}, beyond loopback; set api_keys "
+                        "('env:VARIABLE' or 'file:PATH') or bind to 127.0.0.1")
+        kinds = [t.kind for t in s.guard.fallbacks]
+        for kind in ("cache", "rule"):
+            if kinds.count(kind) > 1:
+                raise _Rule("serving.guard.fallbacks", f"'{kind}' is listed {kinds.count(kind)} times; list it once")
+        if "rule" in kinds and kinds[-1] != "rule":
+            raise _Rule("serving.guard.fallbacks", "a 'rule' always answers, so tiers after it never run; put it last")
         return self
 
     # -- derived values -----------------------------------------------------------------------
