@@ -12,7 +12,14 @@ from toolkit.errors import UsageError
 from toolkit.slo.metrics import Distribution, percentile, summarize
 from toolkit.slo.records import RequestRecord
 from toolkit.slo.schedule import arrival_offsets
-from toolkit.slo.verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, evaluate, required_samples
+from toolkit.slo.verdict import (
+    EXIT_CODES,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    evaluate,
+    required_samples,
+)
 from toolkit.spec import Objective, SLOSpec, spec_from_dict
 
 MS = 1_000_000
@@ -114,7 +121,9 @@ def test_throughput_error_rate_goodput_and_attainment():
     assert agg["attainment"] == pytest.approx(0.5)
     assert agg["goodput"] == pytest.approx(2.0)
     assert s.errors == {"boom": 1}
-    assert s.distributions["ttft"].count == 3 and s.distributions["ttft"].max == pytest.approx(400)
+    # The failed request enters TTFT and E2E at the request timeout (120 s by default), not at all in ITL.
+    assert s.distributions["ttft"].count == 4 and s.distributions["ttft"].max == pytest.approx(120_000)
+    assert sorted(s.distributions["ttft"].__dict__[k] for k in ("min", "p50")) == pytest.approx([50, 100])
     assert s.distributions["itl"].count == 2 + 1 + 2 and s.distributions["itl"].requests == 3
 
 

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
+from .slo.metrics import FRACTION_METRICS, LATENCY_OBJECTIVES, OBJECTIVE_METRICS, OBJECTIVE_STATS
 
 BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -242,11 +243,8 @@ class ServingSpec(Section):
 class Objective(Section):
     """One latency / throughput objective, e.g. ``{metric: ttft, stat: p99, max: 300}`` (ms)."""
 
-    metric: Literal[
-        "ttft", "itl", "tpot", "e2e", "schedule_lag", "error_rate", "attainment",
-        "output_token_throughput", "request_throughput",
-    ]
-    stat: Literal["p50", "p90", "p95", "p99", "p99.9", "max", "mean", "value"] = "value"
+    metric: Literal[OBJECTIVE_METRICS]  # the names live with the metrics registry (toolkit/slo/metrics.py)
+    stat: Literal[(*OBJECTIVE_STATS, "value")] = "value"
     max: float | None = Field(None, description="upper bound: ms for latencies, a fraction for error_rate, per second for throughputs")
     min: float | None = Field(None, description="lower bound (attainment as a fraction, e.g. 0.99; throughputs)")
 
@@ -254,22 +252,24 @@ class Objective(Section):
     def _one_bound(self) -> "Objective":
         if (self.max is None) == (self.min is None):
             raise ValueError(f"objective '{self.metric}' needs exactly one of 'max' or 'min'")
-        per_request = self.metric in ("ttft", "itl", "tpot", "e2e", "schedule_lag")
+        per_request = self.metric in LATENCY_OBJECTIVES
         if per_request and self.stat == "value":
-            raise ValueError(f"objective '{self.metric}' is a distribution; give a stat: p50, p90, p95, p99, p99.9, max or mean")
+            raise ValueError(f"objective '{self.metric}' is a distribution; give a stat: {', '.join(OBJECTIVE_STATS)}")
         if not per_request and self.stat != "value":
             raise ValueError(f"objective '{self.metric}' is one number for the run; drop 'stat' (or use stat: value)")
         bound = self.max if self.max is not None else self.min
-        if self.metric in ("error_rate", "attainment") and not 0.0 <= bound <= 1.0:
+        if self.metric in FRACTION_METRICS and not 0.0 <= bound <= 1.0:
             raise ValueError(f"objective '{self.metric}' is a fraction between 0 and 1 (0.99 = 99 %), got {bound}")
         return self
 
 
 class SLOSpec(Section):
     objectives: list[Objective] = Field(default_factory=list)
-    transport: Literal["grpc", "http"] = Field("grpc", description="gRPC bidirectional stream, or HTTP generate_stream (SSE)")
-    endpoint: Literal["ensemble", "tensorrt_llm"] = Field(
-        "ensemble", description="interface: the ensemble (text in/out) or the tensorrt_llm model (ids in/out)"
+    transport: Literal["grpc", "http", "openai"] = Field(
+        "grpc", description="Triton's gRPC stream, Triton's HTTP generate_stream (SSE), or an OpenAI-compatible server (SSE)"
+    )
+    endpoint: Literal["ensemble", "tensorrt_llm", "chat", "completions"] = Field(
+        "ensemble", description="interface: Triton's ensemble (text) or tensorrt_llm model (ids); openai: chat or completions"
     )
     concurrency: int | None = Field(None, ge=1, description="closed loop: requests in flight")
     request_rate: float | None = Field(None, gt=0, description="open loop: requests per second")
@@ -297,6 +297,13 @@ class SLOSpec(Section):
     def _one_load(self) -> "SLOSpec":
         if self.concurrency is not None and self.request_rate is not None:
             raise ValueError("set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both")
+        openai = self.endpoint in ("chat", "completions")
+        if self.transport == "openai" and not openai:
+            if "endpoint" in self.model_fields_set:
+                raise _Rule("slo.endpoint", f"'{self.endpoint}' is a Triton interface; with transport openai use chat or completions")
+            self.__dict__["endpoint"] = "chat"  # the default for OpenAI-compatible servers
+        elif self.transport != "openai" and openai:
+            raise _Rule("slo.endpoint", f"'{self.endpoint}' needs transport openai; Triton's interfaces are ensemble and tensorrt_llm")
         return self
 
 

@@ -1,19 +1,23 @@
 """``rtk slo``: streaming load against Triton, LLM latency metrics, and an SLO verdict.
 
 Entry points (see runner.py): :func:`run_slo`, :func:`sweep_slo`, :func:`search_slo`; reports
-in report.py; metric definitions in metrics.py and docs/slo.md.
+in report.py; metric definitions in metrics.py and docs/slo.md; request outcomes in outcome.py.
+Imports are lazy: toolkit.spec reads the objective names from metrics.py, which must not pull in
+the runner (or the spec) in turn.
 """
 
 from __future__ import annotations
 
-from .verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS
-
-__all__ = ["run_slo", "sweep_slo", "search_slo", "SLOReport", "SweepReport", "PASS", "FAIL", "INCONCLUSIVE", "EXIT_CODES"]
+__all__ = ["EXIT_CODES", "FAIL", "INCONCLUSIVE", "PASS", "SLOReport", "SweepReport", "run_slo", "search_slo", "sweep_slo"]
 
 
-def __getattr__(name):  # keep `import toolkit.slo` light; the runner pulls numpy and friends
+def __getattr__(name):
     if name in ("run_slo", "sweep_slo", "search_slo", "SLOReport", "SweepReport"):
         from . import runner
 
         return getattr(runner, name)
+    if name in ("PASS", "FAIL", "INCONCLUSIVE", "EXIT_CODES"):
+        from . import verdict
+
+        return getattr(verdict, name)
     raise AttributeError(name)

@@ -20,8 +20,9 @@ import itertools
 import logging
 import queue
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .records import RequestRecord
 from .schedule import arrival_offsets
@@ -79,7 +80,7 @@ class _Due:
     seq: int
     rec: RequestRecord = field(compare=False)
     prepared: Any = field(compare=False)
-    state: "_SessionState" = field(compare=False)
+    state: _SessionState = field(compare=False)
 
 
 @dataclass
@@ -116,7 +117,7 @@ class LoadGenerator:
             rec.final_ns = t
             self._events.put(rid)
 
-    def on_error(self, rid: str | None, t: int, message: str) -> None:
+    def on_error(self, rid: str | None, t: int, message: str, status: int | None = None) -> None:
         if rid is None:  # the connection itself failed: every request in flight is lost
             self._broken = message
             self._events.put(None)
@@ -127,6 +128,7 @@ class LoadGenerator:
                 self.unmatched_errors.append(message)
             return
         rec.error = message
+        rec.status = status
         rec.final_ns = t
         self._events.put(rid)
 
@@ -260,6 +262,7 @@ class _Run:
                 if now - rec.sent_ns < gen.request_timeout_ns:
                     break
                 rec.error = f"no final response within {gen.request_timeout_ns / 1e9:g} s (slo.request_timeout_s)"
+                rec.timed_out = True
                 rec.final_ns = now
                 del inflight[rid]
                 self.finished(self.items.pop(rid), now)

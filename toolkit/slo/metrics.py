@@ -5,6 +5,10 @@ metric* gives several (ITL: every gap between token-carrying responses); an *agg
 number for the run (throughput, error rate, attainment).  Definitions are in docs/slo.md; every
 latency is measured from the request's **scheduled** time unless its name ends in ``_sent``.
 
+Which requests a metric covers follows the outcome rule (outcome.py): latency metrics describe
+*served* requests; TTFT and E2E also take every failed or timed-out request at the request timeout;
+``refusal_latency`` describes refused (429/503) ones.
+
 Percentiles are nearest-rank: ``pq`` is the smallest value that at least q of the samples do not
 exceed (``sorted[ceil(q·n) − 1]``), so a reported p99 is always a value that was observed.
 """
@@ -12,10 +16,12 @@ exceed (``sorted[ceil(q·n) − 1]``), so a reported p99 is always a value that 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from .records import RequestRecord
+from . import outcome as O
+from .records import ARRIVAL, FIRST_SCHEDULED, FIRST_TOKEN, LAST_TOKEN, RequestRecord
 
 STATS = ("p50", "p90", "p95", "p99", "p99.9")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99, "p99.9": 0.999}
@@ -45,7 +51,7 @@ class Distribution:
     p999: float | None = None
 
     @classmethod
-    def of(cls, values: Iterable[float], requests: int | None = None) -> "Distribution":
+    def of(cls, values: Iterable[float], requests: int | None = None) -> Distribution:
         v = sorted(values)
         n = len(v)
         if not n:
@@ -62,8 +68,8 @@ class Distribution:
 
 # -- registry ---------------------------------------------------------------------------------
 
-REQUEST_METRICS: dict[str, "RequestMetric"] = {}
-AGGREGATES: dict[str, "Aggregate"] = {}
+REQUEST_METRICS: dict[str, RequestMetric] = {}
+AGGREGATES: dict[str, Aggregate] = {}
 
 
 def register(cls):
@@ -73,7 +79,7 @@ def register(cls):
 
 
 class RequestMetric:
-    """One value per successful measured request (``None`` = not defined for it)."""
+    """One value per measured request of the outcomes it covers (``None`` = not defined for it)."""
 
     tag: ClassVar[str]
     header: ClassVar[str]
@@ -82,6 +88,11 @@ class RequestMetric:
     per_request_slo: ClassVar[bool] = False
     # Shown in the console table (the others go to the JSON and Markdown reports).
     headline: ClassVar[bool] = False
+    # Whether an objective may bound it (spec ``slo.objectives``; the names are OBJECTIVE_METRICS).
+    objective: ClassVar[bool] = False
+    # Whose values it holds, and whether failed / timed-out requests enter at the request timeout.
+    outcomes: ClassVar[tuple[str, ...]] = (O.SERVED,)
+    failures_at_timeout: ClassVar[bool] = False
 
     def values(self, rec: RequestRecord) -> list[float]:
         v = self.value(rec)
@@ -90,39 +101,48 @@ class RequestMetric:
     def value(self, rec: RequestRecord) -> float | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def distribution(self, records: list[RequestRecord]) -> Distribution:
+    def distribution(self, records: list[RequestRecord], failure_ms: float | None = None) -> Distribution:
+        """Over ``records`` (measured ones); ``failure_ms`` is what a failed or timed-out request counts as."""
         vals, contributing = [], 0
         for r in records:
-            v = self.values(r)
+            out = r.outcome
+            if out in self.outcomes:
+                v = self.values(r)
+            elif self.failures_at_timeout and failure_ms is not None and out in (O.FAILED, O.TIMED_OUT):
+                v = [failure_ms]
+            else:
+                continue
             if v:
                 contributing += 1
                 vals.extend(v)
         return Distribution.of(vals, contributing)
 
 
-def _metric(tag: str, header: str, fn: Callable[[RequestRecord], float | None], *, unit: str = "ms",
-            per_request_slo: bool = False, headline: bool = False) -> None:
+def _metric(tag: str, header: str, fn: Callable[[RequestRecord], float | None], *, unit: str = "ms", **flags) -> None:
     register(type(f"Metric_{tag}", (RequestMetric,), {
-        "tag": tag, "header": header, "unit": unit, "per_request_slo": per_request_slo, "headline": headline,
-        "value": lambda self, r: fn(r), "__doc__": header,
+        "tag": tag, "header": header, "unit": unit, **flags, "value": lambda self, r: fn(r), "__doc__": header,
     }))
 
 
-_metric("ttft", "time to first token", lambda r: r.ttft_ms(), per_request_slo=True, headline=True)
-_metric("tpot", "time per output token", lambda r: r.tpot_ms(), per_request_slo=True, headline=True)
-_metric("e2e", "end-to-end latency", lambda r: r.e2e_ms(), per_request_slo=True, headline=True)
-_metric("schedule_lag", "schedule lag (sent − scheduled)", lambda r: r.schedule_lag_ms(), headline=True)
+_metric("ttft", "time to first token", lambda r: r.ttft_ms(), per_request_slo=True, headline=True, objective=True,
+        failures_at_timeout=True)
+_metric("tpot", "time per output token", lambda r: r.tpot_ms(), per_request_slo=True, headline=True, objective=True)
+_metric("e2e", "end-to-end latency", lambda r: r.e2e_ms(), per_request_slo=True, headline=True, objective=True,
+        failures_at_timeout=True)
+_metric("schedule_lag", "schedule lag (sent − scheduled)", lambda r: r.schedule_lag_ms(), headline=True, objective=True)
 _metric("client_lag", "client send lag (sent − released)", lambda r: r.client_lag_ms())
 _metric("ttft_sent", "TTFT from the send", lambda r: r.ttft_ms(from_sent=True))
 _metric("e2e_sent", "E2E from the send", lambda r: r.e2e_ms(from_sent=True))
-_metric("server_queue", "server: first scheduled − arrival", lambda r: r.server_ms("arrival_time_ns", "first_scheduled_time_ns"))
-_metric("server_ttft", "server: first token − arrival", lambda r: r.server_ms("arrival_time_ns", "first_token_time_ns"))
-_metric("server_e2e", "server: last token − arrival", lambda r: r.server_ms("arrival_time_ns", "last_token_time_ns"))
+_metric("server_queue", "server: first scheduled − arrival", lambda r: r.server_ms(ARRIVAL, FIRST_SCHEDULED))
+_metric("server_ttft", "server: first token − arrival", lambda r: r.server_ms(ARRIVAL, FIRST_TOKEN))
+_metric("server_e2e", "server: last token − arrival", lambda r: r.server_ms(ARRIVAL, LAST_TOKEN))
+_metric("refusal_latency", "refused (429/503): scheduled → refusal", lambda r: r.refusal_ms(), objective=True,
+        outcomes=(O.SHED,))
 
 
 def _outside_server(r: RequestRecord) -> float | None:
     """TTFT from the send minus the server's own arrival→first token: network, gRPC/HTTP, client."""
-    a, b = r.ttft_ms(from_sent=True), r.server_ms("arrival_time_ns", "first_token_time_ns")
+    a, b = r.ttft_ms(from_sent=True), r.server_ms(ARRIVAL, FIRST_TOKEN)
     return None if a is None or b is None else a - b
 
 
@@ -138,6 +158,7 @@ class InterTokenLatency(RequestMetric):
     tag = "itl"
     header = "inter-token latency (gaps)"
     headline = True
+    objective = True
 
     def values(self, rec: RequestRecord) -> list[float]:
         return rec.itl_ms()
@@ -149,7 +170,7 @@ class InterTokenLatency(RequestMetric):
 class RunWindow:
     """What aggregates need: the measured records and the run's time window."""
 
-    records: list[RequestRecord]  # measured (warm-up excluded), finished or failed
+    records: list[RequestRecord]  # measured (warm-up excluded), whatever their outcome
     start_ns: int  # first measured request's scheduled time
     end_ns: int  # last measured request's final response (or error)
     good: int  # requests meeting every per-request objective
@@ -162,11 +183,23 @@ class RunWindow:
     def ok(self) -> list[RequestRecord]:
         return [r for r in self.records if r.ok]
 
+    def count(self, *outcomes: str) -> int:
+        return sum(r.outcome in outcomes for r in self.records)
+
+    def fraction(self, n: int) -> float | None:
+        return n / len(self.records) if self.records else None
+
 
 class Aggregate:
     tag: ClassVar[str]
     header: ClassVar[str]
     unit: ClassVar[str]
+    objective: ClassVar[bool] = True
+    # A FAIL that the client's lag cannot have caused (outcomes, not latencies): it stands even
+    # when the client could not keep its schedule.
+    lag_immune: ClassVar[bool] = False
+    # Which requests its sample count is (verdict.py): "measured" or "served".
+    samples: ClassVar[str] = "measured"
 
     def value(self, w: RunWindow) -> float | None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -174,7 +207,7 @@ class Aggregate:
 
 @register
 class RequestThroughput(Aggregate):
-    tag, header, unit = "request_throughput", "completed requests per second", "req/s"
+    tag, header, unit, samples = "request_throughput", "served requests per second", "req/s", "served"
 
     def value(self, w):
         return len(w.ok) / w.seconds
@@ -182,7 +215,7 @@ class RequestThroughput(Aggregate):
 
 @register
 class OutputTokenThroughput(Aggregate):
-    tag, header, unit = "output_token_throughput", "output tokens per second", "tok/s"
+    tag, header, unit, samples = "output_token_throughput", "output tokens per second (served)", "tok/s", "served"
 
     def value(self, w):
         return sum(r.output_tokens for r in w.ok) / w.seconds
@@ -190,10 +223,36 @@ class OutputTokenThroughput(Aggregate):
 
 @register
 class ErrorRate(Aggregate):
-    tag, header, unit = "error_rate", "failed / measured requests", "fraction"
+    tag, header, unit, lag_immune = "error_rate", "failed or timed out / measured requests", "fraction", True
 
     def value(self, w):
-        return (len(w.records) - len(w.ok)) / len(w.records) if w.records else None
+        return w.fraction(w.count(O.FAILED, O.TIMED_OUT))
+
+
+@register
+class ShedRate(Aggregate):
+    tag, header, unit = "shed_rate", "shed (refused 429/503 or answered by a fallback tier) / measured", "fraction"
+
+    def value(self, w):
+        return w.fraction(w.count(O.SHED))
+
+
+@register
+class FallbackRate(Aggregate):
+    tag, header, unit = "fallback_rate", "answered by a fallback tier / measured", "fraction"
+
+    def value(self, w):
+        return w.fraction(sum(r.outcome == O.SHED and r.error is None for r in w.records))
+
+
+@register
+class ShortOutputRate(Aggregate):
+    tag, header, unit = "short_output_rate", "served with fewer tokens than requested / served", "fraction"
+    lag_immune, samples = True, "served"
+
+    def value(self, w):
+        ok = w.ok
+        return sum(r.output_tokens < r.requested_output_tokens for r in ok) / len(ok) if ok else None
 
 
 @register
@@ -214,16 +273,25 @@ class Goodput(Aggregate):
 
 @register
 class Duration(Aggregate):
-    tag, header, unit = "duration", "first scheduled send to last response", "s"
+    tag, header, unit, objective = "duration", "first scheduled send to last response", "s", False
 
     def value(self, w):
         return w.seconds
 
 
+# The metric names an objective may bound: defined here, once; the spec's Objective reads them.
+LATENCY_OBJECTIVES = tuple(t for t, m in REQUEST_METRICS.items() if m.objective)
+RUN_OBJECTIVES = tuple(t for t, a in AGGREGATES.items() if a.objective)
+OBJECTIVE_METRICS = LATENCY_OBJECTIVES + RUN_OBJECTIVES
+FRACTION_METRICS = tuple(t for t, a in AGGREGATES.items() if a.unit == "fraction")
+OBJECTIVE_STATS = (*STATS, "max", "mean")
+DEFAULT_FAILURE_MS = 120_000.0  # slo.request_timeout_s's default, in ms
+
+
 # -- summary ----------------------------------------------------------------------------------
 
 def is_good(rec: RequestRecord, bounds: dict[str, float]) -> bool:
-    """A successful request whose TTFT / TPOT / E2E are within ``bounds`` (ms); errors are misses."""
+    """A served request whose TTFT / TPOT / E2E are within ``bounds`` (ms); any other outcome misses."""
     if not rec.ok:
         return False
     for tag, bound in bounds.items():
@@ -238,29 +306,39 @@ class Summary:
     distributions: dict[str, Distribution]
     aggregates: dict[str, float | None]
     measured: int
-    succeeded: int
-    failed: int
+    succeeded: int  # served
+    failed: int  # failed or timed out (what error_rate counts)
     good: int
     goodput_bounds: dict[str, float]
     errors: dict[str, int]  # error message (first line) -> count
+    outcomes: dict[str, int] = field(default_factory=dict)  # served / shed / failed / timed_out -> count
+    tiers: dict[str, int] = field(default_factory=dict)  # tier that answered -> count (servers that name tiers)
+    short: int = 0  # served with fewer tokens than requested
+    failure_ms: float = DEFAULT_FAILURE_MS  # what a failed / timed-out request counts as in TTFT and E2E
 
     def to_dict(self) -> dict:
         return {
             "measured": self.measured, "succeeded": self.succeeded, "failed": self.failed, "good": self.good,
+            "outcomes": self.outcomes, "tiers": self.tiers, "short_outputs": self.short,
+            "failures_counted_in_ttft_e2e_as_ms": self.failure_ms,
             "goodput_bounds_ms": self.goodput_bounds, "errors": self.errors, "aggregates": self.aggregates,
             "distributions": {k: v.to_dict() for k, v in self.distributions.items()},
         }
 
 
-def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | None = None) -> Summary:
-    """Metrics over the measured records (warm-up excluded)."""
+def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | None = None, *,
+              failure_ms: float = DEFAULT_FAILURE_MS) -> Summary:
+    """Metrics over the measured records (warm-up excluded).
+
+    ``failure_ms``: the value a failed or timed-out request takes in TTFT and E2E (the request timeout).
+    """
     bounds = dict(goodput_bounds or {})
     for tag in bounds:
         if tag not in REQUEST_METRICS or not REQUEST_METRICS[tag].per_request_slo:
             raise ValueError(f"'{tag}' cannot bound a single request; use one of ttft, tpot, e2e")
     measured = [r for r in records if r.measured]
     ok = [r for r in measured if r.ok]
-    dists = {tag: m.distribution(ok) for tag, m in REQUEST_METRICS.items()}
+    dists = {tag: m.distribution(measured, failure_ms) for tag, m in REQUEST_METRICS.items()}
     times_start = [r.scheduled_ns for r in measured]
     times_end = [t for r in measured for t in (r.final_ns, r.last_token_ns) if t is not None]
     start = min(times_start) if times_start else 0
@@ -269,8 +347,15 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
     w = RunWindow(records=measured, start_ns=start, end_ns=end, good=good)
     aggs = {tag: a.value(w) for tag, a in AGGREGATES.items()}
     errors: dict[str, int] = {}
+    outcomes = {o: 0 for o in O.OUTCOMES}
+    tiers: dict[str, int] = {}
     for r in measured:
-        if not r.ok:
-            key = (r.error or "no final response").splitlines()[0][:200]
+        outcomes[r.outcome] += 1
+        if r.tier is not None:
+            tiers[r.tier] = tiers.get(r.tier, 0) + 1
+        if not r.ok and r.error is not None:
+            key = r.error.splitlines()[0][:200]
             errors[key] = errors.get(key, 0) + 1
-    return Summary(dists, aggs, len(measured), len(ok), len(measured) - len(ok), good, bounds, errors)
+    short = sum(r.output_tokens < r.requested_output_tokens for r in ok)
+    return Summary(dists, aggs, len(measured), len(ok), outcomes[O.FAILED] + outcomes[O.TIMED_OUT], good, bounds,
+                   errors, outcomes, tiers, short, failure_ms)

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SERVER_STAMPS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+from ..triton.config import PERF_OUTPUTS as SERVER_STAMPS
+from . import outcome as _outcome
+
+ARRIVAL, FIRST_SCHEDULED, FIRST_TOKEN, LAST_TOKEN = SERVER_STAMPS
 
 
 @dataclass
@@ -29,6 +32,9 @@ class RequestRecord:
     input_tokens: int = 0
     requested_output_tokens: int = 0
     error: str | None = None
+    status: int | None = None  # HTTP status of a non-200 answer (gRPC stream errors carry none)
+    timed_out: bool = False  # no final response within the request timeout
+    tier: str | None = None  # the tier that answered, when the server names it (outcome.TIER_HEADER)
     server: dict[str, int] = field(default_factory=dict)  # SERVER_STAMPS, server clock
     text: str | None = None  # generated text (ensemble) when kept
     output_ids: list[int] | None = None  # generated ids (tensorrt_llm) when kept
@@ -42,7 +48,13 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.final_ns is not None
+        """Served: the whole answer arrived from the primary tier (outcome.py)."""
+        return self.outcome == _outcome.SERVED
+
+    @property
+    def outcome(self) -> str:
+        return _outcome.classify(finished=self.final_ns is not None, error=self.error, status=self.status,
+                                 tier=self.tier, timed_out=self.timed_out)
 
     @property
     def measured(self) -> bool:
@@ -97,13 +109,20 @@ class RequestRecord:
             return None
         return (b - a) / 1e6
 
+    def refusal_ms(self) -> float | None:
+        """scheduled → the refusal (429/503) arrived: how fast a shed request learnt it."""
+        if self.error is None or self.status not in _outcome.SHED_STATUSES:
+            return None
+        return self._ms(self.scheduled_ns, self.final_ns)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("raw")
         d["output_tokens"] = self.output_tokens
+        d["outcome"] = self.outcome
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RequestRecord":
+    def from_dict(cls, d: dict) -> RequestRecord:
         d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "raw"}
         return cls(**d)

@@ -13,13 +13,15 @@ from pathlib import Path
 
 from ..artifacts import atomic_stage, sha256_json, tool_versions
 from .metrics import AGGREGATES, REQUEST_METRICS
+from .outcome import OUTCOMES
 from .runner import SLOReport, SweepReport
 from .verdict import FAIL, INCONCLUSIVE, PASS
 
 LATENCY_ROWS = ["ttft", "itl", "tpot", "e2e", "schedule_lag", "ttft_sent", "e2e_sent",
-                "server_queue", "server_ttft", "server_e2e", "ttft_outside_server"]
+                "server_queue", "server_ttft", "server_e2e", "ttft_outside_server", "refusal_latency"]
 STAT_COLS = ["mean", "p50", "p90", "p95", "p99", "p99.9", "max"]
-AGG_ROWS = ["request_throughput", "output_token_throughput", "error_rate", "attainment", "goodput", "duration"]
+AGG_ROWS = ["request_throughput", "output_token_throughput", "error_rate", "shed_rate", "fallback_rate",
+            "short_output_rate", "attainment", "goodput", "duration"]
 COLOR = {PASS: "green", FAIL: "red", INCONCLUSIVE: "yellow"}
 
 
@@ -39,6 +41,18 @@ def _agg_fmt(tag: str, v) -> str:
     if AGGREGATES[tag].unit == "fraction":
         return f"{v * 100:.2f} %"
     return f"{v:,.2f} {AGGREGATES[tag].unit}"
+
+
+def outcome_line(report: SLOReport) -> str:
+    """'100 measured: 97 served, 2 shed, 1 failed, 0 timed out; tiers: primary 97, cache 1'."""
+    s = report.summary
+    parts = ", ".join(f"{s.outcomes.get(o, 0)} {o.replace('_', ' ')}" for o in OUTCOMES)
+    line = f"{s.measured} measured: {parts}"
+    if s.tiers:
+        line += "; tiers: " + ", ".join(f"{t} {n}" for t, n in sorted(s.tiers.items()))
+    if s.short:
+        line += f"; {s.short} shorter than requested"
+    return line
 
 
 def latency_rows(report: SLOReport) -> list[list[str]]:
@@ -70,8 +84,8 @@ def print_report(report: SLOReport, console=None) -> None:
     console.print(f"[bold]rtk slo[/] {report.target.transport}://{report.target.url.removeprefix('http://')} "
                   f"model [cyan]{report.target.model}[/] ({report.target.endpoint}) — {report.plan.describe()}")
     s = report.summary
-    console.print(f"{s.measured} measured requests ({s.succeeded} ok, {s.failed} failed), "
-                  f"{report.workload['warmup_requests']} warm-up excluded; {report.client.get('schedule', '')}")
+    console.print(f"{outcome_line(report)}; {report.workload['warmup_requests']} warm-up excluded; "
+                  f"{report.client.get('schedule', '')}")
     t = Table(title="latency, ms (from the scheduled time unless marked 'from the send')", title_justify="left")
     t.add_column("metric", no_wrap=True, min_width=20)
     for c in ["n", *STAT_COLS]:
@@ -133,7 +147,8 @@ def markdown(report: SLOReport) -> str:
             f"* workload: {report.workload['kind']}, input {report.workload['input_tokens']} ± {report.workload['input_tokens_stddev']:g} "
             f"tokens, output {report.workload['output_tokens']} ± {report.workload['output_tokens_stddev']:g}, "
             f"{report.workload['turns']} turn(s), tokenizer {report.workload['tokenizer']}, seed {report.workload['seed']}",
-            f"* requests: {s.measured} measured, {s.succeeded} succeeded, {s.failed} failed",
+            f"* requests: {outcome_line(report)}",
+            f"* failed and timed-out requests count as {s.failure_ms:g} ms (the request timeout) in TTFT and E2E",
             f"* client: {report.client.get('schedule', '')}", ""]
     out += ["## Objectives", "", "| objective | observed | samples (needed) | verdict |", "|---|---:|---:|---|"]
     for r in v.results:
@@ -146,6 +161,9 @@ def markdown(report: SLOReport) -> str:
     out += ["", "## Throughput and errors", "", "| metric | value |", "|---|---:|"]
     for tag in AGG_ROWS:
         out.append(f"| {AGGREGATES[tag].header} | {_agg_fmt(tag, s.aggregates.get(tag))} |")
+    if s.tiers:
+        out += ["", "## Tiers that answered", "", "| tier | requests |", "|---|---:|"]
+        out += [f"| {t} | {n} |" for t, n in sorted(s.tiers.items())]
     if s.errors:
         out += ["", "## Errors", ""] + [f"* {n} × `{msg}`" for msg, n in s.errors.items()]
     pm = report.server_metrics.get("per_model") or {}

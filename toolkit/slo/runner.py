@@ -16,8 +16,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from pydantic import ValidationError
 
@@ -48,19 +49,26 @@ class Target:
 
     @classmethod
     def from_spec(cls, spec: Spec | None, slo: SLOSpec, url: str | None = None, metrics_url: str | None = None,
-                  repository: str | os.PathLike | None = None) -> "Target":
+                  repository: str | os.PathLike | None = None) -> Target:
         s = spec.serving if spec is not None else None
         host = s.host if s else "127.0.0.1"
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if url is None:
             if s is None:
                 raise UsageError("no server to load: pass --url (gRPC host:port or http://host:port) or a spec")
-            url = f"{host}:{s.grpc_port}" if slo.transport == "grpc" else f"http://{host}:{s.http_port}"
+            if slo.transport == "openai":
+                if not s.frontend.enabled:
+                    raise UsageError("serving.frontend is off: pass --url http://HOST:PORT of an OpenAI-compatible server")
+                fhost = "127.0.0.1" if s.frontend.host in ("0.0.0.0", "") else s.frontend.host
+                url = f"http://{fhost}:{s.frontend.port}"
+            else:
+                url = f"{host}:{s.grpc_port}" if slo.transport == "grpc" else f"http://{host}:{s.http_port}"
         if metrics_url is None and s is not None:
             metrics_url = f"http://{host}:{s.metrics_port}/metrics"
         if repository is None and spec is not None:
             repository = spec.repository_dir()
-        return cls(url=url, transport=slo.transport, model=slo.model or slo.endpoint, endpoint=slo.endpoint,
+        model = slo.model or ("" if slo.transport == "openai" else slo.endpoint)  # openai: the server's first model
+        return cls(url=url, transport=slo.transport, model=model, endpoint=slo.endpoint,
                    metrics_url=metrics_url, repository=str(repository) if repository else None)
 
 
@@ -200,8 +208,13 @@ def run_slo(
 
     transport = make_transport(target.transport, target.url, target.model, target.endpoint)
     info = transport.model_info()
-    if not info.stamps:
-        notes.append(f"model '{info.name}' does not return server timestamps (return_perf_metrics); server-side columns are empty")
+    target.model = info.name
+    if slo.transport != "openai":
+        if not info.stamps:
+            notes.append(f"model '{info.name}' does not return server timestamps (return_perf_metrics); server-side columns are empty")
+        if "min_tokens" not in info.inputs:
+            notes.append(f"model '{info.name}' does not take min_tokens: output length is not enforced, and responses "
+                         "shorter than requested are counted in short_output_rate")
     before = server_metrics.scrape(target.metrics_url)
     if target.metrics_url and before is None:
         notes.append(f"could not read {target.metrics_url}; no server counters in this report")
@@ -231,7 +244,13 @@ def run_slo(
             finish_record(r, info, transport.name, keep_output)
     after = server_metrics.scrape(target.metrics_url)
     delta = server_metrics.diff(before, after)
-    summary = summarize(records, goodput_bounds(objectives))
+    summary = summarize(records, goodput_bounds(objectives), failure_ms=slo.request_timeout_s * 1000)
+    if summary.failed:
+        notes.append(f"{summary.failed} failed or timed-out request(s) count as {slo.request_timeout_s:g} s "
+                     "(slo.request_timeout_s) in the TTFT and E2E distributions")
+    if summary.short:
+        notes.append(f"{summary.short} served request(s) had fewer output tokens than requested (short_output_rate); "
+                     "their latencies describe a shorter workload than the one asked for")
     ok, msg, _ = schedule_check(records, slo.max_schedule_lag_ms)
     verdict = evaluate(objectives, summary, schedule_ok=ok, schedule_message=msg)
     return SLOReport(

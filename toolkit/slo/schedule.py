@@ -10,7 +10,7 @@ Offsets are integer nanoseconds from the start, reproducible from the seed.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -31,11 +31,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor  # numpy only; light
+from tritonclient.utils import (  # numpy only; light
+    deserialize_bytes_tensor,
+    serialize_byte_tensor,
+)
 
 from ..errors import ServerError, UsageError
 from .records import SERVER_STAMPS, RequestRecord
@@ -105,6 +109,8 @@ class Decoded:
     text: str | None = None
     ids: list[int] | None = None
     stamps: dict[str, int] = field(default_factory=dict)
+    tier: str | None = None  # OpenAI-compatible front doors: the tier that answered
+    total_tokens: int | None = None  # OpenAI ``usage.completion_tokens`` (final chunk), when sent
 
 
 def decode_grpc(info: ModelInfo, resp, *, content: bool = True, stamps: bool = True) -> Decoded:
@@ -150,16 +156,27 @@ def decode_http(info: ModelInfo, body: bytes, *, content: bool = True, stamps: b
     return Decoded(len(ids), ids=ids if content else None, stamps=st)
 
 
+def _decoder(transport: str):
+    if transport == "openai":
+        from .openai_transport import decode_openai
+
+        return decode_openai
+    return decode_grpc if transport == "grpc" else decode_http
+
+
 def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_output: bool = True) -> None:
-    """Turn a record's raw responses into chunk times, token counts, output and server stamps."""
-    decode = decode_grpc if transport == "grpc" else decode_http
+    """Turn a record's raw responses into chunk times, token counts, output, server stamps and tier."""
+    decode = _decoder(transport)
     text, ids = [], []
+    total = None
     for t, payload in rec.raw:
         try:
             d = decode(info, payload, content=keep_output, stamps=False)
         except Exception as exc:  # a response we cannot read is the request's failure, not ours
             rec.error = rec.error or f"unreadable response: {exc}"
             continue
+        rec.tier = d.tier or rec.tier
+        total = d.total_tokens if d.total_tokens is not None else total
         if d.tokens:
             rec.chunk_ns.append(t)
             rec.chunk_tokens.append(d.tokens)
@@ -167,6 +184,9 @@ def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_outp
                 text.append(d.text)
             if d.ids is not None:
                 ids.extend(d.ids)
+    if total is not None and rec.chunk_tokens and total > sum(rec.chunk_tokens):
+        # The server counted more tokens than chunks carried (several per chunk): the last takes the rest.
+        rec.chunk_tokens[-1] += total - sum(rec.chunk_tokens)
     # Each response repeats the server stamps known so far: the last one that has them has all.
     for _, payload in reversed(rec.raw):
         try:
@@ -178,7 +198,7 @@ def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_outp
             break
     rec.raw = []
     if keep_output:
-        if info.interface == "ensemble":
+        if info.interface != "tensorrt_llm":
             rec.text = "".join(text)
         else:
             rec.output_ids = ids
@@ -189,7 +209,7 @@ def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_outp
 # -- transports -----------------------------------------------------------------------------
 
 OnResponse = Callable[[str, int, Any, bool], None]  # (request id, arrival ns, raw payload, final)
-OnError = Callable[[str | None, int, str], None]  # (request id or None for all, ns, message)
+OnError = Callable[..., None]  # (request id or None for all, ns, message, status=HTTP status or None)
 
 
 class Transport:
@@ -401,7 +421,7 @@ class HttpTransport(Transport):
             async with self._session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
                     text = await resp.text()
-                    self._on_error(rid, now_ns(), f"HTTP {resp.status}: {text.strip()[:500]}")
+                    self._on_error(rid, now_ns(), f"HTTP {resp.status}: {text.strip()[:500]}", status=resp.status)
                     return
                 async for line in resp.content:
                     t = now_ns()
@@ -440,4 +460,8 @@ def make_transport(kind: str, url: str, model: str, interface: str) -> Transport
         return GrpcTransport(url.removeprefix("grpc://"), model, interface)
     if kind == "http":
         return HttpTransport(url, model, interface)
-    raise UsageError(f"unknown transport '{kind}'; use grpc or http (slo.transport)")
+    if kind == "openai":
+        from .openai_transport import OpenAITransport
+
+        return OpenAITransport(url, model, interface)
+    raise UsageError(f"unknown transport '{kind}'; use grpc, http or openai (slo.transport)")

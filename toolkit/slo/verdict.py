@@ -3,8 +3,10 @@
 * An objective is **inconclusive** when its statistic rests on too few samples: ``pq`` needs at
   least ``1 / (1 − q)`` measured requests (p90: 10, p95: 20, p99: 100, p99.9: 1000), because with
   fewer the "p99" is just the maximum of a small sample.  ``attainment ≥ a`` needs ``1 / (1 − a)``.
-* The whole run is **inconclusive** when the client could not keep its own schedule (its send lag
-  p99 over ``max_schedule_lag_ms``): the latencies then measure the client as much as the server.
+* When the client could not keep its own schedule (its send lag p99 over ``max_schedule_lag_ms``),
+  the latencies and rates measure the client as much as the server: the run is **inconclusive**,
+  unless an objective on request outcomes that lag cannot cause (``error_rate``,
+  ``short_output_rate``) failed: that FAIL stands.
 * Otherwise any objective that is not met makes it **FAIL**; all met is **PASS**.
 * With no ``error_rate`` objective, ``error_rate ≤ 0`` is implied: a gate never passes a run in
   which requests failed unless the user said how many may fail.
@@ -16,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..spec import Objective
-from .metrics import AGGREGATES, REQUEST_METRICS, QUANTILES, Summary
+from .metrics import AGGREGATES, QUANTILES, REQUEST_METRICS, Summary
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 10, INCONCLUSIVE: 11}  # also documented in toolkit/cli.py and docs/slo.md
@@ -70,18 +72,23 @@ def _check(obj: Objective, summary: Summary, implicit: bool = False) -> Objectiv
         dist = summary.distributions[obj.metric]
         observed, samples = dist.stat(obj.stat), dist.requests
     else:
-        observed, samples = summary.aggregates.get(obj.metric), summary.measured
-        if obj.metric in ("request_throughput", "output_token_throughput"):
-            samples = summary.succeeded
+        observed = summary.aggregates.get(obj.metric)
+        samples = summary.succeeded if AGGREGATES[obj.metric].samples == "served" else summary.measured
     need = required_samples(obj)
     base = dict(objective=obj.model_dump(), label=label, observed=observed, samples=samples, required=need, implicit=implicit)
     if observed is None or samples < need:
         why = f"{samples} measured request(s); {obj.stat if obj.stat != 'value' else obj.metric} needs at least {need}"
-        if observed is None and summary.failed and not summary.succeeded:
-            return ObjectiveResult(**base, status=FAIL, message=f"no request succeeded ({summary.failed} failed)")
+        if observed is None and summary.measured and not summary.succeeded:
+            n = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in summary.outcomes.items() if v)
+            return ObjectiveResult(**base, status=FAIL, message=f"no request was served ({n})")
         return ObjectiveResult(**base, status=INCONCLUSIVE, message=why)
     met = observed <= obj.max if obj.max is not None else observed >= obj.min
     return ObjectiveResult(**base, status=PASS if met else FAIL, message=f"observed {observed:.4g}")
+
+
+def lag_immune(metric: str) -> bool:
+    """Whether a FAIL of this metric stands even when the client fell behind its schedule."""
+    return metric in AGGREGATES and AGGREGATES[metric].lag_immune
 
 
 def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool = True, schedule_message: str = "") -> Verdict:
@@ -95,7 +102,12 @@ def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool
     if not schedule_ok:
         reasons.append(f"the client could not keep the schedule: {schedule_message}")
     statuses = {r.status for r in results}
-    if not schedule_ok or not objectives:
+    lag_proof_fail = any(r.status == FAIL and lag_immune(r.objective["metric"]) for r in results)
+    if not objectives:
+        status = INCONCLUSIVE
+    elif lag_proof_fail:
+        status = FAIL
+    elif not schedule_ok:
         status = INCONCLUSIVE
     elif FAIL in statuses:
         status = FAIL

@@ -1,0 +1,125 @@
+"""Streaming load at any OpenAI-compatible server: rtk's front door, trtllm-serve, vLLM, NIM.
+
+``POST /v1/chat/completions`` (endpoint ``chat``: the prompt is one user message) or
+``/v1/completions`` (endpoint ``completions``: the prompt as is), with ``stream: true`` and
+``stream_options.include_usage`` so the final chunk carries ``usage.completion_tokens``.  Each SSE
+``data:`` line is timestamped when it arrives; a chunk whose ``choices[0]`` carries text
+(``delta.content`` or ``text``) is a token-carrying response; ``data: [DONE]`` (or the end of the
+stream) ends the request.  When the server counts more tokens than chunks carried, the last chunk
+takes the rest, so TPOT and throughput use the server's count.
+
+Outcomes follow outcome.py: HTTP 429 and 503 are refusals (shed); a fallback tier named in the
+:data:`~toolkit.slo.outcome.TIER_HEADER` response header or the final chunk's
+:data:`~toolkit.slo.outcome.TIER_FIELD` field is shed as well; any other status, an ``error``
+event or a broken stream is a failure.  ``OPENAI_API_KEY``, when set, is sent as a bearer token
+and never written anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ..errors import ServerError, UsageError
+from .outcome import TIER_FIELD, TIER_HEADER
+from .transport import Decoded, HttpTransport, ModelInfo, Payload, now_ns
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+HEADER_TIER = "header_tier"  # key of the pseudo-payload that carries the tier header to the decoder
+
+
+def decode_openai(info: ModelInfo, payload: Any, *, content: bool = True, stamps: bool = True) -> Decoded:
+    """One SSE ``data:`` payload (or the tier header's pseudo-payload) → tokens, text, tier, usage."""
+    if isinstance(payload, dict):
+        return Decoded(0, tier=payload.get(HEADER_TIER))
+    obj = json.loads(payload)
+    usage = obj.get("usage") or {}
+    total = usage.get("completion_tokens")
+    tier = obj.get(TIER_FIELD)
+    choices = obj.get("choices") or []
+    piece = None
+    if choices:
+        c = choices[0]
+        piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+    if not piece:
+        return Decoded(0, tier=tier, total_tokens=total)
+    return Decoded(1, text=piece if content else None, tier=tier, total_tokens=total)
+
+
+class OpenAITransport(HttpTransport):
+    name = "openai"
+
+    def __init__(self, url: str, model: str, interface: str, timeout_s: float = 10.0):
+        super().__init__(url, model, interface, timeout_s)
+        self.url = self.url.removesuffix("/v1")
+        key = os.environ.get("OPENAI_API_KEY")
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def model_info(self) -> ModelInfo:
+        if self.interface not in PATHS:
+            raise UsageError(f"endpoint '{self.interface}' is not an OpenAI endpoint; use chat or completions (slo.endpoint)")
+        req = urllib.request.Request(self.url + "/v1/models", headers=self._headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            hint = "; set OPENAI_API_KEY" if exc.code in (401, 403) else ""
+            raise ServerError(f"{self.url}/v1/models answered HTTP {exc.code}{hint}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ServerError(f"cannot reach an OpenAI-compatible server at {self.url}: {getattr(exc, 'reason', exc)}. "
+                              "Is it running (rtk serve starts rtk's front door)?") from None
+        names = [m.get("id") for m in body.get("data") or [] if isinstance(m, dict)]
+        if not self.model:
+            if not names:
+                raise UsageError(f"{self.url}/v1/models lists no model; pass slo.model / --model")
+            self.model = names[0]
+        elif names and self.model not in names:
+            raise UsageError(f"model '{self.model}' is not served at {self.url}; it serves {names} (slo.model)")
+        self.info = ModelInfo(name=self.model, interface=self.interface, max_batch_size=0, inputs=set(), outputs=set(),
+                              decoupled=True)
+        return self.info
+
+    def prepare(self, rid: str, p: Payload) -> tuple[str, bytes]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": p.output_tokens, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.interface == "chat":
+            body["messages"] = [{"role": "user", "content": p.text}]
+        else:
+            body["prompt"] = p.text
+        return rid, json.dumps(body).encode()
+
+    async def _one(self, rid: str, body: bytes) -> None:
+        import aiohttp
+
+        try:
+            async with self._session.post(self.url + PATHS[self.interface], data=body, headers=self._headers) as resp:
+                t = now_ns()
+                tier = resp.headers.get(TIER_HEADER)
+                if resp.status != 200:
+                    text = await resp.text()
+                    self._on_error(rid, now_ns(), f"HTTP {resp.status}: {text.strip()[:500]}", status=resp.status)
+                    return
+                if tier is not None:
+                    self._on_response(rid, t, {HEADER_TIER: tier}, False)
+                async for line in resp.content:
+                    t = now_ns()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    if data.startswith(b'{"error"'):
+                        err = json.loads(data).get("error")
+                        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        self._on_error(rid, t, f"error event: {msg}")
+                        return
+                    self._on_response(rid, t, data, False)
+            self._on_response(rid, now_ns(), None, True)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            self._on_error(rid, now_ns(), f"HTTP stream failed: {type(exc).__name__}: {exc}")
