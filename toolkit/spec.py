@@ -307,6 +307,186 @@ class SLOSpec(Section):
         return self
 
 
+K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # an RFC 1123 label (namespaces, Secrets, PVCs)
+K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+
+
+def _k8s_name(v: str | None) -> str | None:
+    if v is not None and (len(v) > 63 or not K8S_NAME.fullmatch(v)):
+        raise ValueError(f"'{v}' is not a Kubernetes name; use lower-case letters, digits and '-' (at most 63)")
+    return v
+
+
+def _quantity(v: str | None) -> str | None:
+    if v is not None and not K8S_QUANTITY.fullmatch(v):
+        raise ValueError(f"'{v}' is not a Kubernetes quantity; write e.g. '8', '500m', '64Gi'")
+    return v
+
+
+class DeployResources(Section):
+    """What one pod asks for.  GPUs are not set here: a pod requests the GPUs its ranks use."""
+
+    gpus_per_node: int = Field(
+        8, ge=1, le=64, description="GPUs a node offers; a larger world size spans nodes (LeaderWorkerSet)"
+    )
+    gpu_resource: str = Field("nvidia.com/gpu", description="extended resource name of a GPU (NVIDIA device plugin)")
+    cpu: str = Field("8", description="CPU request per pod (and limit on the cpu target)")
+    memory: str = Field("64Gi", description="memory request and limit per pod")
+    shm_size: str = Field("16Gi", description="size of /dev/shm (python backend tensors, NCCL)")
+
+    @field_validator("cpu", "memory", "shm_size")
+    @classmethod
+    def _quantities(cls, v: str) -> str:
+        return _quantity(v)
+
+
+class DeployStorage(Section):
+    """Where the pod finds the model repository and engines (built with the working directory = mount_path)."""
+
+    kind: Literal["pvc", "object-storage"] = Field(
+        "pvc", description="a PersistentVolumeClaim, or an init container that copies from s3:// or gs://"
+    )
+    claim_name: str | None = Field(None, description="pvc: the claim to mount (default <name>-models); it must exist")
+    uri: str | None = Field(
+        None, description="object-storage: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX holding engines/ and triton_repo/"
+    )
+    credentials_secret: str | None = Field(
+        None, description="object-storage: Secret whose keys become the copy's environment (e.g. AWS_ACCESS_KEY_ID)"
+    )
+    copy_image: str | None = Field(
+        None, description="object-storage: image with the copy tool (default: aws-cli for s3, cloud-sdk for gs)"
+    )
+    cache_size: str = Field("200Gi", description="object-storage: size limit of the emptyDir the copy fills")
+    mount_path: str = Field(
+        "/models", description="where the volume is mounted; engines/ and triton_repo/ lie below it"
+    )
+    read_only: bool = Field(True, description="pvc: mount read-only")
+
+    @field_validator("claim_name", "credentials_secret")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        return _k8s_name(v)
+
+    @field_validator("cache_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        return _quantity(v)
+
+    @field_validator("mount_path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") == "":
+            raise ValueError(f"'{v}' must be an absolute directory other than '/', e.g. /models")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _source(self) -> "DeployStorage":
+        if self.kind == "object-storage":
+            if not self.uri or not re.fullmatch(r"(s3|gs)://[a-z0-9][a-z0-9._-]{1,62}(/[^\s]*)?", self.uri):
+                raise _Rule("deploy.storage.uri",
+                            f"object-storage needs uri: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (got {self.uri!r})")
+        elif self.uri or self.credentials_secret or self.copy_image:
+            raise _Rule("deploy.storage.uri",
+                        "'uri', 'credentials_secret' and 'copy_image' belong to kind: object-storage")
+        return self
+
+
+class DeployAutoscaling(Section):
+    """Horizontal autoscaling of replicas (Deployment pods or LeaderWorkerSet groups) on a Prometheus signal."""
+
+    kind: Literal["none", "hpa", "keda"] = Field(
+        "hpa", description="HPA autoscaling/v2 via prometheus-adapter, a KEDA ScaledObject, or none"
+    )
+    signal: Literal["waiting_requests", "queue_compute_ratio", "custom"] = Field(
+        "waiting_requests",
+        description="waiting_requests: nv_trt_llm_request_metrics{request_type='waiting'} per replica "
+        "(see docs/deploy.md); "
+        "queue_compute_ratio: Triton's queue/compute time (near zero for decoupled LLM models); custom: 'query'",
+    )
+    query: str | None = Field(
+        None, description="custom: PromQL giving one series per pod with 'namespace' and 'pod' labels"
+    )
+    target: float | None = Field(
+        None, gt=0, description="average value per replica to hold (default: 2 waiting requests, ratio 1.0)"
+    )
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    scale_up_stabilization_s: int = Field(
+        30, ge=0, le=3600,
+        description="scale up only to the lowest recommendation of this window (a spike alone adds no replica)",
+    )
+    scale_down_stabilization_s: int = Field(
+        300, ge=0, le=3600, description="scale down only to the highest recommendation of this window"
+    )
+    prometheus_url: str = Field(
+        "http://prometheus-operated.monitoring.svc:9090", description="keda: Prometheus to query"
+    )
+    prometheus_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="labels the Prometheus Operator selects PodMonitors and rules by "
+        "(e.g. release: kube-prometheus-stack)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "DeployAutoscaling":
+        if self.max_replicas < self.min_replicas:
+            raise _Rule("deploy.autoscaling.max_replicas",
+                        f"{self.max_replicas} is below min_replicas ({self.min_replicas})")
+        if (self.signal == "custom") != (self.query is not None):
+            raise _Rule("deploy.autoscaling.query", "give 'query' exactly when signal is 'custom'")
+        return self
+
+
+class DeploySecrets(Section):
+    """Names of existing Secrets; their values never enter the spec or the manifests."""
+
+    hf_token: str | None = Field(None, description="Secret with key HF_TOKEN, given to the pods as an env reference")
+    frontend_api_keys: str | None = Field(
+        None, description="Secret holding the front door's keys under the variable serving.frontend.api_keys names; "
+        "without it the front door stays on loopback inside the pod"
+    )
+    ssh: str = Field(
+        "rtk-mpi-ssh", description="multi-node: Secret with id_rsa, id_rsa.pub and authorized_keys for mpirun's ssh"
+    )
+    image_pull: str | None = Field(None, description="imagePullSecret for the image (e.g. an NGC API key Secret)")
+
+    @field_validator("hf_token", "frontend_api_keys", "ssh", "image_pull")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not K8S_NAME.fullmatch(v)):  # the value is not echoed: it may be a token
+            raise ValueError("is not the name of a Secret (lower-case letters, digits and '-'); "
+                             "give the Secret's name, "
+                             "never the secret itself")
+        return v
+
+
+class DeploySpec(Section):
+    """``rtk deploy k8s``: Kubernetes manifests for this spec (docs/deploy.md)."""
+
+    namespace: str = Field("default", description="namespace every object is created in")
+    image: str | None = Field(
+        None, description="container image; default: the NGC Triton TensorRT-LLM image for GPU targets, "
+        "rtk-cpu:<version> built from the written Dockerfile for cpu",
+    )
+    replicas: int = Field(
+        1, ge=0, description="replicas (single node: pods; multi-node: leader+worker groups) without autoscaling"
+    )
+    resources: DeployResources = DeployResources()
+    storage: DeployStorage = DeployStorage()
+    autoscaling: DeployAutoscaling = DeployAutoscaling()
+    secrets: DeploySecrets = DeploySecrets()
+    startup_timeout_s: int = Field(
+        1800, ge=60, le=7200, description="time the engine has to load and warm before the pod is restarted"
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector for every pod")
+    service_type: Literal["ClusterIP", "LoadBalancer", "NodePort"] = "ClusterIP"
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return _k8s_name(v)
+
+
 class Spec(Section):
     name: str = Field(description="names the artifacts: engines/<name>/, triton_repo/<name>/")
     model: ModelSpec = ModelSpec()
@@ -314,6 +494,7 @@ class Spec(Section):
     build: BuildSpec = BuildSpec()
     serving: ServingSpec = ServingSpec()
     slo: SLOSpec = SLOSpec()
+    deploy: DeploySpec = DeploySpec()
 
     @field_validator("name")
     @classmethod
