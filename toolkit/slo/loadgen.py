@@ -105,6 +105,7 @@ class LoadGenerator:
         self._next_index = 0
         self._seen: set[str] = set()  # ids of every request sent
         self.unmatched_errors: list[str] = []  # error responses whose request id matched none sent
+        self.last_t0: int | None = None  # the start of the latest run's schedule
 
     # -- transport callbacks (reader threads) ---------------------------------------------------
     def on_response(self, rid: str, t: int, payload: Any, final: bool) -> None:
@@ -162,9 +163,18 @@ class LoadGenerator:
         return st
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, plan: LoadPlan, phase: str = "measure") -> list[RequestRecord]:
-        """Send the plan's requests; returns their records (raw responses still to decode)."""
-        return _Run(self, plan, phase).loop()
+    def run(self, plan: LoadPlan, phase: str = "measure", *, t0: int | None = None,
+            partition: tuple[int, int] = (0, 1)) -> list[RequestRecord]:
+        """Send the plan's requests; returns their records (raw responses still to decode).
+
+        ``t0``: the schedule's start (``now_ns`` clock; default: now).  ``partition = (k, n)``: this
+        generator is worker k of n sharing one schedule: it sends arrivals k, k+n, … (open loop), or
+        closed-loop slots and requests k, k+n, …; sessions keep their global numbers, so the
+        prompts do not depend on n.
+        """
+        run = _Run(self, plan, phase, t0, partition)
+        self.last_t0 = run.t0
+        return run.loop()
 
     def send(self, item: _Due, released: int) -> None:
         rec = item.rec
@@ -178,17 +188,24 @@ class LoadGenerator:
 class _Run:
     """The state of one :meth:`LoadGenerator.run`."""
 
-    def __init__(self, gen: LoadGenerator, plan: LoadPlan, phase: str):
+    def __init__(self, gen: LoadGenerator, plan: LoadPlan, phase: str, t0: int | None = None,
+                 partition: tuple[int, int] = (0, 1)):
         self.gen, self.plan, self.phase = gen, plan, phase
+        k, n = self.k, self.n = partition
         self.records: list[RequestRecord] = []
         self.heap: list[_Due] = []
         self.held: deque[_Due] = deque()  # due, waiting for a max_inflight slot
         self.items: dict[str, _Due] = {}
         self.seq = itertools.count()
-        self.session_ids = itertools.count(WARMUP_SESSION_BASE if phase == "warmup" else 0)
+        self.session_ids = itertools.count((WARMUP_SESSION_BASE if phase == "warmup" else 0) + k, n)
+        self.arrival_no = 0  # open loop: global number of the next arrival
+        # This worker's share: closed-loop slots and request quota, open-loop max_inflight.
+        self.quota = len(range(k, plan.num_requests, n)) if plan.num_requests is not None else None
+        self.slots = len(range(k, plan.concurrency, n)) if plan.kind == "concurrency" else 0
+        self.max_inflight = len(range(k, plan.max_inflight, n)) if plan.max_inflight else None
         self.created = 0
         self.done = 0
-        self.t0 = now_ns() + 2_000_000  # a little ahead, so the first requests are prepared in time
+        self.t0 = t0 if t0 is not None else now_ns() + 2_000_000  # ahead, so the first requests are prepared in time
         self.end_ns = self.t0 + int(plan.duration_s * 1e9) if plan.duration_s else None
         self.arrivals = (
             arrival_offsets(plan.arrival, plan.rate, burstiness=plan.burstiness, seed=plan.seed) if plan.kind == "rate" else None
@@ -196,8 +213,7 @@ class _Run:
         self.arrival_item: _Due | None = None  # the latest arrival; the next is prepared when it goes
 
     def may_create(self, due: int) -> bool:
-        p = self.plan
-        return (p.num_requests is None or self.created < p.num_requests) and (self.end_ns is None or due < self.end_ns) \
+        return (self.quota is None or self.created < self.quota) and (self.end_ns is None or due < self.end_ns) \
             and self.gen._broken is None
 
     def push(self, state: _SessionState, due: int) -> _Due:
@@ -212,7 +228,12 @@ class _Run:
         return self.push(_SessionState(self.gen.workload.session(next(self.session_ids))), due)
 
     def next_arrival(self) -> None:
-        due = self.t0 + next(self.arrivals)
+        """Prepare this worker's next arrival (every n-th of the shared schedule)."""
+        while True:
+            i, self.arrival_no = self.arrival_no, self.arrival_no + 1
+            due = self.t0 + next(self.arrivals)
+            if i % self.n == self.k:
+                break
         self.arrival_item = self.new_session(due) if self.may_create(due) else None
 
     def finished(self, item: _Due, t: int) -> None:
@@ -241,7 +262,7 @@ class _Run:
         if self.arrivals is not None:
             self.next_arrival()
         else:
-            for _ in range(plan.concurrency):
+            for _ in range(self.slots):
                 if self.may_create(self.t0):
                     self.new_session(self.t0)
         while True:
@@ -249,7 +270,7 @@ class _Run:
             # Send what is due (or park it while the max_inflight slots are taken).
             while self.heap and self.heap[0].due <= now:
                 item = heapq.heappop(self.heap)
-                if plan.max_inflight and len(inflight) >= plan.max_inflight:
+                if self.max_inflight and len(inflight) >= self.max_inflight:
                     self.held.append(item)
                 else:
                     gen.send(item, item.due)

@@ -35,6 +35,8 @@ class RequestRecord:
     status: int | None = None  # HTTP status of a non-200 answer (gRPC stream errors carry none)
     timed_out: bool = False  # no final response within the request timeout
     tier: str | None = None  # the tier that answered, when the server names it (outcome.TIER_HEADER)
+    replica: int | None = None  # which --url served it, when several were given
+    worker: int = 0  # which client process sent it (--workers)
     server: dict[str, int] = field(default_factory=dict)  # SERVER_STAMPS, server clock
     text: str | None = None  # generated text (ensemble) when kept
     output_ids: list[int] | None = None  # generated ids (tensorrt_llm) when kept

@@ -20,18 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import ValidationError
-
 from .. import __version__
-from ..errors import SpecError, UsageError
+from ..errors import UsageError
 from ..spec import Objective, SLOSpec, Spec
 from . import server_metrics
-from .loadgen import LoadGenerator, LoadPlan
+from .client import Client, ClientJob, model_info_note, start_time
+from .client import plan_of as client_plan
+from .loadgen import LoadPlan
 from .metrics import Distribution, Summary, summarize
+from .options import validate_slo, with_load
 from .records import RequestRecord
-from .transport import finish_record, make_transport
-from .verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, Verdict, evaluate
-from .workload import JsonlWorkload, SyntheticWorkload, load_tokenizer
+from .verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, Verdict, evaluate, metric_check
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,7 @@ class Target:
     endpoint: str = "ensemble"
     metrics_url: str | None = None
     repository: str | None = None
+    urls: list[str] = field(default_factory=list)  # every server loaded (several: replicas)
 
     @classmethod
     def from_spec(cls, spec: Spec | None, slo: SLOSpec, url: str | None = None, metrics_url: str | None = None,
@@ -122,31 +122,12 @@ def as_slo(config: Spec | SLOSpec | dict) -> tuple[Spec | None, SLOSpec]:
     if isinstance(config, SLOSpec):
         return None, config
     if isinstance(config, dict):
-        try:
-            return None, SLOSpec.model_validate(config)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field_name = "slo." + ".".join(str(p) for p in first["loc"])
-            raise SpecError(first["msg"].removeprefix("Value error, "), field=field_name) from None
+        return None, validate_slo(config)
     raise UsageError(f"run_slo needs a Spec, an SLOSpec or a dict, not {type(config).__name__}")
 
 
-def with_load(slo: SLOSpec, kind: Literal["rate", "concurrency"], value: float) -> SLOSpec:
-    """The same SLO section with its load replaced."""
-    data = slo.model_dump()
-    if kind == "rate":
-        data.update(request_rate=float(value), concurrency=None)
-    else:
-        data.update(concurrency=int(value), request_rate=None)
-    return SLOSpec.model_validate(data)
-
-
 def plan_of(slo: SLOSpec) -> LoadPlan:
-    return LoadPlan(
-        concurrency=slo.concurrency if slo.request_rate is None else None, rate=slo.request_rate,
-        arrival=slo.arrival, burstiness=slo.burstiness, max_inflight=slo.max_inflight,
-        num_requests=slo.num_requests, duration_s=slo.duration_s, seed=slo.seed,
-    )
+    return client_plan(slo.model_dump())
 
 
 def goodput_bounds(objectives: list[Objective]) -> dict[str, float]:
@@ -172,78 +153,115 @@ def schedule_check(records: list[RequestRecord], max_lag_ms: float) -> tuple[boo
 
 def run_slo(
     config: Spec | SLOSpec | dict,
-    url: str | None = None,
+    url: str | list[str] | None = None,
     *,
     metrics_url: str | None = None,
     repository: str | os.PathLike | None = None,
     objectives: list[Objective] | None = None,
     progress: Callable[[int, int | None], None] | None = None,
     keep_output: bool = True,
+    workers: int = 1,
+    balance: str = "round_robin",
+    check_metrics: list[str] | tuple[str, ...] = (),
+    start_at: float | None = None,
 ) -> SLOReport:
     """Drive the load described by ``config`` (a Spec, its ``slo`` section or a dict) at ``url``.
 
-    ``url`` defaults to the spec's serving host and port for the spec's transport.
+    ``url`` defaults to the spec's serving host and port for the spec's transport; a list of URLs
+    spreads the requests over replicas (``balance``: round_robin or least_loaded).  ``workers``
+    client processes share one schedule.  ``check_metrics`` names server metrics (``NAME`` or
+    ``NAME{label="v"}``) that must rise above zero while the load runs.  ``start_at`` (Unix time)
+    starts the schedule then, so that several hosts can share it (``merge_reports``).
     ``objectives`` replaces the spec's.  Never raises for a missed objective: the verdict says it.
     Raises ServerError when the server cannot be reached, UsageError for bad input.
     """
     spec, slo = as_slo(config)
-    target = Target.from_spec(spec, slo, url, metrics_url, repository)
+    urls = list(url) if isinstance(url, (list, tuple)) else None
+    target = Target.from_spec(spec, slo, urls[0] if urls else url, metrics_url, repository)
+    urls = urls or [target.url]
+    target.urls = urls
     objectives = list(slo.objectives if objectives is None else objectives)
     slo = slo.model_copy(update={"objectives": objectives})  # the report names what was checked
     plan = plan_of(slo)
+    if not 1 <= workers <= 64:
+        raise UsageError(f"--workers {workers}: give 1 to 64 client processes")
+    if workers > 1 and slo.max_inflight is not None and slo.max_inflight < workers:
+        raise UsageError(f"slo.max_inflight {slo.max_inflight} is below --workers {workers}: each worker needs a slot")
+    watch = [str(m) for m in check_metrics]
+    for m in watch:
+        try:
+            server_metrics.parse_selector(m)
+        except ValueError as exc:
+            raise UsageError(f"--check-metric {exc}") from None
+    if watch and not target.metrics_url:
+        raise UsageError("--check-metric needs the server's /metrics: pass --metrics-url or a spec")
+    job = ClientJob(slo=slo.model_dump(), urls=urls, transport=target.transport, model=target.model,
+                    endpoint=target.endpoint, repository=target.repository, balance=balance, keep_output=keep_output,
+                    workers=workers)
     notes: list[str] = []
-
-    want_ids = slo.endpoint == "tensorrt_llm"
-    tokenizer = load_tokenizer(slo.tokenizer, target.repository)
-    if slo.dataset:
-        workload = JsonlWorkload(slo.dataset, output_tokens=slo.output_tokens, tokenizer=tokenizer, want_ids=want_ids)
-    else:
-        workload = SyntheticWorkload(
-            input_tokens=slo.input_tokens, input_std=slo.input_tokens_stddev, output_tokens=slo.output_tokens,
-            output_std=slo.output_tokens_stddev, turns=slo.turns, seed=slo.seed, tokenizer=tokenizer, want_ids=want_ids,
-        )
-    tok_name = workload.tokenizer.name if workload.tokenizer else "none"
-    if tokenizer is None:
-        notes.append("no model tokenizer (slo.tokenizer or the repository's preprocessing): synthetic input lengths are in words")
-
-    transport = make_transport(target.transport, target.url, target.model, target.endpoint)
-    info = transport.model_info()
-    target.model = info.name
-    if slo.transport != "openai":
-        if not info.stamps:
-            notes.append(f"model '{info.name}' does not return server timestamps (return_perf_metrics); server-side columns are empty")
-        if "min_tokens" not in info.inputs:
-            notes.append(f"model '{info.name}' does not take min_tokens: output length is not enforced, and responses "
-                         "shorter than requested are counted in short_output_rate")
     before = server_metrics.scrape(target.metrics_url)
     if target.metrics_url and before is None:
         notes.append(f"could not read {target.metrics_url}; no server counters in this report")
 
-    gen = LoadGenerator(transport, workload, request_timeout_s=slo.request_timeout_s, progress=progress)
-    old_switch = sys.getswitchinterval()
-    # The sender, the response reader and the HTTP loop share the GIL; a short switch interval
-    # bounds how long a due send can wait for it (the default 5 ms would show as schedule lag).
-    sys.setswitchinterval(0.0005)
     started, t_wall = time.time(), time.perf_counter()
-    records: list[RequestRecord] = []
-    try:
-        transport.open(gen.on_response, gen.on_error)
-        if slo.warmup_requests:
-            warm = LoadPlan(concurrency=max(1, min(slo.warmup_requests, slo.concurrency or slo.max_inflight or 4)),
-                            num_requests=slo.warmup_requests, seed=slo.seed)
-            records += gen.run(warm, phase="warmup")
-        records += gen.run(plan, phase="measure")
-    finally:
-        sys.setswitchinterval(old_switch)
-        transport.close()
+    watcher = server_metrics.MetricWatcher(target.metrics_url, watch)
+    if workers == 1:
+        client = Client(job, progress=progress)
+        info, tok_name, has_tok = client.info, client.tokenizer_name, client.has_tokenizer
+        try:
+            client.open_and_warm()
+            with watcher:
+                client.measure(start_time(start_at))
+        finally:
+            result = client.finish()
+        results = [result]
+    else:
+        from .workers import run_workers
+
+        info, tok_name, has_tok, results = run_workers(job, watcher, start_at)
     wall = time.perf_counter() - t_wall
-    if gen.unmatched_errors:
-        notes.append(f"{len(gen.unmatched_errors)} error response(s) named no request sent: {gen.unmatched_errors[0][:200]}")
-    for r in records:
-        if r.raw:
-            finish_record(r, info, transport.name, keep_output)
+    target.model = info.name
+    notes += model_info_note(info, target.transport)
+    if not has_tok:
+        notes.append("no model tokenizer (slo.tokenizer or the repository's preprocessing): synthetic input lengths are in words")
+    records = sorted((r for res in results for r in res.records), key=lambda r: (r.phase != "warmup", r.scheduled_ns, r.index))
+    unmatched = [m for res in results for m in res.unmatched_errors]
+    if unmatched:
+        notes.append(f"{len(unmatched)} error response(s) named no request sent: {unmatched[0][:200]}")
     after = server_metrics.scrape(target.metrics_url)
     delta = server_metrics.diff(before, after)
+    checks = [metric_check(m, watcher.peak[m], watcher.scrapes) for m in watch]
+    t0 = min(r.t0 for r in results)
+    summary, verdict, more = judge(records, slo, objectives, checks)
+    notes += more
+    client_info = {"rtk": __version__, "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(),
+                   "schedule": verdict.schedule_message, "workers": workers, "cpu_s": sum(r.cpu_s for r in results),
+                   "t0_ns": t0, "t0_unix": started + (t0 - int(t_wall * 1e9)) / 1e9}  # perf_counter is now_ns's clock
+    if len(urls) > 1:
+        client_info["replicas"] = {u: sum(r.replica == i for r in records if r.measured) for i, u in enumerate(urls)}
+        client_info["balance"] = balance
+    return SLOReport(
+        target=target, plan=plan, slo=slo, workload=workload_info(slo, tok_name),
+        summary=summary, verdict=verdict, records=records,
+        server_metrics={**delta, "per_model": server_metrics.per_model(delta), "url": target.metrics_url,
+                        "checked": {m: watcher.peak[m] for m in watch}},
+        client=client_info, started_unix=started, wall_s=wall, notes=notes,
+    )
+
+
+def workload_info(slo: SLOSpec, tokenizer_name: str) -> dict:
+    return {
+        "kind": "dataset" if slo.dataset else "synthetic", "dataset": slo.dataset, "tokenizer": tokenizer_name,
+        "input_tokens": slo.input_tokens, "input_tokens_stddev": slo.input_tokens_stddev,
+        "output_tokens": slo.output_tokens, "output_tokens_stddev": slo.output_tokens_stddev,
+        "turns": slo.turns, "seed": slo.seed, "warmup_requests": slo.warmup_requests,
+    }
+
+
+def judge(records: list[RequestRecord], slo: SLOSpec, objectives: list[Objective],
+          checks: list | None = None) -> tuple[Summary, Verdict, list[str]]:
+    """Summary, verdict and the notes they call for, from raw records (one run, or merged ones)."""
+    notes = []
     summary = summarize(records, goodput_bounds(objectives), failure_ms=slo.request_timeout_s * 1000)
     if summary.failed:
         notes.append(f"{summary.failed} failed or timed-out request(s) count as {slo.request_timeout_s:g} s "
@@ -252,21 +270,8 @@ def run_slo(
         notes.append(f"{summary.short} served request(s) had fewer output tokens than requested (short_output_rate); "
                      "their latencies describe a shorter workload than the one asked for")
     ok, msg, _ = schedule_check(records, slo.max_schedule_lag_ms)
-    verdict = evaluate(objectives, summary, schedule_ok=ok, schedule_message=msg)
-    return SLOReport(
-        target=target, plan=plan, slo=slo,
-        workload={
-            "kind": "dataset" if slo.dataset else "synthetic", "dataset": slo.dataset, "tokenizer": tok_name,
-            "input_tokens": slo.input_tokens, "input_tokens_stddev": slo.input_tokens_stddev,
-            "output_tokens": slo.output_tokens, "output_tokens_stddev": slo.output_tokens_stddev,
-            "turns": slo.turns, "seed": slo.seed, "warmup_requests": slo.warmup_requests,
-        },
-        summary=summary, verdict=verdict, records=records,
-        server_metrics={**delta, "per_model": server_metrics.per_model(delta), "url": target.metrics_url},
-        client={"rtk": __version__, "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                "schedule": msg},
-        started_unix=started, wall_s=wall, notes=notes,
-    )
+    verdict = evaluate(objectives, summary, schedule_ok=ok, schedule_message=msg, checks=checks or [])
+    return summary, verdict, notes
 
 
 # -- several loads ------------------------------------------------------------------------------
@@ -371,3 +376,76 @@ def _replace_slo(spec: Spec | None, slo: SLOSpec) -> Spec | SLOSpec:
     if spec is None:
         return slo
     return spec.model_copy(update={"slo": slo})
+
+
+# -- several hosts ------------------------------------------------------------------------------
+
+_NS_FIELDS = ("scheduled_ns", "released_ns", "sent_ns", "final_ns")
+
+
+def merge_reports(paths: list[str | os.PathLike], objectives: list[Objective] | None = None) -> SLOReport:
+    """One report from the raw ``report.json`` of runs on several client hosts.
+
+    Each host's records are on its own monotonic clock; its report gives the Unix time of its
+    schedule's start (``client.t0_unix``, see ``--start-at``), which places them on one timeline.
+    Percentiles, rates and the verdict are computed again from every record, never averaged.
+    Clock offsets between hosts enter only the throughput window; every latency is a difference
+    of one host's own clock.
+    """
+    import json
+    from pathlib import Path
+
+    if len(paths) < 2:
+        raise UsageError("--merge needs the report.json (or report directory) of at least two runs")
+    reports = []
+    for p in paths:
+        path = Path(p)
+        path = path / "report.json" if path.is_dir() else path
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read report '{path}': {exc}") from None
+        if "records" not in data or "points" in data:
+            raise UsageError(f"'{path}' is not the report.json of a single rtk slo run with its records (sweeps cannot be merged)")
+        if "t0_unix" not in data.get("client", {}):
+            raise UsageError(f"'{path}' has no schedule start (client.t0_unix); it was written by an older rtk")
+        reports.append(data)
+    base_unix = min(d["client"]["t0_unix"] for d in reports)
+    records: list[RequestRecord] = []
+    for host, d in enumerate(reports):
+        shift = int(round((d["client"]["t0_unix"] - base_unix) * 1e9)) - int(d["client"]["t0_ns"])
+        for raw in d["records"]:
+            r = RequestRecord.from_dict(raw)
+            for f in _NS_FIELDS:
+                if getattr(r, f) is not None:
+                    setattr(r, f, getattr(r, f) + shift)
+            r.chunk_ns = [t + shift for t in r.chunk_ns]
+            r.worker = host * 1000 + r.worker
+            records.append(r)
+    records.sort(key=lambda r: (r.phase != "warmup", r.scheduled_ns))
+    for i, r in enumerate(records):
+        r.index = i
+    first = reports[0]
+    slo = validate_slo(first["slo"])
+    objectives = list(slo.objectives if objectives is None else objectives)
+    slo = slo.model_copy(update={"objectives": objectives})
+    summary, verdict, notes = judge(records, slo, objectives)
+    spread = max(d["client"]["t0_unix"] for d in reports) - base_unix
+    notes = [f"merged from {len(reports)} runs: {', '.join(str(p) for p in paths)}; their schedules started within "
+             f"{spread * 1e3:.1f} ms of each other (Unix clocks)", *notes]
+    seeds = {d["slo"]["seed"] for d in reports}
+    if len(seeds) < len(reports):
+        notes.append("several runs used the same seed, so they sent the same prompts: a server that reuses KV cache "
+                     "answers the repeats faster than it would answer distinct users")
+    load = {k: v for k, v in first["load"].items() if k in LoadPlan.__dataclass_fields__}
+    t = first["target"]
+    target = Target(**{k: v for k, v in t.items() if k in Target.__dataclass_fields__})
+    return SLOReport(
+        target=target, plan=LoadPlan(**load), slo=slo, workload=first["workload"], summary=summary, verdict=verdict,
+        records=records, server_metrics={}, started_unix=min(d["started_unix"] for d in reports),
+        wall_s=max(d["wall_s"] for d in reports),
+        client={"merged": [str(p) for p in paths], "hosts": [d["client"].get("host") for d in reports],
+                "schedule": verdict.schedule_message, "t0_unix": base_unix, "t0_ns": 0,
+                "cpu_s": sum(d["client"].get("cpu_s", 0.0) for d in reports)},
+        notes=notes,
+    )

@@ -54,7 +54,7 @@ def family(key: str) -> str:
 
 
 def label(key: str, name: str) -> str | None:
-    m = re.search(name + r'="([^"]*)"', key)
+    m = re.search(r'[{,]' + re.escape(name) + r'="([^"]*)"', key)
     return m.group(1) if m else None
 
 
@@ -94,3 +94,77 @@ def per_model(delta: dict) -> dict[str, dict[str, float]]:
                 if f in row:
                     row["avg_" + f] = row[f] / n
     return out
+
+
+# -- checking that a metric moves under load (``rtk slo --check-metric``) ------------------------
+
+_SELECTOR = re.compile(r'^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$')
+
+
+def parse_selector(text: str) -> tuple[str, dict[str, str]]:
+    """``'nv_trt_llm_request_metrics{request_type="waiting"}'`` → (family, {label: value})."""
+    m = _SELECTOR.match(text)
+    if not m:
+        raise ValueError(f"'{text}' is not NAME or NAME{{label=\"value\",…}}")
+    labels = dict(_LABEL.findall(m.group(2) or ""))
+    if m.group(2) and not labels:
+        raise ValueError(f"'{text}': labels are written label=\"value\"")
+    return m.group(1), labels
+
+
+def select(samples: dict[str, float], family_name: str, labels: dict[str, str]) -> float | None:
+    """The sum of every series of ``family_name`` that carries ``labels``; None when none is exported."""
+    found = None
+    for key, v in samples.items():
+        if family(key) != family_name:
+            continue
+        if all(label(key, k) == want for k, want in labels.items()):
+            found = (found or 0.0) + v
+    return found
+
+
+class MetricWatcher:
+    """Reads ``/metrics`` every ``interval_s`` on a thread while the load runs; keeps each watched
+    metric's highest value (a gauge) or its largest increase since the first read (a counter).
+    A signal that never rose above zero under load cannot drive an autoscaler."""
+
+    def __init__(self, url: str | None, selectors: list[str], interval_s: float = 0.2):
+        import threading
+
+        self.url, self.interval_s = url, interval_s
+        self.parsed = {s: parse_selector(s) for s in selectors}
+        self.peak: dict[str, float | None] = {s: None for s in selectors}
+        self.first: dict[str, float] = {}  # counters: the value at the first read
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rtk-slo-metrics", daemon=True)
+
+    def __enter__(self) -> "MetricWatcher":
+        if self.url and self.parsed:
+            self._read()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+            self._read()  # one last look: a gauge may still be up at the end of the load
+
+    def _read(self) -> None:
+        got = scrape(self.url, timeout=2.0)
+        if got is None:
+            return
+        self.scrapes += 1
+        samples, types = got
+        for text, (fam, labels) in self.parsed.items():
+            v = select(samples, fam, labels)
+            if v is None:
+                continue
+            if types.get(fam) == "counter":
+                v -= self.first.setdefault(text, v)
+            self.peak[text] = v if self.peak[text] is None else max(self.peak[text], v)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._read()

@@ -455,7 +455,102 @@ class HttpTransport(Transport):
         del self._loop
 
 
-def make_transport(kind: str, url: str, model: str, interface: str) -> Transport:
+class Replicas(Transport):
+    """Several servers of the same model behind one transport (``--url`` given several times).
+
+    ``round_robin`` sends each request to the next URL; ``least_loaded`` to the one with the fewest
+    requests in flight from this client (ties in round-robin order).  A replica whose connection
+    breaks fails only its own requests in flight and receives no more; the run fails as a whole
+    only when every replica is gone.  :attr:`assigned` maps each request id to its replica.
+    """
+
+    def __init__(self, parts: list[Transport], balance: str = "round_robin"):
+        if balance not in ("round_robin", "least_loaded"):
+            raise UsageError(f"balance '{balance}' is not round_robin or least_loaded")
+        first = parts[0]
+        super().__init__(first.url, first.model, first.interface, first.timeout_s)
+        self.name, self.parts, self.balance = first.name, parts, balance
+        self.urls = [p.url for p in parts]
+        self.inflight = [0] * len(parts)
+        self.dead = [False] * len(parts)
+        self.assigned: dict[str, int] = {}
+        self._live: dict[str, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def model_info(self) -> ModelInfo:
+        infos = [p.model_info() for p in self.parts]
+        for p, info in zip(self.parts[1:], infos[1:]):
+            if info.interface != infos[0].interface or info.inputs != infos[0].inputs:
+                raise UsageError(f"{p.url} serves '{info.name}' with another interface than {self.parts[0].url}; "
+                                 "every --url must serve the same model")
+        self.info = infos[0]
+        self.model = self.info.name
+        return self.info
+
+    def open(self, on_response: OnResponse, on_error: OnError) -> None:
+        def response(rid, t, payload, final):
+            if final:
+                self._release(rid)
+            on_response(rid, t, payload, final)
+
+        def error_of(i):
+            def error(rid, t, message, status=None):
+                if rid is not None:
+                    self._release(rid)
+                    on_error(rid, t, message, status=status)
+                    return
+                with self._lock:
+                    self.dead[i] = True
+                    lost = [r for r, j in self._live.items() if j == i]
+                    everything = all(self.dead)
+                for r in lost:
+                    self._release(r)
+                    on_error(r, t, f"{self.urls[i]}: {message}")
+                if everything:
+                    on_error(None, t, message)
+            return error
+
+        for i, p in enumerate(self.parts):
+            p.open(response, error_of(i))
+
+    def _release(self, rid: str) -> None:
+        with self._lock:
+            i = self._live.pop(rid, None)
+            if i is not None:
+                self.inflight[i] -= 1
+
+    def prepare(self, rid: str, payload: Payload):
+        return rid, self.parts[0].prepare(rid, payload)
+
+    def _choose(self) -> int:
+        n = len(self.parts)
+        order = [(self._next + j) % n for j in range(n)]
+        live = [i for i in order if not self.dead[i]] or order
+        i = min(live, key=lambda j: self.inflight[j]) if self.balance == "least_loaded" else live[0]
+        self._next = (i + 1) % n
+        return i
+
+    def submit(self, prepared) -> None:
+        rid, inner = prepared
+        with self._lock:
+            i = self._choose()
+            self.inflight[i] += 1
+            self._live[rid] = i
+            self.assigned[rid] = i
+        self.parts[i].submit(inner)
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+
+def make_transport(kind: str, url: str | list[str], model: str, interface: str, balance: str = "round_robin") -> Transport:
+    """A transport to one server, or to several (a list of URLs) through :class:`Replicas`."""
+    if isinstance(url, (list, tuple)):
+        if len(url) > 1:
+            return Replicas([make_transport(kind, u, model, interface) for u in url], balance)
+        url = url[0]
     if kind == "grpc":
         return GrpcTransport(url.removeprefix("grpc://"), model, interface)
     if kind == "http":

@@ -91,19 +91,34 @@ def lag_immune(metric: str) -> bool:
     return metric in AGGREGATES and AGGREGATES[metric].lag_immune
 
 
-def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool = True, schedule_message: str = "") -> Verdict:
-    checks = [(o, False) for o in objectives]
+def metric_check(selector: str, peak: float | None, scrapes: int) -> ObjectiveResult:
+    """``--check-metric``: the server metric must rise above zero while the load runs."""
+    base = dict(objective={"metric": selector, "check": "rises above 0 under load"}, label=f"{selector} > 0 under load",
+                observed=peak, samples=scrapes, required=1)
+    if not scrapes:
+        return ObjectiveResult(**base, status=INCONCLUSIVE, message="the server's /metrics could not be read")
+    if peak is None:
+        return ObjectiveResult(**base, status=FAIL, message=f"not exported by the server ({scrapes} reads of /metrics)")
+    if peak <= 0:
+        return ObjectiveResult(**base, status=FAIL, message=f"stayed at {peak:g} in {scrapes} reads under load: no scaling signal")
+    return ObjectiveResult(**base, status=PASS, message=f"peaked at {peak:g}")
+
+
+def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool = True, schedule_message: str = "",
+             checks: list[ObjectiveResult] = ()) -> Verdict:
+    """The verdict over ``objectives`` (plus the implied ``error_rate ≤ 0``) and extra ``checks``."""
+    wanted = [(o, False) for o in objectives]
     if not any(o.metric == "error_rate" for o in objectives):
-        checks.append((Objective(metric="error_rate", max=0.0), True))
-    results = [_check(o, summary, implicit) for o, implicit in checks]
+        wanted.append((Objective(metric="error_rate", max=0.0), True))
+    results = [_check(o, summary, implicit) for o, implicit in wanted] + list(checks)
     reasons = []
-    if not objectives:
+    if not objectives and not checks:
         reasons.append("no objectives were given (spec slo.objectives, --objective or --objectives); nothing to pass")
     if not schedule_ok:
         reasons.append(f"the client could not keep the schedule: {schedule_message}")
     statuses = {r.status for r in results}
     lag_proof_fail = any(r.status == FAIL and lag_immune(r.objective["metric"]) for r in results)
-    if not objectives:
+    if not objectives and not checks:
         status = INCONCLUSIVE
     elif lag_proof_fail:
         status = FAIL
