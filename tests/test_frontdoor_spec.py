@@ -20,22 +20,40 @@ def test_defaults_are_on_and_on_loopback():
 
 
 def test_a_full_chain_validates():
-    s = spec(guard={"ttft_deadline_ms": 250, "fallbacks": [
-        {"kind": "cache"}, {"kind": "deployment", "url": "http://127.0.0.1:9000/v1", "api_key": "env:SMALL_KEY"},
-        {"kind": "rule", "template": "Busy; try again in a moment."}]}).serving
+    s = spec(
+        guard={
+            "ttft_deadline_ms": 250,
+            "fallbacks": [
+                {"kind": "cache"},
+                {"kind": "deployment", "url": "http://127.0.0.1:9000/v1", "api_key": "env:SMALL_KEY"},
+                {"kind": "rule", "template": "Busy; try again in a moment."},
+            ],
+        }
+    ).serving
     assert [t.label for t in s.guard.fallbacks] == ["cache", "deployment", "rule"]
 
 
-@pytest.mark.parametrize("serving, field, words", [
-    ({"frontend": {"host": "0.0.0.0"}}, "serving.frontend.api_keys", "beyond loopback"),
-    ({"frontend": {"api_keys": "sk-not-a-source"}}, "serving.frontend.api_keys", "env:VARIABLE"),
-    ({"frontend": {"port": 8001}}, "serving.frontend.port", "Triton's ports"),
-    ({"guard": {"fallbacks": [{"kind": "rule"}]}}, "serving.guard.fallbacks.0", "template"),
-    ({"guard": {"fallbacks": [{"kind": "deployment"}]}}, "serving.guard.fallbacks.0", "exactly one of 'url'"),
-    ({"guard": {"fallbacks": [{"kind": "cache", "url": "http://x"}]}}, "serving.guard.fallbacks.0", "belong to a 'deployment'"),
-    ({"guard": {"fallbacks": [{"kind": "rule", "template": "x"}, {"kind": "cache"}]}}, "serving.guard.fallbacks", "put it last"),
-    ({"guard": {"ttft_deadline_ms": 0}}, "serving.guard.ttft_deadline_ms", "greater than 0"),
-])
+@pytest.mark.parametrize(
+    "serving, field, words",
+    [
+        ({"frontend": {"host": "0.0.0.0"}}, "serving.frontend.api_keys", "beyond loopback"),
+        ({"frontend": {"api_keys": "sk-not-a-source"}}, "serving.frontend.api_keys", "env:VARIABLE"),
+        ({"frontend": {"port": 8001}}, "serving.frontend.port", "Triton's ports"),
+        ({"guard": {"fallbacks": [{"kind": "rule"}]}}, "serving.guard.fallbacks.0", "template"),
+        ({"guard": {"fallbacks": [{"kind": "deployment"}]}}, "serving.guard.fallbacks.0", "exactly one of 'url'"),
+        (
+            {"guard": {"fallbacks": [{"kind": "cache", "url": "http://x"}]}},
+            "serving.guard.fallbacks.0",
+            "belong to a 'deployment'",
+        ),
+        (
+            {"guard": {"fallbacks": [{"kind": "rule", "template": "x"}, {"kind": "cache"}]}},
+            "serving.guard.fallbacks",
+            "put it last",
+        ),
+        ({"guard": {"ttft_deadline_ms": 0}}, "serving.guard.ttft_deadline_ms", "greater than 0"),
+    ],
+)
 def test_bad_settings_name_the_field(serving, field, words):
     with pytest.raises(SpecError) as info:
         spec(**serving)

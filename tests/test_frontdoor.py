@@ -1,0 +1,372 @@
+"""The front door (toolkit/frontdoor) against a real tritonserver serving fake decoupled LLMs.
+
+The fakes (tests/triton_helpers.py) stand in for the engine only: Triton, its gRPC stream, uvicorn,
+HTTP and Redis are real.  These tests check behaviour (statuses, Retry-After, the tier that
+answered, a refusal before any token, cancellation); timing belongs to scripts/bench_overload.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from triton_helpers import running_server, write_fake_llm
+
+from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
+from toolkit.spec import CacheSpec, FrontendSpec, GuardSpec
+
+pytestmark = [pytest.mark.integration]
+
+MODEL = "fake"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("fd_repo")
+    write_fake_llm(repo, "ensemble", ttft_ms=10, itl_ms=5)
+    # One request at a time, 50 ms a token: a second request waits for the first to finish.
+    write_fake_llm(repo, "slow", ttft_ms=50, itl_ms=50, serial=True, max_batch_size=1)
+    # The first token comes late (for deadline misses after admission).
+    write_fake_llm(repo, "late", ttft_ms=3000, itl_ms=5)
+    with running_server(repo) as server:
+        yield server
+
+
+def front_door(triton, *, model="ensemble", guard=None, cache=None, frontend=None, max_batch_size=8, grpc_url=None):
+    cfg = FrontDoorConfig(
+        model_name=MODEL,
+        frontend=FrontendSpec(**(frontend or {})),
+        guard=GuardSpec(**(guard or {})),
+        cache=CacheSpec(**(cache or {})),
+        triton_model=model,
+        max_batch_size=max_batch_size,
+        max_seq_len=256,
+        default_max_tokens=8,
+    )
+    app = create_app(cfg, grpc_url or triton.grpc_url, metrics_url=triton.metrics_url)
+    return FrontDoorServer(app, "127.0.0.1", free_port())
+
+
+def chat_body(text="hello there", **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **kw}
+
+
+def fake_answer(text_input: str, n: int) -> list[str]:
+    """What the fake LLM answers: token i of a prompt of w words is 'tok{1000 + w + i}'."""
+    w = len(text_input.split())
+    return [f"tok{1000 + (w + i) % 1000}" for i in range(n)]
+
+
+def chat_answer(text="hello there", n=4) -> list[str]:
+    return fake_answer(json.dumps([{"role": "user", "content": text}]), n)
+
+
+def sse_events(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(triton):
+    with front_door(triton) as fd:
+        yield fd
+
+
+# -- the OpenAI surface -------------------------------------------------------------------------------
+
+
+def test_models_and_health(plain):
+    c = httpx.Client(base_url=plain.url)
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
+    h = c.get("/health")
+    assert h.status_code == 200 and h.json()["ready"] is True
+    assert c.get("/health/live").status_code == 200
+
+
+def test_chat_streams_with_usage_and_tier(plain):
+    with (
+        httpx.Client(base_url=plain.url) as c,
+        c.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
+        ) as r,
+    ):
+        assert r.status_code == 200 and r.headers["x-rtk-tier"] == "primary"
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in chunks)
+    assert text.split() == chat_answer()
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["rtk_tier"] == "primary"
+    assert events[-2]["usage"]["completion_tokens"] == 4 and events[-2]["choices"] == []
+
+
+def test_completion_without_streaming(plain):
+    r = httpx.post(plain.url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["rtk_tier"] == "primary"
+    assert body["choices"][0]["text"].split() == fake_answer("a b c", 3)  # a plain prompt is sent as is
+    assert body["usage"]["completion_tokens"] == 3 and r.headers["x-rtk-tier"] == "primary"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        (chat_body() | {"model": "other"}, "model"),
+        (chat_body() | {"messages": []}, "messages"),
+        (chat_body() | {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        (
+            chat_body() | {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+            "messages[1].role",
+        ),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+        (chat_body(temperature=-1), "temperature"),
+        (chat_body(top_p=0), "top_p"),
+        (chat_body(n=2), "n"),
+        (chat_body(max_tokens=10_000), "max_tokens"),
+        (chat_body(seed=-3), "seed"),
+        (chat_body(logprobs=True), "logprobs"),
+        (chat_body(stop="x"), "stop"),  # the fake model has no stop_words input: refused, not ignored
+        (chat_body(temperature=0.7), "temperature"),  # nor a temperature input
+    ],
+)
+def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(plain, body, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(plain.url + "/v1/chat/completions", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    if param:
+        assert param in err["message"]
+    ok = httpx.post(plain.url + "/v1/chat/completions", json=chat_body())
+    assert ok.status_code == 200
+
+
+# -- admission and fallbacks ------------------------------------------------------------------------------
+
+
+def _occupy(fd, n_tokens=40):
+    """Start a long streamed request on the 'slow' model; returns once its first token arrived."""
+    got_first = threading.Event()
+    done = threading.Event()
+
+    def run():
+        with (
+            httpx.Client(base_url=fd.url, timeout=60) as c,
+            c.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=n_tokens, stream=True)) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got_first.set()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert got_first.wait(30)
+    return done
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_429_before_any_token(triton):
+    with front_door(triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "retry_after_s": 2}) as fd:
+        done = _occupy(fd)
+        with (
+            httpx.Client(base_url=fd.url) as c,
+            c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r,
+        ):
+            status, headers, raw = r.status_code, r.headers, r.read()
+        assert status == 429
+        assert int(headers["retry-after"]) >= 2 and headers["x-rtk-tier"] == "refused"
+        err = json.loads(raw)["error"]  # a JSON error, not a stream: no token was sent
+        assert err["code"] == "overloaded" and "deadline" in err["message"]
+        # A request with a generous deadline of its own (header) is admitted and served.
+        r = httpx.post(
+            fd.url + "/v1/chat/completions", json=chat_body(), headers={"x-rtk-ttft-deadline-ms": "60000"}, timeout=60
+        )
+        assert r.status_code == 200 and r.headers["x-rtk-tier"] == "primary"
+        metrics = httpx.get(fd.url + "/metrics").text
+        assert 'rtk_frontdoor_refusals_total{status="429",reason="predicted_late"} 1' in metrics
+        assert done.wait(30)
+
+
+def test_bad_deadline_header_is_400(plain):
+    r = httpx.post(plain.url + "/v1/chat/completions", json=chat_body(), headers={"x-rtk-ttft-deadline-ms": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-rtk-ttft-deadline-ms"
+
+
+def test_fallback_to_another_deployment_then_to_a_rule(triton):
+    with front_door(triton) as small:
+        tiers = [
+            {"kind": "deployment", "name": "small", "url": small.url + "/v1"},
+            {"kind": "rule", "template": "busy ({model})"},
+        ]
+        with front_door(
+            triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "fallbacks": tiers}
+        ) as fd:
+            done = _occupy(fd)
+            with (
+                httpx.Client(base_url=fd.url) as c,
+                c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r,
+            ):
+                assert r.status_code == 200 and r.headers["x-rtk-tier"] == "small"
+                events = sse_events(r)
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+            assert text.split() == chat_answer()  # the fast model's answer
+            assert next(e for e in events[:-1] if e["choices"][0]["finish_reason"])["rtk_tier"] == "small"
+            r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body())  # non-streaming, same tier
+            assert r.status_code == 200 and r.json()["rtk_tier"] == "small"
+            assert done.wait(30)
+    # The deployment is gone now: the rule answers.
+    with front_door(triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "fallbacks": tiers}) as fd:
+        done = _occupy(fd)
+        r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 200 and r.headers["x-rtk-tier"] == "rule"
+        assert r.json()["choices"][0]["message"]["content"] == f"busy ({MODEL})"
+        assert 'rtk_frontdoor_requests_total{endpoint="chat",tier="rule"} 1' in httpx.get(fd.url + "/metrics").text
+        assert done.wait(30)
+
+
+def test_a_first_token_later_than_the_deadline_switches_to_the_fallback_and_cancels(triton):
+    guard = {"ttft_deadline_ms": 400, "fallbacks": [{"kind": "rule", "template": "later"}]}
+    with front_door(triton, model="late", guard=guard) as fd:
+        r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body(), timeout=30)
+        assert r.status_code == 200 and r.headers["x-rtk-tier"] == "rule"
+        m = httpx.get(fd.url + "/metrics").text
+        assert "rtk_frontdoor_deadline_misses_total 1" in m and "rtk_frontdoor_inflight 0" in m
+
+
+def test_unhealthy_triton_is_503_with_retry_after(triton):
+    dead = f"127.0.0.1:{free_port()}"
+    with front_door(triton, grpc_url=dead, guard={"retry_after_s": 3}) as fd:
+        h = httpx.get(fd.url + "/health")
+        assert h.status_code == 503 and h.json()["ready"] is False
+        r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["code"] == "unavailable"
+
+
+def test_client_disconnect_cancels_the_triton_request(triton):
+    with front_door(triton, model="slow", max_batch_size=1) as fd:
+        with (
+            httpx.Client(base_url=fd.url, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=200, stream=True)) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave after the first token
+        deadline = time.monotonic() + 10
+        while "rtk_frontdoor_cancelled_total 1" not in (m := httpx.get(fd.url + "/metrics").text):
+            assert time.monotonic() < deadline, m
+            time.sleep(0.05)
+        # The serial model is free again long before 200 tokens x 50 ms: the next request is answered at once.
+        t = time.monotonic()
+        r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30)
+        assert r.status_code == 200 and time.monotonic() - t < 5
+
+
+# -- the cache -------------------------------------------------------------------------------------------
+
+
+def _cache_roundtrip(fd):
+    first = httpx.post(fd.url + "/v1/chat/completions", json=chat_body("cache me", temperature=0))
+    again = httpx.post(fd.url + "/v1/chat/completions", json=chat_body("cache me", temperature=0))
+    assert first.headers["x-rtk-tier"] == "primary" and again.headers["x-rtk-tier"] == "cache"
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    other = httpx.post(fd.url + "/v1/chat/completions", json=chat_body("cache me", temperature=0, max_tokens=3))
+    assert other.headers["x-rtk-tier"] == "primary"  # another parameter: another entry
+    seeded = httpx.post(fd.url + "/v1/chat/completions", json=chat_body("not cached"))
+    assert seeded.headers["x-rtk-tier"] == "primary"
+
+
+def test_in_process_cache_answers_a_repeated_deterministic_request(triton):
+    with front_door(triton, guard={"fallbacks": [{"kind": "cache"}]}) as fd:
+        _cache_roundtrip(fd)
+        with (
+            httpx.Client(base_url=fd.url) as c,
+            c.stream("POST", "/v1/chat/completions", json=chat_body("cache me", temperature=0, stream=True)) as r,
+        ):
+            assert r.headers["x-rtk-tier"] == "cache"
+            events = sse_events(r)
+        assert events[-2]["rtk_tier"] == "cache" and events[-1] == "[DONE]"
+
+
+def test_cache_entries_expire(triton):
+    with front_door(triton, guard={"fallbacks": [{"kind": "cache"}]}, cache={"ttl_s": 0.3}) as fd:
+        body = chat_body("short lived", temperature=0)
+        assert httpx.post(fd.url + "/v1/chat/completions", json=body).headers["x-rtk-tier"] == "primary"
+        assert httpx.post(fd.url + "/v1/chat/completions", json=body).headers["x-rtk-tier"] == "cache"
+        time.sleep(0.5)
+        assert httpx.post(fd.url + "/v1/chat/completions", json=body).headers["x-rtk-tier"] == "primary"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip(
+            "redis-server is not installed (Debian: apt-get install redis-server); the Redis cache is untested here"
+        )
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_redis_cache_is_shared_between_front_doors(triton, redis_url):
+    kw = {"guard": {"fallbacks": [{"kind": "cache"}]}, "cache": {"url": redis_url, "ttl_s": 60}}
+    with front_door(triton, **kw) as fd:
+        _cache_roundtrip(fd)
+    with front_door(triton, **kw) as other:  # a new process-local state; the answer is in Redis
+        r = httpx.post(other.url + "/v1/chat/completions", json=chat_body("cache me", temperature=0))
+        assert r.headers["x-rtk-tier"] == "cache"
+
+
+# -- API keys ----------------------------------------------------------------------------------------------
+
+
+def test_api_keys_are_required_when_configured_and_never_logged(triton, monkeypatch, caplog):
+    secret = "sk-test-" + "7" * 24
+    monkeypatch.setenv("RTK_TEST_KEYS", f"other-key, {secret}")
+    with caplog.at_level("DEBUG"), front_door(triton, frontend={"api_keys": "env:RTK_TEST_KEYS"}) as fd:
+        assert httpx.post(fd.url + "/v1/chat/completions", json=chat_body()).status_code == 401
+        wrong = httpx.post(fd.url + "/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.post(
+            fd.url + "/v1/chat/completions", json=chat_body(), headers={"Authorization": f"Bearer {secret}"}
+        )
+        assert ok.status_code == 200
+        assert httpx.get(fd.url + "/health").status_code == 200  # probes need no key
+    assert secret not in caplog.text

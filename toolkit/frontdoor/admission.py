@@ -1,0 +1,106 @@
+"""Deadline-aware admission: predict a request's time to first token from the engine's live state.
+
+The model (docs/guard.md) is the in-flight batcher's: a new request waits for a batch slot if the
+batch is full, then for the prefill of the prompt tokens queued ahead of it and its own.
+
+    predicted TTFT = slot wait + step time + (prompt tokens ahead + own prompt tokens) x prefill time per token
+
+* requests and prompt tokens ahead: the front door's own requests that have no first token yet,
+  plus requests the engine reports beyond those (``nv_trt_llm_request_metrics``, other clients),
+  counted at the mean prompt length;
+* slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the remaining
+  output tokens of the running request that frees the needed slot, times the step time;
+* step time and prefill time per token: measured on the answered requests (exponentially weighted),
+  starting from conservative defaults until the first answers arrive.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InFlight:
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    ahead_tokens: int = 0  # prompt tokens ahead of it at admission (for the measurement)
+    slot_wait_s: float = 0.0
+    first_at: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Prediction:
+    ttft_s: float
+    requests_ahead: int
+    tokens_ahead: int
+    slot_wait_s: float
+
+
+@dataclass
+class Estimator:
+    """The engine's measured speed and the front door's requests in flight."""
+
+    max_batch: int = 8
+    step_s: float = 0.05
+    prefill_s_per_token: float = 0.002
+    alpha: float = 0.2
+    samples: int = 0
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    mean_prompt: float = 64.0
+
+    def predict(self, prompt_tokens: int, gauges=None) -> Prediction:
+        waiting = [r for r in self.inflight.values() if r.first_at is None]
+        running = [r for r in self.inflight.values() if r.first_at is not None]
+        tokens_ahead = sum(r.prompt_tokens for r in waiting)
+        n_wait, n_run = len(waiting), len(running)
+        max_batch = self.max_batch
+        if gauges is not None and gauges.present and time.monotonic() - gauges.read_at < 2.0:
+            max_batch = gauges.max_batch or max_batch
+            # Requests the engine holds beyond ours (other clients, e.g. Triton's own endpoints).
+            extra = max(0, gauges.active - len(self.inflight))
+            n_wait += extra
+            tokens_ahead += int(extra * self.mean_prompt)
+        slot_wait = 0.0
+        need = n_run + n_wait + 1 - max_batch
+        if need > 0:
+            remaining = sorted(max(1, r.max_tokens - r.tokens) for r in running)
+            if need <= len(remaining):
+                slot_wait = remaining[need - 1] * self.step_s
+            else:  # more queued than running: each batch-full of waiters runs to its end first
+                rounds = math.ceil((need - len(remaining)) / max(1, max_batch))
+                longest = max([*remaining, *(r.max_tokens for r in waiting)] or [1])
+                slot_wait = (remaining[-1] if remaining else 0) * self.step_s + rounds * longest * self.step_s
+        ttft = slot_wait + self.step_s + (tokens_ahead + prompt_tokens) * self.prefill_s_per_token
+        return Prediction(ttft, n_wait, tokens_ahead, slot_wait)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def admit(self, rid: str, prompt_tokens: int, max_tokens: int, p: Prediction) -> None:
+        self.inflight[rid] = InFlight(prompt_tokens, max_tokens, time.monotonic(), p.tokens_ahead, p.slot_wait_s)
+        self.mean_prompt += 0.05 * (prompt_tokens - self.mean_prompt)
+
+    def first_token(self, rid: str) -> None:
+        r = self.inflight.get(rid)
+        if r is None or r.first_at is not None:
+            return
+        r.first_at = time.monotonic()
+        ttft = r.first_at - r.arrival
+        work = r.ahead_tokens + r.prompt_tokens
+        sample = max(0.0, ttft - r.slot_wait_s - self.step_s) / max(1, work)
+        self.prefill_s_per_token += self.alpha * (sample - self.prefill_s_per_token)
+        self.samples += 1
+
+    def token(self, rid: str, n: int = 1) -> None:
+        r = self.inflight.get(rid)
+        if r is not None:
+            r.tokens += n
+
+    def finish(self, rid: str) -> None:
+        r = self.inflight.pop(rid, None)
+        if r is None or r.first_at is None or r.tokens < 3:
+            return
+        step = (time.monotonic() - r.first_at) / (r.tokens - 1)
+        self.step_s += self.alpha * (step - self.step_s)

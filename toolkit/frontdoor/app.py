@@ -1,0 +1,564 @@
+"""The OpenAI-compatible front door: a Starlette app in front of Triton.
+
+``create_app(source, triton_grpc_url, metrics_url=...)`` builds it; :mod:`toolkit.frontdoor.runner`
+serves it with uvicorn.  Per request, before the first byte:
+
+1. validate (400 naming the field), check the API key (401);
+2. a deterministic request found in the response cache is answered from it;
+3. Triton unhealthy → the fallback chain, else 503 + Retry-After;
+4. predicted TTFT (toolkit/frontdoor/admission.py) over the deadline → the fallback chain, else 429
+   + Retry-After; all of this is in memory, so a refusal takes well under 50 ms;
+5. admitted: the request goes to Triton; if the first token has not come by the deadline and a
+   fallback tier exists, the Triton request is cancelled and the chain answers instead.  Triton's
+   own overload refusal ("Exceeds maximum queue size") is treated like a failed prediction.
+
+Every answer names its tier in the ``x-rtk-tier`` header and the ``rtk_tier`` field of its final
+chunk (or body).  A client that disconnects cancels its Triton request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .admission import Estimator
+from .config import FrontDoorConfig, config_from
+from .protocol import APIError, GenRequest, chunk, full_response, parse_request, usage, usage_chunk
+from .tiers import Answer, DeploymentTier, RuleTier, make_cache, read_secret
+from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
+
+log = logging.getLogger("rtk.frontdoor")
+DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
+TIER_HEADER = "x-rtk-tier"
+PRIMARY = "primary"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class FrontDoor:
+    def __init__(self, config: FrontDoorConfig, triton_grpc_url: str, metrics_url: str | None = None):
+        self.config = config
+        self.backend = TritonBackend(triton_grpc_url, config.triton_model, metrics_url)
+        self.estimator = Estimator(max_batch=config.max_batch_size)
+        self.keys = read_secret(config.frontend.api_keys)
+        self.counters: Counter = Counter()
+        self.cache = None
+        self.tiers: list = []
+        self.tokenizer = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        import httpx
+
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+        self._load_tokenizer()
+        for t in self.config.guard.fallbacks:
+            if t.kind == "cache":
+                self.cache = make_cache(self.config.cache)
+            elif t.kind == "rule":
+                self.tiers.append(RuleTier(t.label, t.template))
+            else:
+                url = t.url or (lambda spec=t.spec: _frontdoor_of_spec(spec))
+                key = (read_secret(t.api_key) or [None])[0]
+                self.tiers.append(DeploymentTier(t.label, url, t.model, key, self.http))
+        await self.backend.open()
+        await self.backend.read_gauges(self.http)
+        self._tasks.append(asyncio.create_task(self._poll()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.backend.close()
+        if self.cache is not None:
+            await self.cache.close()
+        await self.http.aclose()
+
+    async def _poll(self) -> None:
+        period = self.config.guard.metrics_poll_ms / 1e3
+        last_health = 0.0
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if time.monotonic() - last_health > 0.5 or not self.backend.ready:
+                    await self.backend.check_health()
+                    last_health = time.monotonic()
+                await self.backend.read_gauges(self.http)
+            except Exception as exc:  # noqa: BLE001 — keep polling; the state stays as last read
+                log.warning("front door: polling Triton failed: %r", exc)
+
+    def _load_tokenizer(self) -> None:
+        d = self.config.tokenizer_dir
+        if d is None or not (d / "tokenizer.json").is_file():
+            return
+        try:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 — counting falls back to an estimate from the bytes
+            log.warning("front door: cannot load the tokenizer from %s: %r", d, exc)
+
+    def prompt_tokens(self, req: GenRequest) -> int:
+        """Prompt length for the prediction (the chat template's few tokens per message are estimated)."""
+        texts = [req.prompt] if req.kind == "completion" else [m["content"] for m in req.messages]
+        if self.tokenizer is not None:
+            n = sum(len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False))
+        else:
+            n = sum(len(t.encode()) for t in texts) // 4 + 1
+        return n + (0 if req.kind == "completion" else 5 * len(texts) + 3)
+
+    # -- endpoints --------------------------------------------------------------------------------
+    def _check_key(self, request: Request) -> None:
+        if not self.keys:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not given or not any(hmac.compare_digest(given, k) for k in self.keys):
+            raise APIError(
+                401, "missing or wrong API key; send 'Authorization: Bearer <key>'", param=None, code="invalid_api_key"
+            )
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+        except APIError as exc:
+            return self._error(exc)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rtk"}],
+            }
+        )
+
+    async def health(self, request: Request) -> Response:
+        ready = self.backend.ready
+        body = {"live": True, "ready": ready, "reason": self.backend.ready_reason}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(self.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    def _error(self, exc: APIError) -> JSONResponse:
+        reason = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "overload", 503: "unhealthy"}.get(
+            exc.status, "error"
+        )
+        self.counters[("rtk_frontdoor_errors_total", (("status", str(exc.status)), ("reason", reason)))] += 1
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    # -- the decision ---------------------------------------------------------------------------------
+    async def generate(self, request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        try:
+            self._check_key(request)
+            raw = await request.body()
+            if len(raw) > self.config.frontend.max_request_bytes:
+                raise APIError(
+                    413,
+                    f"the request body is {len(raw)} bytes; the limit is "
+                    f"{self.config.frontend.max_request_bytes} (serving.frontend.max_request_bytes)",
+                    code="request_too_large",
+                )
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            req = parse_request(
+                kind,
+                body,
+                served_model=self.config.model_name,
+                max_seq_len=self.config.max_seq_len,
+                default_max_tokens=self.config.default_max_tokens,
+            )
+            deadline_ms = self._deadline(request, req)
+            return await self._route(request, req, body, deadline_ms, arrival)
+        except APIError as exc:
+            return self._error(exc)
+
+    def _deadline(self, request: Request, req: GenRequest) -> float | None:
+        h = request.headers.get(DEADLINE_HEADER)
+        if h is not None:
+            try:
+                v = float(h)
+            except ValueError:
+                v = math.nan
+            if not math.isfinite(v) or v <= 0:
+                raise APIError(
+                    400,
+                    f"header '{DEADLINE_HEADER}': {h!r} is not a positive number of milliseconds",
+                    param=DEADLINE_HEADER,
+                    code="invalid_value",
+                )
+            return v
+        return req.ttft_deadline_ms if req.ttft_deadline_ms is not None else self.config.guard.ttft_deadline_ms
+
+    async def _route(
+        self, request: Request, req: GenRequest, body: dict, deadline_ms: float | None, arrival: float
+    ) -> Response:
+        def left_s() -> float | None:
+            return None if deadline_ms is None else deadline_ms / 1e3 - (time.perf_counter() - arrival)
+
+        if self.cache is not None and req.deterministic:
+            hit = await self.cache.get(req.cache_key())
+            if hit is not None:
+                return self._answer(req, "cache", hit)
+        if not self.backend.ready:
+            return await self._fallback(
+                req,
+                body,
+                left_s,
+                "unhealthy",
+                status=503,
+                message=f"the model is not available ({self.backend.ready_reason}); retry later",
+                retry_s=self.config.guard.retry_after_s,
+            )
+        n_prompt = self.prompt_tokens(req)
+        p = self.estimator.predict(n_prompt, self.backend.gauges)
+        if deadline_ms is not None and p.ttft_s * 1e3 > deadline_ms:
+            retry = math.ceil(p.ttft_s - deadline_ms / 1e3)
+            return await self._fallback(
+                req,
+                body,
+                left_s,
+                "predicted_late",
+                status=429,
+                retry_s=retry,
+                message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms ({p.requests_ahead} requests, "
+                f"{p.tokens_ahead} prompt tokens ahead), over the {deadline_ms:.0f} ms deadline; retry later",
+            )
+        # Admitted.
+        stream = self.backend.stream(req)  # an input the model lacks is a 400 here, before anything is sent
+        self.estimator.admit(req.id, n_prompt, req.max_tokens, p)
+        try:
+            first = await self._first(stream, left_s() if self.tiers or self.cache else None)
+        except TimeoutError:
+            stream.cancel()
+            self.estimator.inflight.pop(req.id, None)
+            self.counters[("rtk_frontdoor_deadline_misses_total", ())] += 1
+            return await self._fallback(
+                req,
+                body,
+                left_s,
+                "late",
+                status=429,
+                retry_s=self.config.guard.retry_after_s,
+                message="the first token did not come before the deadline; retry later",
+            )
+        except TritonRefused as exc:
+            self.estimator.inflight.pop(req.id, None)
+            if exc.overload:
+                return await self._fallback(
+                    req,
+                    body,
+                    left_s,
+                    "engine_queue_full",
+                    status=429,
+                    retry_s=self.config.guard.retry_after_s,
+                    message=f"the engine's queue is full ({exc}); retry later",
+                )
+            raise classify_refusal(exc, req) from None
+        except BaseException:
+            stream.cancel()
+            self.estimator.inflight.pop(req.id, None)
+            raise
+        return self._primary(req, stream, first, n_prompt)
+
+    async def _first(self, stream: TritonStream, timeout_s: float | None):
+        """The first response that carries text (or the final one)."""
+
+        async def first():
+            while True:
+                piece = await stream.next()
+                if piece.text or piece.final:
+                    return piece
+
+        if timeout_s is None:
+            return await first()
+        return await asyncio.wait_for(first(), timeout=max(0.0, timeout_s))
+
+    async def _fallback(
+        self, req: GenRequest, body: dict, left_s, reason: str, *, status: int, message: str, retry_s: int
+    ) -> Response:
+        """Try the tiers in order; refuse when none answers."""
+        for tier in self.tiers:
+            if isinstance(tier, RuleTier):
+                return self._answer(req, tier.label, tier.answer(req, self.config.guard.ttft_deadline_ms))
+            remaining = left_s()
+            opened = await tier.open(req, body, remaining if remaining is not None else 30.0)
+            if opened is not None:
+                label, pieces, meta = opened
+                return self._relay(req, label, pieces, meta)
+        self.counters[("rtk_frontdoor_refusals_total", (("status", str(status)), ("reason", reason)))] += 1
+        retry = str(max(self.config.guard.retry_after_s, int(retry_s)))
+        code = "overloaded" if status == 429 else "unavailable"
+        raise APIError(
+            status,
+            message,
+            kind="server_error" if status == 503 else "rate_limit_error",
+            code=code,
+            headers={"Retry-After": retry, TIER_HEADER: "refused"},
+        )
+
+    # -- answers ---------------------------------------------------------------------------------------
+    def _count(self, req: GenRequest, tier: str) -> None:
+        self.counters[("rtk_frontdoor_requests_total", (("endpoint", req.kind), ("tier", tier)))] += 1
+
+    def _answer(self, req: GenRequest, tier: str, a: Answer) -> Response:
+        self._count(req, tier)
+        u = usage(a.prompt_tokens, a.completion_tokens)
+        headers = {TIER_HEADER: tier}
+        if not req.stream:
+            return JSONResponse(full_response(req, a.text, a.finish_reason, u, {"rtk_tier": tier}), headers=headers)
+
+        async def gen():
+            yield sse(chunk(req, a.text, first=True))
+            yield sse(chunk(req, None, a.finish_reason, extra={"rtk_tier": tier}))
+            if req.include_usage:
+                yield sse(usage_chunk(req, u))
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    def _relay(self, req: GenRequest, tier: str, pieces: AsyncIterator[str], meta: dict) -> Response:
+        """Another deployment's stream, re-framed as ours."""
+        self._count(req, tier)
+        headers = {TIER_HEADER: tier}
+
+        def final_usage():
+            return usage(int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0)))
+
+        if not req.stream:
+
+            async def collect():
+                text = "".join([p async for p in pieces])
+                return JSONResponse(
+                    full_response(req, text, meta.get("finish_reason", "stop"), final_usage(), {"rtk_tier": tier}),
+                    headers=headers,
+                )
+
+            return _Deferred(collect)
+
+        async def gen():
+            first = True
+            async for p in pieces:
+                yield sse(chunk(req, p, first=first))
+                first = False
+            yield sse(chunk(req, None, meta.get("finish_reason", "stop"), first=first, extra={"rtk_tier": tier}))
+            if req.include_usage:
+                yield sse(usage_chunk(req, final_usage()))
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    def _primary(self, req: GenRequest, stream: TritonStream, first, n_prompt: int) -> Response:
+        self._count(req, PRIMARY)
+        est = self.estimator
+        est.first_token(req.id)
+        state = {"text": [first.text], "piece": first, "done": first.final, "responses": int(bool(first.text))}
+        headers = {TIER_HEADER: PRIMARY}
+
+        async def rest() -> AsyncIterator[str]:
+            while not state["done"]:
+                piece = await stream.next()
+                est.token(req.id)
+                state["piece"] = piece
+                state["done"] = piece.final
+                state["responses"] += int(bool(piece.text))
+                if piece.text:
+                    state["text"].append(piece.text)
+                    yield piece.text
+
+        async def finish(cancelled: bool) -> tuple[str, dict]:
+            piece = state["piece"]
+            if not state["done"]:
+                stream.cancel()
+                self.counters[("rtk_frontdoor_cancelled_total", ())] += int(cancelled)
+            est.finish(req.id)
+            n_out = piece.completion_tokens if piece.completion_tokens is not None else state["responses"]
+            reason = "length" if n_out >= req.max_tokens else "stop"
+            u = usage(piece.prompt_tokens if piece.prompt_tokens is not None else n_prompt, n_out)
+            if state["done"] and self.cache is not None and req.deterministic:
+                await self.cache.put(req.cache_key(), Answer("".join(state["text"]), reason, u["prompt_tokens"], n_out))
+            return reason, u
+
+        if not req.stream:
+
+            async def collect():
+                try:
+                    async for _ in rest():
+                        pass
+                    reason, u = await finish(False)
+                except TritonRefused as exc:
+                    await finish(False)
+                    raise APIError(
+                        502, f"the model failed while answering: {exc}", kind="server_error", code="upstream_error"
+                    ) from None
+                except BaseException:
+                    await finish(True)
+                    raise
+                return JSONResponse(
+                    full_response(req, "".join(state["text"]), reason, u, {"rtk_tier": PRIMARY}), headers=headers
+                )
+
+            return _Deferred(collect)
+
+        async def gen():
+            try:
+                yield sse(chunk(req, first.text, first=True))
+                try:
+                    async for text in rest():
+                        yield sse(chunk(req, text))
+                except TritonRefused as exc:  # after the first byte there is no status left to change
+                    yield sse(
+                        {
+                            "error": {
+                                "message": f"the model failed while answering: {exc}",
+                                "type": "server_error",
+                                "param": None,
+                                "code": "upstream_error",
+                            }
+                        }
+                    )
+                    return
+                reason, u = await finish(False)
+                yield sse(chunk(req, None, reason, extra={"rtk_tier": PRIMARY}))
+                if req.include_usage:
+                    yield sse(usage_chunk(req, u))
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not state["done"] or req.id in est.inflight:
+                    await finish(True)
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    # -- /metrics ----------------------------------------------------------------------------------------
+    def render_metrics(self) -> str:
+        lines = []
+        helps = {
+            "rtk_frontdoor_requests_total": "answered requests by endpoint and the tier that answered",
+            "rtk_frontdoor_refusals_total": "requests refused at admission (429 overload, 503 unhealthy) by reason",
+            "rtk_frontdoor_errors_total": "error responses by status",
+            "rtk_frontdoor_deadline_misses_total": "admitted requests whose first token missed the deadline",
+            "rtk_frontdoor_cancelled_total": "primary requests cancelled because the client went away",
+        }
+        for name, text in helps.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
+            rows = [(labels, v) for (n, labels), v in sorted(self.counters.items()) if n == name]
+            if not rows and not any(True for (n, labels) in self.counters if n == name):
+                rows = [((), 0)] if name.endswith(("misses_total", "cancelled_total")) else []
+            for labels, v in rows:
+                lab = ",".join(f'{k}="{val}"' for k, val in labels)
+                lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+        est = self.estimator
+        gauges = {
+            "rtk_frontdoor_inflight": ("primary requests in flight", len(est.inflight)),
+            "rtk_frontdoor_step_seconds": ("measured engine step time", est.step_s),
+            "rtk_frontdoor_prefill_seconds_per_token": (
+                "measured prefill time per prompt token",
+                est.prefill_s_per_token,
+            ),
+            "rtk_frontdoor_triton_ready": ("1 when Triton and the model are ready", int(self.backend.ready)),
+        }
+        for name, (text, v) in gauges.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {v}"]
+        return "\n".join(lines) + "\n"
+
+
+class _Deferred(Response):
+    """A response whose body is computed when served, so a client disconnect can cancel the work."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    async def __call__(self, scope, receive, send):
+        task = asyncio.ensure_future(self.make())
+
+        async def watch():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    task.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            try:
+                response = await task
+            except asyncio.CancelledError:
+                if watcher.done():
+                    return  # the client left; nothing to send
+                raise
+            except APIError as exc:
+                response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        finally:
+            watcher.cancel()
+        await response(scope, receive, send)
+
+
+def _frontdoor_of_spec(spec_path: str) -> str:
+    """The base URL of the front door serving another rtk spec (from its state file)."""
+    from ..server import read_state
+    from ..spec import load_spec
+
+    st = read_state(load_spec(spec_path).repository_dir())
+    url = getattr(st, "frontdoor_url", None) if st is not None else None
+    if not url:
+        raise LookupError(
+            f"the fallback deployment of '{spec_path}' is not running; start it with `rtk serve {spec_path} --detach`"
+        )
+    return url.rstrip("/") + "/v1"
+
+
+def create_app(
+    source, triton_grpc_url: str, *, metrics_url: str | None = None, triton_model: str = "ensemble"
+) -> Starlette:
+    """The front door for ``source`` (a Spec, a repository directory or a FrontDoorConfig) over Triton's gRPC."""
+    import contextlib
+
+    config = config_from(source, triton_model=triton_model)
+    fd = FrontDoor(config, triton_grpc_url, metrics_url)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await fd.start()
+        try:
+            yield
+        finally:
+            await fd.stop()
+
+    routes = [
+        Route("/v1/chat/completions", fd.chat, methods=["POST"]),
+        Route("/v1/completions", fd.completions, methods=["POST"]),
+        Route("/v1/models", fd.models, methods=["GET"]),
+        Route("/health", fd.health, methods=["GET"]),
+        Route("/health/ready", fd.health, methods=["GET"]),
+        Route("/health/live", fd.live, methods=["GET"]),
+        Route("/metrics", fd.metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.frontdoor = fd
+    return app

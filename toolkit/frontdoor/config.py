@@ -1,0 +1,63 @@
+"""What a front door needs, from a spec or from an emitted repository's manifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+from ..spec import CacheSpec, FrontendSpec, GuardSpec
+
+TOKENIZER_IN_REPO = "preprocessing/tokenizer"
+
+
+@dataclass
+class FrontDoorConfig:
+    model_name: str
+    frontend: FrontendSpec = field(default_factory=FrontendSpec)
+    guard: GuardSpec = field(default_factory=GuardSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    triton_model: str = "ensemble"
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    default_max_tokens: int = 128
+    tokenizer_dir: Path | None = None
+
+
+def config_from(source, *, triton_model: str = "ensemble") -> FrontDoorConfig:
+    """A :class:`~toolkit.spec.Spec`, a repository directory, or a ready config."""
+    if isinstance(source, FrontDoorConfig):
+        return source
+    from ..spec import Spec
+
+    if isinstance(source, Spec):
+        repo = source.repository_dir()
+        return _make(source.name, source.serving.model_dump(), source.build.model_dump(), repo, triton_model)
+    repo = Path(source)
+    from ..artifacts import read_manifest
+
+    manifest = read_manifest(repo)
+    if not manifest or not manifest.get("complete"):
+        raise UsageError(
+            f"'{repo}' is not an emitted rtk model repository (no complete rtk-manifest.json); run `rtk build SPEC`"
+        )
+    section = manifest.get("spec") or {}
+    return _make(
+        section.get("name") or repo.name, section.get("serving") or {}, section.get("build") or {}, repo, triton_model
+    )
+
+
+def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) -> FrontDoorConfig:
+    tok = repo / TOKENIZER_IN_REPO
+    frontend = FrontendSpec(**serving.get("frontend", {}))
+    return FrontDoorConfig(
+        model_name=frontend.model_name or name,
+        frontend=frontend,
+        guard=GuardSpec(**serving.get("guard", {})),
+        cache=CacheSpec(**serving.get("cache", {})),
+        triton_model=triton_model,
+        max_batch_size=int(build.get("max_batch_size", 8)),
+        max_seq_len=int(build.get("max_seq_len", 2048)),
+        default_max_tokens=int(serving.get("default_max_tokens", 128)),
+        tokenizer_dir=tok if tok.is_dir() else None,
+    )

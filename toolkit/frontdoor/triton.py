@@ -1,0 +1,269 @@
+"""The primary tier: the repository's ``ensemble`` (or ``tensorrt_llm_bls``) over Triton's gRPC stream.
+
+One ``ModelStreamInfer`` call per HTTP request on a shared ``grpc.aio`` channel, so a request can be
+cancelled on its own: cancelling the call makes Triton mark the request cancelled, and the cpu
+``tensorrt_llm`` model then cancels it in the engine, which frees its KV blocks (docs/serving.md,
+Cancellation).  Inputs the model does not declare are never sent; a request that needs one is
+refused with 400 naming the field.  Health and the engine's gauges are polled in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from .protocol import APIError, GenRequest, bad
+
+GAUGE = re.compile(r"^(nv_trt_llm_(?:request|kv_cache_block)_metrics)\{([^}]*)\}\s+([0-9.eE+-]+)", re.MULTILINE)
+OVERLOAD = ("Exceeds maximum queue size", "Request timeout expired")
+
+
+@dataclass
+class Piece:
+    """One response of the stream: new text, and on the last one the token counts."""
+
+    text: str
+    final: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class TritonRefused(Exception):
+    """Triton answered the request with an error before its first token."""
+
+    def __init__(self, message: str, overload: bool):
+        super().__init__(message)
+        self.overload = overload
+
+
+@dataclass
+class EngineGauges:
+    """``nv_trt_llm_request_metrics`` / ``nv_trt_llm_kv_cache_block_metrics`` summed over instances."""
+
+    active: int = 0
+    waiting: int = 0
+    scheduled: int = 0
+    max_batch: int = 0
+    kv_free: int = 0
+    kv_max: int = 0
+    read_at: float = 0.0
+    present: bool = False
+    by_instance: dict = field(default_factory=dict)
+
+
+def parse_gauges(text: str) -> EngineGauges:
+    g = EngineGauges(read_at=time.monotonic())
+    for name, labels, value in GAUGE.findall(text):
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        v = int(float(value))
+        g.present = True
+        if name == "nv_trt_llm_request_metrics":
+            key = {"active": "active", "waiting": "waiting", "scheduled": "scheduled", "max": "max_batch"}.get(
+                lab.get("request_type")
+            )
+        else:
+            key = {"free": "kv_free", "max": "kv_max"}.get(lab.get("kv_cache_block_type"))
+        if key:
+            setattr(g, key, getattr(g, key) + v)
+    return g
+
+
+class TritonBackend:
+    def __init__(self, grpc_url: str, model: str = "ensemble", metrics_url: str | None = None, timeout_s: float = 5.0):
+        self.grpc_url, self.model, self.metrics_url, self.timeout_s = (
+            grpc_url.removeprefix("grpc://"),
+            model,
+            metrics_url,
+            timeout_s,
+        )
+        self.inputs: set[str] = set()
+        self.outputs: set[str] = set()
+        self.batched = True
+        self.ready = False
+        self.ready_reason = "not checked yet"
+        self.gauges = EngineGauges()
+        self._channel = None
+
+    async def open(self) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self._channel = grpc.aio.insecure_channel(self.grpc_url, options=opts)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        await self.check_health()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def check_health(self) -> bool:
+        """Ready when Triton and the model are ready; reads the model's interface the first time."""
+        import grpc
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2 as pb
+
+        try:
+            if not (await self._stub.ServerReady(pb.ServerReadyRequest(), timeout=self.timeout_s)).ready:
+                self.ready, self.ready_reason = False, "tritonserver is not ready"
+                return False
+            if not (await self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=self.timeout_s)).ready:
+                self.ready, self.ready_reason = False, f"model '{self.model}' is not ready"
+                return False
+            if not self.inputs:
+                cfg = (
+                    await self._stub.ModelConfig(pb.ModelConfigRequest(name=self.model), timeout=self.timeout_s)
+                ).config
+                d = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+                self.inputs = {i["name"] for i in d.get("input", [])}
+                self.outputs = {o["name"] for o in d.get("output", [])}
+                self.batched = int(d.get("max_batch_size") or 0) > 0
+        except grpc.aio.AioRpcError as exc:
+            self.ready, self.ready_reason = False, f"tritonserver at {self.grpc_url} does not answer: {exc.code().name}"
+            return False
+        self.ready, self.ready_reason = True, "ready"
+        return True
+
+    async def read_gauges(self, client) -> None:
+        """Read the engine's gauges from Triton's metrics endpoint (``client``: an httpx.AsyncClient)."""
+        if not self.metrics_url:
+            return
+        try:
+            r = await client.get(f"{self.metrics_url}/metrics", timeout=self.timeout_s)
+            self.gauges = parse_gauges(r.text)
+        except Exception:  # noqa: BLE001 — the next poll retries; until then the front door counts alone
+            self.gauges = EngineGauges(read_at=time.monotonic())
+
+    # -- a request ------------------------------------------------------------------------------
+    def build(self, req: GenRequest):
+        from tritonclient.grpc import service_pb2 as pb
+
+        msg = pb.ModelInferRequest(model_name=self.model, id=req.id)
+
+        def add(name, datatype, value):
+            arr = np.asarray(value)
+            arr = arr.reshape(1, *arr.shape) if arr.ndim else arr.reshape(1)
+            if self.batched:
+                arr = arr[np.newaxis, ...]
+            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            msg.raw_input_contents.append(serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes())
+
+        def optional(name, field_name, wanted):
+            if wanted and name not in self.inputs:
+                raise bad(
+                    field_name, f"is not supported by this deployment (its model has no '{name}' input); leave it unset"
+                )
+            return wanted
+
+        add("text_input", "BYTES", np.array(req.text_input().encode("utf-8"), dtype=np.object_))
+        add("max_tokens", "INT32", np.array(req.max_tokens, dtype=np.int32))
+        if "stream" in self.inputs:
+            add("stream", "BOOL", np.array(True))
+        if "exclude_input_in_output" in self.inputs:
+            add("exclude_input_in_output", "BOOL", np.array(True))
+        for name in ("return_num_input_tokens", "return_num_output_tokens"):
+            if name in self.inputs:
+                add(name, "BOOL", np.array(True))
+        if req.temperature:
+            # Greedy is what the engine does when no sampling input is sent (TensorRT-LLM's rule).
+            if optional("temperature", "temperature", True):
+                add("temperature", "FP32", np.array(req.temperature, dtype=np.float32))
+            if optional("top_p", "top_p", req.top_p < 1.0):
+                add("top_p", "FP32", np.array(req.top_p, dtype=np.float32))
+            if optional("top_k", "top_k", bool(req.top_k)):
+                add("top_k", "INT32", np.array(req.top_k, dtype=np.int32))
+            if optional("seed", "seed", req.seed is not None):
+                add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
+        if optional("stop_words", "stop", bool(req.stop)):
+            add("stop_words", "BYTES", np.array([s.encode() for s in req.stop], dtype=np.object_))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if optional(name, name, v != 0.0):
+                add(name, "FP32", np.array(v, dtype=np.float32))
+        for name in ("text_output", "num_input_tokens", "num_output_tokens"):
+            if name in self.outputs:
+                msg.outputs.add(name=name)
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+        return msg
+
+    def stream(self, req: GenRequest) -> TritonStream:
+        return TritonStream(self, self.build(req))
+
+
+class TritonStream:
+    """One request's responses; :meth:`cancel` ends it in Triton (and the engine frees its KV)."""
+
+    def __init__(self, backend: TritonBackend, msg):
+        self.backend, self.msg = backend, msg
+        self._done = asyncio.Event()
+
+        async def requests():
+            yield msg
+            await self._done.wait()  # keep our side open until the last response: Triton ends the call then
+
+        self.call = backend._stub.ModelStreamInfer(requests())
+        self._it = self.call.__aiter__()
+        self.finished = False
+
+    async def next(self) -> Piece:
+        import grpc
+
+        try:
+            resp = await self._it.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise TritonRefused("the stream ended without a final response", overload=False) from None
+        except grpc.aio.AioRpcError as exc:
+            self.finished = True
+            code = exc.code()
+            overload = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise TritonRefused(f"{code.name}: {exc.details()}", overload=overload) from None
+        if resp.error_message:
+            self.close()
+            raise TritonRefused(resp.error_message, overload=any(s in resp.error_message for s in OVERLOAD))
+        r = resp.infer_response
+        index = {o.name: i for i, o in enumerate(r.outputs)}
+        raws = r.raw_output_contents
+        text = ""
+        if "text_output" in index:
+            text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raws[index["text_output"]]))
+        p = r.parameters.get("triton_final_response")
+        piece = Piece(text, final=bool(p is not None and p.bool_param))
+        for name, attr in (("num_input_tokens", "prompt_tokens"), ("num_output_tokens", "completion_tokens")):
+            if name in index:
+                setattr(piece, attr, int(np.frombuffer(raws[index[name]], dtype=np.int32)[0]))
+        if piece.final:
+            self.close()
+        return piece
+
+    def close(self) -> None:
+        self.finished = True
+        self._done.set()
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.call.cancel()
+        self.close()
+
+
+def classify_refusal(exc: TritonRefused, req: GenRequest) -> APIError:
+    """Triton's error before the first token → the front door's status (overload is handled by the caller)."""
+    text = str(exc)
+    field_name = "messages" if req.kind == "chat" else "prompt"
+    if "max_tokens" in text or "request_output_len" in text:
+        field_name = "max_tokens"
+    if (
+        "INVALID_ARG" in text
+        or "invalid" in text.lower()
+        or "too long" in text
+        or "exceeds" in text.lower()
+        or "prompt" in text
+    ):
+        return APIError(400, f"'{field_name}': {text}", param=field_name, code="invalid_value")
+    return APIError(502, f"the model failed: {text}", kind="server_error", code="upstream_error")
