@@ -2,7 +2,7 @@
 
 transformers 5 writes rope settings only under ``rope_parameters`` and names the tokenizer class
 ``TokenizersBackend``.  transformers 4.57 then silently uses ``rope_theta = 10000`` and refuses the
-tokenizer (shared/reference/modelopt-on-cpu.md §4).  We add the 4.57 spellings next to the v5 ones;
+tokenizer ("Tokenizer class TokenizersBackend does not exist").  We add the 4.57 spellings next to the v5 ones;
 transformers 5 still loads the directory identically.
 """
 
@@ -33,6 +33,25 @@ def rope_scaling(config: dict) -> dict | None:
     if params.get("rope_type", "default") == "default":
         return None
     return params
+
+
+def trtllm_rope(config: dict) -> tuple[float, dict | None]:
+    """``(rotary_base, rotary_scaling)`` of a TensorRT-LLM checkpoint converted from this HF config.
+
+    TensorRT-LLM's converter (NVIDIA/TensorRT-LLM tensorrt_llm/models/llama/config.py,
+    ``LLaMAConfig.from_hugging_face``) copies transformers 4.x's ``config.rope_theta`` and
+    ``config.rope_scaling`` verbatim; transformers 4.x's LlamaConfig copies a legacy ``type`` key
+    to ``rope_type``.  Unscaled rope is ``None``: TensorRT-LLM 1.2's ``RotaryScalingType``
+    has no ``default`` member.
+    """
+    scaling = rope_scaling(config)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if "type" in scaling:
+            scaling["rope_type"] = scaling["type"]
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return rope_theta(config) or 10000.0, scaling
 
 
 def make_compatible(directory: Path) -> list[str]:

@@ -12,7 +12,8 @@ leaves no artifact behind; the rejected report is kept at ``<output>.rejected-qu
 
 ModelOpt 0.47 on CPU: FP8, INT8-SQ, INT4-AWQ and W4A8-AWQ calibrate, fake-quantize and export.
 NVFP4 calibrates and exports, but its fake-quant forward needs CUDA, so the report evaluates the
-export only (emulated by the loader).  See shared/reference/modelopt-on-cpu.md.
+export only (emulated by the loader); ModelOpt raises "amax must be a CUDA tensor for dynamic block
+quantization" (modelopt/torch/quantization/tensor_quant.py) otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from .artifacts import atomic_stage, hash_tree, is_complete, read_manifest, stage_key, tool_versions, write_json_atomic
 from .console import err, progress, quiet_libraries, step
 from .errors import QualityGateError, SourceError, StageError, UsageError
-from .hfcompat import make_compatible
+from .hfcompat import make_compatible, trtllm_rope
 from .spec import Spec, check_against_model, resolve_group_size
 from .stages import StageResult, default_output
 
@@ -212,10 +213,11 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
         report["baseline_ppl"] = checkpoint_perplexity(checkpoint, eval_ids, lambda: bar.advance(task))
 
     hf_dir, trt_dir = out.tmp / "hf", out.tmp / "trtllm"
+    source_config = json.loads((checkpoint / "config.json").read_text())
     if q.format == "none":
         _link_checkpoint(checkpoint, hf_dir)
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-            _export_trtllm(load_model(checkpoint, spec), trt_dir, spec.build.tp_size, spec.build.pp_size)
+            _export_trtllm(load_model(checkpoint, spec), trt_dir, source_config, spec.build.tp_size, spec.build.pp_size)
         report["fake_quant_ppl"] = None
     else:
         import modelopt.torch.opt as mto
@@ -243,7 +245,7 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
             with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
                 fresh = load_model(checkpoint, spec)
                 mto.restore(fresh, str(state))
-                _export_trtllm(fresh, trt_dir, spec.build.tp_size, spec.build.pp_size)
+                _export_trtllm(fresh, trt_dir, source_config, spec.build.tp_size, spec.build.pp_size)
                 del fresh
     make_compatible(hf_dir)
     for sub in (hf_dir, trt_dir):
@@ -285,8 +287,11 @@ def export_hf(model, dest: Path, checkpoint: Path) -> None:
             shutil.copy2(checkpoint / name, dest / name)
 
 
-def _export_trtllm(model, dest: Path, tp_size: int = 1, pp_size: int = 1) -> None:
-    """ModelOpt's TensorRT-LLM checkpoint export, sharded for the spec's tensor/pipeline parallelism."""
+def _export_trtllm(model, dest: Path, source_config: dict, tp_size: int = 1, pp_size: int = 1) -> None:
+    """ModelOpt's TensorRT-LLM checkpoint export, sharded for the spec's tensor/pipeline parallelism.
+
+    ``source_config`` is the checkpoint's config.json, the HF config TensorRT-LLM would convert.
+    """
     import torch
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
@@ -302,10 +307,12 @@ def _export_trtllm(model, dest: Path, tp_size: int = 1, pp_size: int = 1) -> Non
     cfg_path = dest / "config.json"
     if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
         raise StageError(f"ModelOpt's TensorRT-LLM export wrote no config.json/rank*.safetensors into {dest}")
+    # ModelOpt 0.47 reads rope_theta / rope_scaling from the model config, which transformers 5
+    # keeps only in rope_parameters: the export would lose Llama-3.1's scaling (and 4.x-style
+    # readers default the base to 10000).  Write what TensorRT-LLM's own converter derives.
     cfg = json.loads(cfg_path.read_text())
-    if "rotary_base" not in cfg and getattr(model.config, "rope_theta", None):
-        cfg["rotary_base"] = float(model.config.rope_theta)  # else TensorRT-LLM silently uses 10000
-        write_json_atomic(cfg_path, cfg)
+    cfg["rotary_base"], cfg["rotary_scaling"] = trtllm_rope(source_config)
+    write_json_atomic(cfg_path, cfg)
 
 
 def cast_unquantized_tensors(directory: Path, dtype: str = "bfloat16") -> None:

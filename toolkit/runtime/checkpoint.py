@@ -1,7 +1,7 @@
 """Load a checkpoint — plain or ModelOpt unified-HF export — into dense float tensors.
 
 transformers ignores ModelOpt quantization when it loads an export (it casts FP8 weights to bf16
-without their scales; shared/reference/modelopt-on-cpu.md §7), so rtk reads the exported tensors
+without their scales and warns "Unknown quantization type, got modelopt"), so rtk reads the exported tensors
 itself and dequantizes them exactly as TensorRT-LLM interprets them:
 
 ===========  ==========================================  ==========================================

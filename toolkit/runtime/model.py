@@ -204,7 +204,7 @@ class FusedGroup:
 # -- rope -----------------------------------------------------------------------------------------
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (default, linear and Llama-3 rope types)."""
+    """Inverse frequencies as transformers computes them (default, linear, Llama-3 and YaRN rope types)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     scaling = config.rope_scaling or {}
@@ -225,10 +225,44 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, inv_llama)
+    if kind == "yarn":
+        # transformers/modeling_rope_utils.py::_compute_yarn_parameters (cos/sin scaling: rope_attention_scaling)
+        base, old_len = config.rope_theta, float(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or config.max_position_embeddings / old_len)
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        extrapolate = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+        return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     raise SourceError(
         f"rope scaling type '{kind}' is not supported by the CPU engine (config.json rope_scaling / rope_parameters); "
-        "supported: default, linear, llama3"
+        "supported: default, linear, llama3, yarn"
     )
+
+
+def rope_attention_scaling(config: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention factor; 1 otherwise)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / old_len)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,9 +276,13 @@ def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[t
     pos = torch.arange(length, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    attention_scaling = rope_attention_scaling(config)
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
     half = config.head_dim // 2
     sign = torch.cat([-torch.ones(half), torch.ones(half)])
-    return emb.cos().to(dtype), emb.sin().to(dtype) * sign.to(dtype)
+    return cos.to(dtype), sin.to(dtype) * sign.to(dtype)
 
 
 # -- one step's attention metadata --------------------------------------------------------------
