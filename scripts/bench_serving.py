@@ -11,7 +11,7 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing).
 
-Both engines are loaded (the server's by tritonserver from toolkit/server.py, on free ports) but
+Both engines are loaded (the server's by tritonserver from toolkit/triton/server.py, on free ports) but
 only one path runs at a time: the paths take turns, ``--rounds`` times per level, so drift of a
 shared host falls on each path alike.  On the ``tensorrt_llm`` path the model's own time stamps
 also split TTFT into engine time and Triton's share (send → execute, first token → client; same
@@ -193,8 +193,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from toolkit.artifacts import read_manifest
-    from toolkit.server import free_ports
-    from toolkit.triton import serve as S
+    from toolkit.triton.server import free_ports
+    from toolkit.triton import launch
 
     import rtk_text
 
@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     from toolkit.runtime.engine import BackgroundEngine
 
     http, grpc, metrics = free_ports(3)
-    t = S.resolve(repo)
-    server = S.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    t = launch.resolve(repo)
+    server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
     bg = None
     try:

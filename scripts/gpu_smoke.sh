@@ -80,7 +80,7 @@ REPO=$("$PY" -c "from toolkit.spec import load_spec; import sys; print(load_spec
        "name=$NAME" build.target=trt-engine "quantization.format=$FORMAT")
 echo "GPU sm$SM, format $FORMAT, repository $REPO"
 
-stop_server() { "$PY" -c "from toolkit.server import stop_detached; stop_detached('$REPO')" >/dev/null 2>&1 || true; }
+stop_server() { "$PY" -c "from toolkit.triton.server import stop_detached; stop_detached('$REPO')" >/dev/null 2>&1 || true; }
 trap stop_server EXIT
 
 # -- timed steps ---------------------------------------------------------------------------------

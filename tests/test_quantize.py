@@ -169,7 +169,8 @@ def test_failure_during_export_leaves_nothing(tmp_path, tiny_llama_dir, monkeypa
     spec = spec_for("crash", tiny_llama_dir, quantization={"format": "fp8", **FAST_CALIB})
     with pytest.raises(RuntimeError, match="simulated"):
         quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized")
-    assert list(tmp_path.iterdir()) == []
+    # Only the stage's log of library output stays, so the cause can be read; no artifact, no temporary.
+    assert [p.name for p in tmp_path.iterdir()] == ["quantized.log"]
 
 
 @pytest.mark.slow

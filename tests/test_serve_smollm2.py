@@ -20,7 +20,7 @@ import yaml
 from toolkit.targets import build
 from toolkit.client import chat_messages, generate, stream_chat
 from toolkit.errors import ServerError
-from toolkit.server import free_ports
+from toolkit.triton.server import free_ports
 from toolkit.spec import load_spec
 from toolkit.triton.emit import emit
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from toolkit.targets import build
-from toolkit.server import free_ports, read_state
-from toolkit.triton import serve as S
+from toolkit.triton.server import free_ports, read_state
+from toolkit.triton import launch
 from toolkit.triton.emit import emit
 
 from conftest import spec_for
@@ -41,13 +41,13 @@ def served(tmp_path_factory, tiny_llama_dir):
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     repo = emit(spec, engine).path
-    state = S.serve(repo, detach=True, ready_timeout_s=300)
+    state = launch.serve(repo, detach=True, ready_timeout_s=300)
     try:
         assert read_state(repo).pid == state.pid
         yield dict(spec=spec, repo=repo, engine=engine, grpc=state.grpc_url, http=state.http_url,
                    metrics=state.metrics_url, tokenizer_dir=tiny_llama_dir)
     finally:
-        assert S.stop(repo) is not None
+        assert launch.stop(repo) is not None
         assert read_state(repo) is None
 
 

@@ -1,4 +1,4 @@
-"""toolkit/server.py against a real tritonserver (the bundled one on CPU hosts)."""
+"""toolkit/triton/server.py against a real tritonserver (the bundled one on CPU hosts)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from toolkit.errors import ServerError, UsageError
-from toolkit.server import (
+from toolkit.triton.server import (
     TritonServer,
     find_tritonserver,
     free_ports,
@@ -154,7 +154,7 @@ def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
     http, grpc, metrics = free_ports(3)
     # Start it from another Python process, which then exits: the server must keep running.
     code = (
-        "import sys; from toolkit.server import TritonServer; "
+        "import sys; from toolkit.triton.server import TritonServer; "
         f"st = TritonServer({str(repo)!r}, http_port={http}, grpc_port={grpc}, metrics_port={metrics}, exit_timeout_s=2)"
         ".start_detached(timeout=60, models=['echo']); print(st.pid)"
     )

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from toolkit.cli import cli
-from toolkit.server import free_ports
+from toolkit.triton.server import free_ports
 
 from conftest import spec_for
 

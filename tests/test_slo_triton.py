@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from toolkit.cli import cli
 from toolkit.errors import ServerError, UsageError
-from toolkit.server import free_ports
+from toolkit.triton.server import free_ports
 from toolkit.slo.runner import run_slo, search_slo, sweep_slo
 from toolkit.spec import Objective, SLOSpec
 

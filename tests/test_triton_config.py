@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from toolkit.triton import config as C
+from toolkit.triton import config as triton_config
 from toolkit.triton.emit import TOKENIZER_IN_REPO, write_repository
 
 from conftest import spec_for
@@ -39,7 +39,7 @@ def read_repo(root: Path) -> dict[str, mc.ModelConfig]:
     for cfg in sorted(root.glob("*/config.pbtxt")):
         text = cfg.read_text()
         assert "${" not in text
-        out[cfg.parent.name] = C.parse(text)
+        out[cfg.parent.name] = triton_config.parse(text)
     return out
 
 
@@ -111,7 +111,7 @@ def test_cpu_tensorrt_llm_tensors_match_the_cpp_backend(cpu_repo):
 
 
 # Tensor names of TensorRT-LLM's inflight_batcher_llm ensemble / pre / post templates
-# (reference/tensorrt-llm-and-triton.md §5; NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm).
+# (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/{ensemble,preprocessing,postprocessing}/config.pbtxt).
 UPSTREAM_ENSEMBLE_IO = {
     "ensemble": ({"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "bad_words": "TYPE_STRING", "stop_words": "TYPE_STRING",
                   "end_id": "TYPE_INT32", "pad_id": "TYPE_INT32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",

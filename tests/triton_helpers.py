@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from toolkit.errors import ServerError
-from toolkit.server import TritonServer
+from toolkit.triton.server import TritonServer
 
 # Triton dtype names -> ModelConfig DataType enum names.
 _TYPES = {"BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32", "STRING": "TYPE_STRING", "UINT64": "TYPE_UINT64"}

@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
         return quantize
     if name == "StageResult":
-        from .stages import StageResult
+        from .artifacts import StageResult
 
         return StageResult
     raise AttributeError(name)

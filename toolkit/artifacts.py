@@ -17,11 +17,33 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import __version__
 
 MANIFEST = "rtk-manifest.json"
+# Stage output directories under engines/<name>/ (see engines/README.md).
+STAGE_DIRS = {"fetch": "checkpoint", "quantize": "quantized", "build": "engine"}
+
+
+@dataclass
+class StageResult:
+    """What every stage returns: where its artifact is, and whether the cache answered."""
+
+    stage: str
+    path: Path
+    skipped: bool
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def summary(self) -> str:
+        verb = "up to date (cached)" if self.skipped else "written"
+        return f"{self.stage}: {self.path} {verb}"
+
+
+def default_output(spec, stage: str, root: Path | str = "engines") -> Path:
+    """``engines/<spec.name>/<stage dir>``."""
+    return Path(root) / spec.name / STAGE_DIRS[stage]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -163,6 +185,60 @@ def atomic_stage(stage: str, final: Path, key: str, *, inputs: dict, spec_sectio
 def stage_key(stage: str, spec_section: Any, inputs: dict, tools: dict) -> str:
     """Cache key: everything that determines a stage's output."""
     return sha256_json({"stage": stage, "spec": spec_section, "inputs": inputs, "tools": tools})
+
+
+def stage_log_path(output: Path) -> Path:
+    """Where a stage's third-party output goes: beside the artifact, so it survives a failed run."""
+    output = Path(output)
+    return output.parent / f"{output.name}.log"
+
+
+def run_stage(
+    stage: str,
+    output: Path | str,
+    *,
+    section: Any,
+    inputs: dict,
+    tools: dict,
+    write: Callable[[StageOutput], None],
+    force: bool = False,
+    complete: Callable[[Path], bool] | None = None,
+) -> StageResult:
+    """The sequence every stage follows: key, cache check, atomic write, result.
+
+    ``write(out)`` fills ``out.tmp`` (and may add to ``out.manifest``).  It runs with third-party
+    output (library prints and warnings) sent to :func:`stage_log_path` unless rtk runs verbose.
+    ``complete(path)`` adds a check to the cache test (e.g. an empty directory a manifest cannot list).
+    """
+    from .console import third_party_output
+
+    output = Path(output)
+    key = stage_key(stage, section, inputs, tools)
+    if not force and is_complete(output, key) and (complete is None or complete(output)):
+        return StageResult(stage, output, True, read_manifest(output))
+    with atomic_stage(stage, output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+        with third_party_output(stage_log_path(output)):
+            write(out)
+    return StageResult(stage, output, False, read_manifest(output))
+
+
+def link_or_copy(src: Path, dest: Path, *, recursive: bool = False, files: Iterable[Path] | None = None) -> None:
+    """Hard-link the files of ``src`` (or just ``files``) into ``dest``; copies across file systems.
+
+    Manifests are left out.  A hard link shares the inode: writers replace files, never edit them in place.
+    """
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    chosen = files if files is not None else (src.rglob("*") if recursive else src.iterdir())
+    for f in sorted(Path(f) for f in chosen):
+        if not f.is_file() or f.name == MANIFEST:
+            continue
+        target = dest / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

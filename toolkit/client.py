@@ -5,7 +5,7 @@
     from toolkit.client import stream_chat
     answer = stream_chat("127.0.0.1:8001", "What is the capital of France?")   # prints tokens as they come
 
-It speaks Triton's streaming gRPC (``ModelStreamInfer``, reference/tensorrt-llm-and-triton.md §7):
+It speaks Triton's streaming gRPC (``ModelStreamInfer``, grpc_service.proto in triton-inference-server/common):
 one request, one response per token, the last flagged ``triton_final_response``.
 """
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 from .errors import ServerError, UsageError
+from .triton.config import PERF_OUTPUTS
 
 
 @dataclass
@@ -121,7 +122,7 @@ def generate(
                     out.text += piece
                     if on_text:
                         on_text(piece)
-            for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"):
+            for name in PERF_OUTPUTS:
                 if name in names:
                     out.server_times_ns[name] = int(result.as_numpy(name).reshape(-1)[0])
             for name in ("num_input_tokens", "num_output_tokens", "dropped_turns"):
@@ -160,54 +161,3 @@ def stream_chat(
     out.write("\n")
     out.flush()
     return result
-
-
-def chat(
-    source,
-    question: str,
-    *,
-    overrides=(),
-    url: str | None = None,
-    model: str = "ensemble",
-    system: str | None = None,
-    max_tokens: int = 128,
-    build: bool = True,
-    out: TextIO | None = None,
-) -> Generation:
-    """``rtk chat``: build ``source`` if it is a spec (cached stages are skipped), then stream the answer
-    from ``url``, else from the background server of its repository, else from a server started
-    for this one question."""
-    from pathlib import Path
-
-    source = Path(source)
-    if build and source.is_file():
-        from .pipeline import build as run_pipeline
-        from .spec import load_spec
-
-        run_pipeline(load_spec(source, list(overrides)))
-    if url is None:
-        from .server import read_state
-        from .triton.serve import resolve
-
-        state = read_state(resolve(source, overrides).repository)
-        if state is not None and _ready(state.http_url):
-            url = state.grpc_url
-    if url is not None:
-        return stream_chat(url, question, system=system, max_tokens=max_tokens, model=model, out=out)
-    from .console import info
-    from .triton.serve import running
-
-    info("[dim]starting tritonserver for this question (models load and warm up; `rtk serve --detach` keeps one running)[/]")
-    with running(source, overrides=overrides) as server:
-        return stream_chat(server.grpc_url, question, system=system, max_tokens=max_tokens, model=model, out=out)
-
-
-def _ready(http_url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False

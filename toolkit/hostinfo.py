@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .errors import HostMismatchError
+from .targets import NGC_CONTAINER
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class GPUInfo:
 class TritonServerInfo:
     path: str
     version: str | None
-    source: str  # toolkit.server.TritonBinary.kind: "system" (PATH / NGC), "bundled" (nvidia-pytriton), "configured"
+    source: str  # toolkit.triton.server.TritonBinary.kind: "system" (PATH / NGC), "bundled" (nvidia-pytriton), "configured"
     backends: list[str] = field(default_factory=list)
 
 
@@ -240,7 +241,7 @@ def probe_host(*, tritonserver: str | None = None, triton_version: bool = True) 
     host.packages = {k: package_version(k) for k in PACKAGES}
     host.triton_container = os.environ.get("NVIDIA_TRITON_SERVER_VERSION")
     from .errors import RtkError
-    from .server import find_tritonserver  # stdlib-only; the serving engineer's finder, reused
+    from .triton.server import find_tritonserver  # stdlib-only
 
     try:
         binary = find_tritonserver(tritonserver)
@@ -275,23 +276,25 @@ def check_host_compatible(manifest: dict, host: HostInfo) -> None:
 
     ``manifest`` is a build stage manifest (or its ``runs_on`` section).  TensorRT engines are tied
     to the TensorRT-LLM and TensorRT versions and the GPU's compute capability they were built with
-    (reference/tensorrt-llm-and-triton.md §1); the llmapi target needs TensorRT-LLM >= 1.0 and a GPU
+    (TensorRT's plans are not portable across versions or GPU architectures); the llmapi target needs TensorRT-LLM >= 1.0 and a GPU
     that runs its quantization format.  Artifacts without a ``runs_on`` record (the cpu target)
     run anywhere.
     """
+    from .targets import TARGETS
+
     runs_on = manifest.get("runs_on", manifest)
-    target = runs_on.get("target")
-    if target == "trt-engine":
-        _check_engine_host(runs_on, host)
-    elif target == "llmapi":
-        _check_llmapi_host(runs_on, host)
+    target = TARGETS.get(runs_on.get("target") or manifest.get("target") or "cpu")
+    if target is not None and target.serve_host_check is not None:
+        target.serve_host_check(runs_on, host)
 
 
 def _rebuild(runs_on: dict, first: str = "r") -> str:
     return f"{first}ebuild it on this host with `rtk build SPEC --force` (SPEC: the spec named '{runs_on.get('spec_name', '?')}')"
 
 
-def _check_engine_host(r: dict, host: HostInfo) -> None:
+def check_engine_host(manifest: dict, host: HostInfo) -> None:
+    """A trt-engine artifact runs only with the TensorRT-LLM, TensorRT and GPU generation that built it."""
+    r = manifest.get("runs_on", manifest)
     gpu = r.get("gpu") or {}
     built = f"TensorRT-LLM {r.get('tensorrt_llm')} on {str(gpu.get('name', '?')).removeprefix('NVIDIA ')} (sm{gpu.get('sm')})"
     here_trtllm = host.packages.get("tensorrt_llm") or "no TensorRT-LLM"
@@ -324,7 +327,9 @@ def _check_engine_host(r: dict, host: HostInfo) -> None:
             "rebuild here if it fails or runs slowly", gpu.get("name"), host.gpu.name, host.gpu.sm)
 
 
-def _check_llmapi_host(r: dict, host: HostInfo) -> None:
+def check_llmapi_host(manifest: dict, host: HostInfo) -> None:
+    """An llmapi artifact needs a GPU that runs its format and TensorRT-LLM >= 1.0 with the PyTorch backend."""
+    r = manifest.get("runs_on", manifest)
     have = host.packages.get("tensorrt_llm")
     need_sm = int(r.get("min_sm", 80))
     fmt = (r.get("quantization") or {}).get("format", "?")
@@ -335,7 +340,7 @@ def _check_llmapi_host(r: dict, host: HostInfo) -> None:
         problems.append(f"quantization '{fmt}' needs sm{need_sm} or newer and this host has {host.describe_gpu()}")
     if not have:
         problems.append(f"TensorRT-LLM >= {r.get('tensorrt_llm_min', '1.0')} is not installed "
-                        "(use nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3)")
+                        f"(use {NGC_CONTAINER})")
     elif version_tuple(have) < version_tuple(r.get("tensorrt_llm_min", "1.0")):
         problems.append(f"TensorRT-LLM {have} predates the PyTorch LLM API (need >= {r.get('tensorrt_llm_min')})")
     if host.has_gpu and len(host.gpus) < int(r.get("gpu_count", 1)):

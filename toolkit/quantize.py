@@ -21,18 +21,18 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from .artifacts import atomic_stage, hash_tree, is_complete, read_manifest, stage_key, tool_versions, write_json_atomic
+from .artifacts import (
+    StageResult, default_output, hash_tree, link_or_copy, read_manifest, run_stage, tool_versions, write_json_atomic,
+)
 from .console import err, progress, quiet_libraries, step
 from .errors import QualityGateError, SourceError, StageError, UsageError
 from .hfcompat import make_compatible, trtllm_rope
 from .spec import Spec, check_against_model, resolve_group_size
-from .stages import StageResult, default_output
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,9 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
                "tp_size": spec.build.tp_size, "pp_size": spec.build.pp_size}
     inputs = {"checkpoint": src_manifest.get("key") or src_manifest["files"]}
     tools = tool_versions("nvidia-modelopt", "torch", "transformers", "safetensors")
-    key = stage_key("quantize", section, inputs, tools)
-    if not force and is_complete(output, key):
-        return StageResult("quantize", output, True, read_manifest(output))
-
     rejected = output.parent / f"{output.name}.rejected-quality.json"
-    with atomic_stage("quantize", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+
+    def write(out) -> None:
         report = _run(spec, checkpoint, out, group_size)
         out.manifest["quality"] = report
         write_json_atomic(out.tmp / "quality.json", report)
@@ -139,8 +136,9 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
                 f"above quantization.max_perplexity_increase = {spec.quantization.max_perplexity_increase * 100:.1f} %. "
                 f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
             )
+    result = run_stage("quantize", output, section=section, inputs=inputs, tools=tools, write=write, force=force)
     rejected.unlink(missing_ok=True)
-    return StageResult("quantize", output, False, read_manifest(output))
+    return result
 
 
 def load_model(checkpoint: Path, spec: Spec):
@@ -215,7 +213,7 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     hf_dir, trt_dir = out.tmp / "hf", out.tmp / "trtllm"
     source_config = json.loads((checkpoint / "config.json").read_text())
     if q.format == "none":
-        _link_checkpoint(checkpoint, hf_dir)
+        link_or_copy(checkpoint, hf_dir)
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
             _export_trtllm(load_model(checkpoint, spec), trt_dir, source_config, spec.build.tp_size, spec.build.pp_size)
         report["fake_quant_ppl"] = None
@@ -261,16 +259,6 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     report["max_increase"] = q.max_perplexity_increase
     report["passed"] = report["increase"] <= q.max_perplexity_increase
     return report
-
-
-def _link_checkpoint(src: Path, dest: Path) -> None:
-    dest.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "rtk-manifest.json":
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)
 
 
 def export_hf(model, dest: Path, checkpoint: Path) -> None:

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
+from .targets import TARGET_NAMES, TARGETS
 from .slo.metrics import FRACTION_METRICS, LATENCY_OBJECTIVES, OBJECTIVE_METRICS, OBJECTIVE_STATS
 
 BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
@@ -23,15 +24,7 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
 KVCacheQuant = Literal["none", "fp8", "int8"]
-Target = Literal["cpu", "trt-engine", "llmapi"]
-
-# Which quantization formats each target can *run*.  The CPU engine dequantizes the export
-# (toolkit/runtime/checkpoint.py); NVFP4 needs Blackwell tensor cores on a GPU and has no CPU path.
-TARGET_FORMATS: dict[str, set[str]] = {
-    "cpu": {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq"},
-    "trt-engine": {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"},
-    "llmapi": {"none", "fp8", "int4_awq", "w4a8_awq", "nvfp4"},
-}
+TargetName = Literal[TARGET_NAMES]  # the rows of toolkit/targets/ TARGETS
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 
 
@@ -100,7 +93,7 @@ class QuantizationSpec(Section):
 
 
 class BuildSpec(Section):
-    target: Target = "cpu"
+    target: TargetName = "cpu"
     max_batch_size: int = Field(8, ge=1, le=4096)
     max_input_len: int = Field(1024, ge=1)
     max_seq_len: int = Field(2048, ge=2)
@@ -509,11 +502,13 @@ class Spec(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "Spec":
         b, q, s = self.build, self.quantization, self.serving
-        if q.format not in TARGET_FORMATS[b.target]:
-            ok = ", ".join(sorted(TARGET_FORMATS[b.target]))
+        target = TARGETS[b.target]
+        if q.format not in target.formats:
+            ok = ", ".join(sorted(target.formats))
             raise _Rule("quantization.format", f"'{q.format}' cannot run on build.target '{b.target}'; choose one of {ok} or another target")
-        if b.target == "llmapi" and q.kv_cache == "int8":
-            raise _Rule("quantization.kv_cache", "the llmapi target supports KV-cache quantization 'fp8' or 'none', not 'int8'")
+        if q.kv_cache not in target.kv_formats:
+            ok = "', '".join(sorted(target.kv_formats))
+            raise _Rule("quantization.kv_cache", f"the {b.target} target supports KV-cache quantization '{ok}', not '{q.kv_cache}'")
         if b.max_input_len >= b.max_seq_len:
             raise _Rule("build.max_input_len", f"{b.max_input_len} must be below build.max_seq_len ({b.max_seq_len}) to leave room for output tokens")
         if not b.enable_chunked_context and b.max_num_tokens < b.max_input_len:
@@ -526,8 +521,8 @@ class Spec(Section):
             raise _Rule("build.max_num_tokens", f"{b.max_num_tokens} is below build.max_batch_size ({b.max_batch_size}); a full batch could not decode one token each")
         if b.target == "trt-engine" and (b.enable_kv_cache_reuse or b.enable_chunked_context) and not b.use_paged_context_fmha:
             raise _Rule("build.use_paged_context_fmha", "KV-cache reuse and chunked context need paged context FMHA; set it true or disable both")
-        if b.target == "cpu" and b.world_size > 1:
-            raise _Rule("build.tp_size", "the cpu target runs on one process; set tp_size and pp_size to 1")
+        if target.max_world_size is not None and b.world_size > target.max_world_size:
+            raise _Rule("build.tp_size", f"the {b.target} target runs on one process; set tp_size and pp_size to 1")
         if b.kv_cache_blocks is not None:
             need = -(-b.max_seq_len // b.tokens_per_block)
             if b.kv_cache_blocks < need:
@@ -554,9 +549,6 @@ class Spec(Section):
         return self
 
     # -- derived values -----------------------------------------------------------------------
-    def engine_dir(self, root: Path | str = "engines") -> Path:
-        return Path(root) / self.name
-
     def repository_dir(self) -> Path:
         return Path(self.serving.repository) if self.serving.repository else Path("triton_repo") / self.name
 

@@ -18,7 +18,7 @@ from . import set_option
 @click.option("--no-build", is_flag=True, help="Do not run `rtk build` first (SPEC only).")
 def command(source, question, overrides, url, model, system, max_tokens, no_build):
     """Stream the answer to QUESTION from the model of SPEC (built and served for the occasion if needed)."""
-    from ..client import chat
+    from ..chat import chat
 
     result = chat(source, question, overrides=overrides, url=url, model=model, system=system,
                   max_tokens=max_tokens, build=not no_build)

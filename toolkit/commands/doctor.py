@@ -4,9 +4,11 @@ from pathlib import Path
 
 import click
 
+from ..targets import TARGET_NAMES
+
 
 @click.command("doctor")
-@click.option("--target", "-t", type=click.Choice(["cpu", "trt-engine", "llmapi"]), default=None,
+@click.option("--target", "-t", type=click.Choice(TARGET_NAMES), default=None,
               help="Check one target and exit non-zero if this host cannot run it (default: report all three).")
 @click.option("--engine", "engine_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also check that a built artifact (engines/<name>/engine) can run on this host.")

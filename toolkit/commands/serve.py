@@ -19,10 +19,10 @@ from . import set_option
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the models to be ready and warm.")
 def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout):
     """Serve an emitted repository with tritonserver until Ctrl-C (or in the background with --detach)."""
-    from ..triton import serve as S
+    from ..triton import launch
 
     if stop_:
-        state = S.stop(source, overrides)
+        state = launch.stop(source, overrides)
         click.echo(f"stopped tritonserver (pid {state.pid})" if state else "no background tritonserver was running")
         return
     ports = dict(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout)
@@ -30,7 +30,7 @@ def command(source, overrides, host, http_port, grpc_port, metrics_port, detach,
     def ready(server):
         click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  (Ctrl-C stops)")
 
-    state = S.serve(source, overrides=overrides, detach=detach, on_ready=ready, **ports)
+    state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, **ports)
     if detach:
         click.echo(f"ready in the background (pid {state.pid}): HTTP {state.http_url}  gRPC {state.grpc_url}; "
                    f"log {state.log_path}; stop with: rtk serve --stop {source}")

@@ -153,15 +153,14 @@ def command(spec_path, overrides, url, metrics_url, repository, objective_texts,
     if serve:
         if spec is None and repository is None:
             raise UsageError("--serve needs a SPEC or --repository to serve")
-        from ..server import TritonServer
+        from ..triton.launch import running
 
-        repo = repository or spec.repository_dir()
-        kw = dict(tritonserver=spec.serving.tritonserver) if spec is not None else {}
-        server_ctx = TritonServer(repo, **kw)
+        # The same launch as `rtk serve` (host check, MPI / orchestrator, configs as written), on free local ports.
+        source = repository if repository is not None else spec_path
+        server_ctx = running(source, overrides=overrides if repository is None else (), free_ports=True)
+        err.print(f"starting tritonserver on {source} (models load and warm up) …")
     with server_ctx as server:
         if server is not None:
-            with step(f"tritonserver on {server.repository}"):
-                server.wait_ready(models=[slo.model or slo.endpoint])
             url = url or (server.grpc_url if slo.transport == "grpc" else server.http_url)
             metrics_url = metrics_url or server.metrics_url
         kwargs = dict(metrics_url=metrics_url, repository=repository)

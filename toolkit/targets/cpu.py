@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from ..artifacts import atomic_stage, is_complete, read_manifest, stage_key, tool_versions
+from ..artifacts import StageResult, default_output, link_or_copy, read_manifest, run_stage, tool_versions
 from ..console import step
 from ..errors import SourceError
 from ..spec import Spec
-from ..stages import StageResult, default_output
 
 ENGINE_CONFIG = "engine_config.json"
 CHECKPOINT_DIR = "hf"
@@ -48,17 +46,12 @@ def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force:
             "(or pass the quantize stage's output directory)"
         )
     src = read_manifest(quantized_dir)
-    section = spec.build.model_dump()
     inputs = {"quantized": (src or {}).get("key") or _fingerprint(hf)}
-    tools = tool_versions("torch", "safetensors")
-    key = stage_key("build-cpu", section, inputs, tools)
-    if not force and is_complete(output, key):
-        return StageResult("build", output, True, read_manifest(output))
 
-    config = engine_config(spec)
-    with atomic_stage("build", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+    def write(out) -> None:
+        config = engine_config(spec)
         with out.timed("link_checkpoint"):
-            _link_tree(hf, out.tmp / CHECKPOINT_DIR)
+            link_or_copy(hf, out.tmp / CHECKPOINT_DIR)
         (out.tmp / ENGINE_CONFIG).write_text(json.dumps(asdict(config), indent=2, sort_keys=True) + "\n")
         with out.timed("verify"), step("Checking the CPU engine can read the checkpoint"):
             from ..runtime.checkpoint import load_checkpoint
@@ -70,7 +63,9 @@ def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force:
             model={"architecture": ckpt.config.architecture, "num_layers": ckpt.config.num_layers,
                    "quant_algo": ckpt.quant_algo, "kv_cache_quant_algo": ckpt.kv_cache_quant_algo},
         )
-    return StageResult("build", output, False, read_manifest(output))
+
+    return run_stage("build", output, section=spec.build.model_dump(), inputs=inputs,
+                     tools=tool_versions("torch", "safetensors"), write=write, force=force)
 
 
 def load_engine(engine_dir: str | os.PathLike, **overrides):
@@ -88,12 +83,3 @@ def load_engine(engine_dir: str | os.PathLike, **overrides):
 def _fingerprint(d: Path) -> dict:
     return {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(d.iterdir()) if p.is_file()}
 
-
-def _link_tree(src: Path, dest: Path) -> None:
-    dest.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.name != "rtk-manifest.json":
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)

@@ -5,7 +5,7 @@ Face ``config.json``) and the spec, so a build that cannot fit is refused in mil
 ``trtllm-build`` or the LLM API spends minutes finding out.
 
 Weights are counted the way the ModelOpt/TensorRT-LLM checkpoint stores them (rtk's own
-measurement of SmolLM2-135M exports, shared/reference/modelopt-on-cpu.md §6.2: FP8 219.5 MB,
+measurement of ModelOpt 0.47's SmolLM2-135M exports' rank0.safetensors: FP8 219.5 MB,
 INT4-AWQ g64 173.3 MB): quantized linears at their packed size plus their scales, embedding,
 ``lm_head`` (written separately, never quantized) and norms in the model dtype.  The KV cache
 holds ``2 x layers x kv_heads x head_dim`` values per token.  Activations are an upper-bound

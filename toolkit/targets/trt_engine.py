@@ -13,15 +13,14 @@ From the quantize stage's TensorRT-LLM checkpoint (``<quantized>/trtllm/``: ``co
   versions, GPU and compute capability, tp/pp, quantization, spec hash) for
   :func:`toolkit.hostinfo.check_host_compatible`.
 
-It also renders the Triton ``tensorrt_llm`` model (C++ ``tensorrtllm`` backend) for the engine:
-:func:`triton_model_config` and :func:`warmup_files`.
+and says how tritonserver is launched for the engine (:func:`triton_launch`: MPI ranks, orchestrator
+mode).  The Triton model itself is rendered by toolkit/triton/gpu_models.py.
 
 Written against TensorRT-LLM's own sources (NVIDIA/TensorRT-LLM): ``tensorrt_llm/commands/build.py``
 (65f1d15), ``tensorrt_llm/plugin/plugin.py`` (c20322f), ``tensorrt_llm/_common.py``
-(``check_max_num_tokens``), ``tensorrt_llm/builder.py`` (``Engine.save``), and
-``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt`` (0c8de69) with
-``triton_backend/inflight_batcher_llm/src/model_instance_state.cc`` (c8c6df0).  The flag set is
-kept as data in tests/data/trtllm_1_2_1_trtllm_build.json.  ``tensorrt_llm`` is never imported.
+(``check_max_num_tokens``), ``tensorrt_llm/builder.py`` (``Engine.save``) and
+``triton_backend/scripts/launch_triton_server.py`` (0a2e2c1).  The flag set is kept as data in
+tests/data/trtllm_1_2_1_trtllm_build.json.  ``tensorrt_llm`` is never imported.
 """
 
 from __future__ import annotations
@@ -32,38 +31,31 @@ import logging
 import os
 import shutil
 import signal
-import struct
 import subprocess
 from pathlib import Path
 
-from ..artifacts import atomic_stage, is_complete, read_manifest, sha256_file, sha256_json, stage_key
+from ..artifacts import StageResult, default_output, read_manifest, run_stage, sha256_file, sha256_json
 from ..console import step
 from ..errors import HostMismatchError, SpecError, StageError, UsageError
 from ..hostinfo import HostInfo, probe_host
 from ..spec import Spec
-from ..stages import StageResult, default_output
+from . import MIN_SM, MIN_SM_KV, NGC_CONTAINER, TRTLLM_VERSION
 from .gpu_memory import ModelShape, check_fits, estimate_memory
 
 log = logging.getLogger(__name__)
 
 TRTLLM_BUILD = "trtllm-build"
-TRTLLM_VERSION = "1.2.1"
 BUILD_LOG = "build.log"
 
-# rtk's quantization.format -> the checkpoint's quantization.quant_algo (ModelOpt export names,
-# shared/reference/modelopt-on-cpu.md §6.1).
+# rtk's quantization.format -> the checkpoint's quantization.quant_algo (the names ModelOpt's
+# TensorRT-LLM export writes: modelopt/torch/export/model_config.py QUANTIZATION_* constants).
 QUANT_ALGO = {
     "none": None, "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL",
     "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4",
 }
 KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
-# Lowest compute capability (sm) that runs each format (ModelOpt support matrix: FP8 and W4A8 on
-# Ada and later, FP4 on Blackwell, INT8/INT4 on Ampere; TensorRT-LLM 1.x supports Ampere and later).
-MIN_SM = {"none": 80, "fp8": 89, "int8_sq": 80, "int4_awq": 80, "w4a8_awq": 89, "nvfp4": 100}
-MIN_SM_KV = {"none": 80, "fp8": 89, "int8": 80}
 # trtllm-build switches use_fused_mlp off unless quant_algo is one of these (commands/build.py).
 FUSED_MLP_ALGOS = (None, "FP8", "MIXED_PRECISION")
-DTYPE_TO_TRITON = {"bfloat16": "TYPE_BF16", "float16": "TYPE_FP16", "float32": "TYPE_FP32"}
 
 
 def _switch(on: bool) -> str:
@@ -240,25 +232,34 @@ def verify_engine(engine_dir: Path, spec: Spec) -> dict:
 
 # -- the host -----------------------------------------------------------------------------------
 
-def check_build_host(spec: Spec, host: HostInfo, *, exe: str = TRTLLM_BUILD) -> None:
-    """A trt-engine build needs the GPUs it will run on, TensorRT-LLM and trtllm-build (doctor says more)."""
+def build_host_problems(spec: Spec, host: HostInfo, *, exe: str = TRTLLM_BUILD) -> list[str]:
+    """Why this host cannot build ``spec``'s engines ([] when it can): GPUs, trtllm-build, compute capability."""
     q, b = spec.quantization, spec.build
-    where = "run it inside nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 (26.04-26.07); `rtk doctor --target trt-engine` lists what is missing"
     if not host.has_gpu:
-        raise HostMismatchError(f"building TensorRT engines needs an NVIDIA GPU and this host has none; {where}")
+        return ["building TensorRT engines needs an NVIDIA GPU and this host has none"]
+    problems = []
     if shutil.which(exe) is None and not Path(exe).is_file():
-        raise HostMismatchError(f"'{exe}' is not on PATH (TensorRT-LLM {TRTLLM_VERSION} provides it); {where}")
+        problems.append(f"'{exe}' is not on PATH (TensorRT-LLM {TRTLLM_VERSION} provides it)")
     if len(host.gpus) < b.world_size:
-        raise HostMismatchError(
+        problems.append(
             f"build.tp_size x build.pp_size = {b.world_size} GPUs, but this host has {len(host.gpus)}; "
             "build and serve on a host with that many GPUs, or lower build.tp_size / build.pp_size"
         )
     need = max(MIN_SM[q.format], MIN_SM_KV[q.kv_cache])
     if host.gpu.sm < need:
-        raise HostMismatchError(
+        problems.append(
             f"quantization.format '{q.format}' (KV cache '{q.kv_cache}') needs compute capability sm{need} or newer; "
             f"this host has {host.describe_gpu()}. Choose a format the GPU runs (e.g. int4_awq or none) or another GPU"
         )
+    return problems
+
+
+def check_build_host(spec: Spec, host: HostInfo, *, exe: str = TRTLLM_BUILD) -> None:
+    """Raise HostMismatchError naming every reason this host cannot build the engines (doctor says more)."""
+    problems = build_host_problems(spec, host, exe=exe)
+    if problems:
+        where = f"run it inside {NGC_CONTAINER} (26.04-26.07); `rtk doctor --target trt-engine` lists what is missing"
+        raise HostMismatchError(f"{'; '.join(problems)}; {where}")
     have = host.packages.get("tensorrt_llm")
     if have != TRTLLM_VERSION:
         log.warning("TensorRT-LLM %s is installed; rtk's trt-engine target is written for %s", have, TRTLLM_VERSION)
@@ -317,12 +318,9 @@ def build(spec: Spec, quantized_dir: Path | str, output: Path | str | None = Non
     inputs = {"checkpoint": _checkpoint_fingerprint(quantized_dir, checkpoint_dir)}
     tools = {"tensorrt_llm": host.packages.get("tensorrt_llm"), "tensorrt": host.packages.get("tensorrt"),
              "cuda": host.cuda_version, "gpu_sm": host.gpu.sm, "gpu": host.gpu.name}
-    key = stage_key("build", section, inputs, tools)
-    if not force and is_complete(output, key):
-        return StageResult("build", output, True, read_manifest(output))
-
     failed_log = output.parent / f"{output.name}.{BUILD_LOG.replace('.log', '-failed.log')}"
-    with atomic_stage("build", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+
+    def write(out) -> None:
         argv = trtllm_build_command(spec, checkpoint_dir.resolve(), out.tmp.resolve(), config, exe=exe)
         with out.timed("trtllm_build"), step(f"Building TensorRT engines with {Path(exe).name} (log: {output / BUILD_LOG})"):
             run_logged(argv, out.tmp / BUILD_LOG, cwd=out.tmp, keep_on_failure=failed_log)
@@ -336,11 +334,12 @@ def build(spec: Spec, quantized_dir: Path | str, output: Path | str | None = Non
             "memory_estimate": {**estimate.to_dict(), "kv_available": fit.kv_available, "full_sequences": fit.full_sequences},
             "runs_on": runs_on_record(spec, host, config),
         })
+
+    result = run_stage("build", output, section=section, inputs=inputs, tools=tools, write=write, force=force)
     failed_log.unlink(missing_ok=True)
-    return StageResult("build", output, False, read_manifest(output))
+    return result
 
 
-build_trt_engine = build
 
 
 def run_logged(argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: Path | None = None,
@@ -374,246 +373,23 @@ def run_logged(argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: P
         raise StageError(f"{Path(argv[0]).name} failed with exit code {rc}; its log is kept at {kept}. Last lines:\n{tail}")
 
 
-# -- the Triton model (C++ tensorrtllm backend) ---------------------------------------------------
+# -- how tritonserver runs the engine -------------------------------------------------------------
 
-# The tensorrt_llm model's tensors, as in triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/
-# config.pbtxt (0c8de69): (name, data type, dims, optional, allow_ragged_batch, reshape to []).
-# Placeholder dtypes: encoder_input_features/prompt_embedding_table -> the model dtype, logits -> FP32.
-_S = ([1], True, False, True)  # optional scalar with reshape: { shape: [ ] }
-CPP_INPUTS = [
-    ("input_ids", "TYPE_INT32", [-1], True, True, False),
-    ("encoder_input_features", "$dtype", [-1, -1], True, True, False),
-    ("encoder_output_lengths", "TYPE_INT32", *_S),
-    ("input_lengths", "TYPE_INT32", [1], False, False, True),
-    ("request_output_len", "TYPE_INT32", [1], False, False, True),
-    ("num_return_sequences", "TYPE_INT32", *_S),
-    ("draft_input_ids", "TYPE_INT32", [-1], True, True, False),
-    ("decoder_input_ids", "TYPE_INT32", [-1], True, True, False),
-    ("decoder_input_lengths", "TYPE_INT32", *_S),
-    ("draft_logits", "TYPE_FP32", [-1, -1], True, True, False),
-    ("draft_acceptance_threshold", "TYPE_FP32", *_S),
-    ("end_id", "TYPE_INT32", *_S),
-    ("pad_id", "TYPE_INT32", *_S),
-    ("stop_words_list", "TYPE_INT32", [2, -1], True, True, False),
-    ("bad_words_list", "TYPE_INT32", [2, -1], True, True, False),
-    ("embedding_bias", "TYPE_FP32", [-1], True, True, False),
-    ("beam_width", "TYPE_INT32", *_S),
-    ("temperature", "TYPE_FP32", *_S),
-    ("runtime_top_k", "TYPE_INT32", *_S),
-    ("runtime_top_p", "TYPE_FP32", *_S),
-    ("runtime_top_p_min", "TYPE_FP32", *_S),
-    ("runtime_top_p_decay", "TYPE_FP32", *_S),
-    ("runtime_top_p_reset_ids", "TYPE_INT32", *_S),
-    ("len_penalty", "TYPE_FP32", *_S),
-    ("early_stopping", "TYPE_BOOL", *_S),
-    ("repetition_penalty", "TYPE_FP32", *_S),
-    ("min_tokens", "TYPE_INT32", *_S),
-    ("beam_search_diversity_rate", "TYPE_FP32", *_S),
-    ("presence_penalty", "TYPE_FP32", *_S),
-    ("frequency_penalty", "TYPE_FP32", *_S),
-    ("seed", "TYPE_UINT64", *_S),
-    ("return_log_probs", "TYPE_BOOL", *_S),
-    ("return_context_logits", "TYPE_BOOL", *_S),
-    ("return_generation_logits", "TYPE_BOOL", *_S),
-    ("return_perf_metrics", "TYPE_BOOL", *_S),
-    ("return_num_input_tokens", "TYPE_BOOL", *_S),
-    ("return_num_output_tokens", "TYPE_BOOL", *_S),
-    ("exclude_input_in_output", "TYPE_BOOL", *_S),
-    ("stop", "TYPE_BOOL", *_S),
-    ("streaming", "TYPE_BOOL", *_S),
-    ("prompt_embedding_table", "$dtype", [-1, -1], True, True, False),
-    ("prompt_table_extra_ids", "TYPE_UINT64", [-1], True, True, False),
-    ("prompt_vocab_size", "TYPE_INT32", *_S),
-    ("cross_attention_mask", "TYPE_BOOL", [-1, -1], True, True, False),
-    ("mrope_rotary_cos_sin", "TYPE_FP32", [-1], True, False, False),
-    ("mrope_position_deltas", "TYPE_INT64", [1], True, False, False),
-    ("lora_task_id", "TYPE_UINT64", *_S),
-    ("lora_weights", "TYPE_FP16", [-1, -1], True, True, False),
-    ("lora_config", "TYPE_INT32", [-1, 3], True, True, False),
-    ("context_phase_params", "TYPE_UINT8", [-1], True, True, False),
-    ("skip_cross_attn_blocks", "TYPE_BOOL", [1], True, True, False),
-    ("retention_token_range_starts", "TYPE_INT32", [-1], True, True, False),
-    ("retention_token_range_ends", "TYPE_INT32", [-1], True, True, False),
-    ("retention_token_range_priorities", "TYPE_INT32", [-1], True, True, False),
-    ("retention_token_range_durations_ms", "TYPE_INT32", [-1], True, True, False),
-    ("retention_decode_priority", "TYPE_INT32", [1], True, True, False),
-    ("retention_decode_duration_ms", "TYPE_INT32", [1], True, True, False),
-    ("guided_decoding_guide_type", "TYPE_STRING", [1], True, True, False),
-    ("guided_decoding_guide", "TYPE_STRING", [1], True, True, False),
-    ("lookahead_window_size", "TYPE_INT32", [1], True, True, False),
-    ("lookahead_ngram_size", "TYPE_INT32", [1], True, True, False),
-    ("lookahead_verification_set_size", "TYPE_INT32", [1], True, True, False),
-]
-CPP_OUTPUTS = [
-    ("output_ids", "TYPE_INT32", [-1, -1]),
-    ("sequence_length", "TYPE_INT32", [-1]),
-    ("cum_log_probs", "TYPE_FP32", [-1]),
-    ("output_log_probs", "TYPE_FP32", [-1, -1]),
-    ("context_logits", "TYPE_FP32", [-1, -1]),
-    ("generation_logits", "TYPE_FP32", [-1, -1, -1]),
-    ("batch_index", "TYPE_INT32", [1]),
-    ("sequence_index", "TYPE_INT32", [1]),
-    ("context_phase_params", "TYPE_UINT8", [-1]),
-    ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
-    ("kv_cache_reused_blocks", "TYPE_INT32", [1]),
-    ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
-    ("arrival_time_ns", "TYPE_INT64", [1]),
-    ("first_scheduled_time_ns", "TYPE_INT64", [1]),
-    ("first_token_time_ns", "TYPE_INT64", [1]),
-    ("last_token_time_ns", "TYPE_INT64", [1]),
-    ("acceptance_rate", "TYPE_FP32", [1]),
-    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
-    ("total_draft_tokens", "TYPE_INT32", [1]),
-    ("num_input_tokens", "TYPE_INT32", [1]),
-    ("num_output_tokens", "TYPE_INT32", [1]),
-]
-EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
-WARMUP_PROMPT_TOKENS = 16
-WARMUP_OUTPUT_TOKENS = 4
+def triton_launch(build, serving):
+    """The launch for an engine built with ``build`` (BuildSpec) served with ``serving`` (ServingSpec).
 
-
-def add_tensors(config, inputs=(), outputs=(), dtype: str = "TYPE_BF16") -> None:
-    """Append ModelInput/ModelOutput entries to a ModelConfig (``$dtype`` -> ``dtype``)."""
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    for name, data_type, dims, optional, ragged, reshape in inputs:
-        t = config.input.add(name=name, data_type=mc.DataType.Value(dtype if data_type == "$dtype" else data_type),
-                             dims=dims, optional=optional, allow_ragged_batch=ragged)
-        if reshape:
-            t.reshape.SetInParent()  # reshape: { shape: [ ] }
-    for name, data_type, dims in outputs:
-        config.output.add(name=name, data_type=mc.DataType.Value(data_type), dims=dims)
-
-
-def set_queue_policy(config, spec: Spec) -> None:
-    """dynamic_batching.default_queue_policy from serving.max_queue_size / queue_timeout_ms."""
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    policy = config.dynamic_batching.default_queue_policy
-    policy.max_queue_size = spec.serving.max_queue_size
-    if spec.serving.queue_timeout_ms:
-        policy.timeout_action = mc.ModelQueuePolicy.REJECT
-        policy.default_timeout_microseconds = spec.serving.queue_timeout_ms * 1000
-
-
-def triton_model_config(spec: Spec, engine_dir: Path | str, *, name: str = "tensorrt_llm"):
-    """The ``tensorrt_llm`` model for the C++ ``tensorrtllm`` backend, built through Triton's ModelConfig schema.
-
-    ``engine_dir`` is the engine directory as the server will see it.  Every parameter the
-    backend reads is set from the spec, including the three it reads without a default
-    (``tokenizer_dir``, ``xgrammar_tokenizer_info_path``, ``guided_decoding_backend``:
-    model_instance_state.cc getGuidedDecodingConfigFromParams throws when they are absent).
-    With ``serving.warmup`` the config names warm-up files that must exist in
-    ``<model>/warmup/`` (:func:`warmup_files`); :func:`write_triton_model` writes both.
+    As TensorRT-LLM's ``triton_backend/scripts/launch_triton_server.py`` (0a2e2c1): one tritonserver
+    rank per GPU under ``mpirun`` when the engine spans several GPUs; several one-engine instances
+    (``serving.instance_count > 1``, each on the GPUs ``gpu_device_ids`` gives it) run in orchestrator
+    mode instead (its ``--multi-model``): ``TRTLLM_ORCHESTRATOR=1`` spawns the executor processes, and
+    the server gives up its pinned and CUDA memory pools and peer access so they have the GPUs.
     """
-    from tritonclient.grpc import model_config_pb2 as mc
+    from ..triton.server import Launch
 
-    b, s = spec.build, spec.serving
-    config = mc.ModelConfig(name=name, backend="tensorrtllm", max_batch_size=b.max_batch_size)
-    config.model_transaction_policy.decoupled = s.decoupled
-    config.dynamic_batching.preferred_batch_size.append(b.max_batch_size)
-    config.dynamic_batching.max_queue_delay_microseconds = 0
-    set_queue_policy(config, spec)  # the backend hands max_queue_size to the executor too
-    add_tensors(config, CPP_INPUTS, CPP_OUTPUTS, dtype=DTYPE_TO_TRITON[spec.model.dtype])
-    # KIND_CPU: the backend places the engine on the GPUs itself (upstream template).
-    config.instance_group.add(count=s.instance_count, kind=mc.ModelInstanceGroup.KIND_CPU)
-    params = {
-        "gpt_model_type": s.batching_strategy,
-        "gpt_model_path": str(engine_dir),
-        "max_beam_width": str(b.max_beam_width),
-        "batch_scheduler_policy": s.batch_scheduler_policy,
-        "kv_cache_free_gpu_mem_fraction": str(b.kv_cache_free_gpu_mem_fraction),
-        "enable_kv_cache_reuse": _bool(b.enable_kv_cache_reuse),
-        "enable_chunked_context": _bool(b.enable_chunked_context),
-        "exclude_input_in_output": "true",  # text_output carries the answer only; a request may override
-        "normalize_log_probs": "true",
-        "decoding_mode": "top_k_top_p",
-        "cancellation_check_period_ms": "100",
-        "stats_check_period_ms": "100",
-        "multi_block_mode": "true",
-        "enable_context_fmha_fp32_acc": "false",
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-        "executor_worker_path": EXECUTOR_WORKER,
-        "tokenizer_dir": "",
-        "xgrammar_tokenizer_info_path": "",
-        "guided_decoding_backend": "",
-    }
-    if s.instance_count > 1:
-        # One engine copy per instance on its own GPUs ("0,1;2,3"); served in orchestrator mode (mpi.py).
-        ws = b.world_size
-        params["gpu_device_ids"] = ";".join(",".join(str(i * ws + r) for r in range(ws)) for i in range(s.instance_count))
-    for k, v in params.items():
-        config.parameters[k].string_value = v
-    if s.warmup:
-        add_warmup(config, spec, _cpp_warmup_inputs(spec))
-    return config
-
-
-def write_triton_model(spec: Spec, model_dir: Path | str, engine_dir: Path | str) -> Path:
-    """Write the ``tensorrt_llm`` model directory: config.pbtxt, warmup/ files and the version dir ``1/``."""
-    model_dir = Path(model_dir)
-    write_model_dir(model_dir, triton_model_config(spec, engine_dir, name=model_dir.name),
-                    warmup_files(spec) if spec.serving.warmup else {})
-    return model_dir
-
-
-def write_model_dir(model_dir: Path, config, warmup: dict[str, bytes], version_files: dict[str, str] | None = None) -> None:
-    """config.pbtxt (text_format, parsed back through the schema as a check), warmup/, 1/."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    text = text_format.MessageToString(config)
-    if text_format.Parse(text, mc.ModelConfig()) != config:
-        raise StageError(f"the config of model '{config.name}' does not survive a text round trip")
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
-    for name, data in warmup.items():
-        (model_dir / "warmup").mkdir(exist_ok=True)
-        (model_dir / "warmup" / name).write_bytes(data)
-    for name, data in (version_files or {}).items():
-        (model_dir / "1" / name).write_text(data)
-
-
-def _bool(v: bool) -> str:
-    return "true" if v else "false"
-
-
-def _warmup_lengths(spec: Spec) -> tuple[int, int]:
-    prompt = min(WARMUP_PROMPT_TOKENS, spec.build.max_input_len)
-    return prompt, max(1, min(WARMUP_OUTPUT_TOKENS, spec.build.max_seq_len - prompt))
-
-
-def _cpp_warmup_inputs(spec: Spec) -> dict:
-    prompt, out = _warmup_lengths(spec)
-    return {
-        "input_ids": ("TYPE_INT32", [prompt], "input_ids"),
-        "input_lengths": ("TYPE_INT32", [1], "input_lengths"),
-        "request_output_len": ("TYPE_INT32", [1], "request_output_len"),
-    }
-
-
-def add_warmup(config, spec: Spec, inputs: dict, *, batch_size: int = 1) -> None:
-    """One warm-up request per instance at load, its tensors read from <model>/warmup/<file>."""
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    w = config.model_warmup.add(name="rtk_warmup", batch_size=batch_size, count=1)
-    for name, (data_type, dims, filename) in inputs.items():
-        w.inputs[name].data_type = mc.DataType.Value(data_type)
-        w.inputs[name].dims.extend(dims)
-        w.inputs[name].input_data_file = filename
-
-
-def warmup_files(spec: Spec, prompt_ids: list[int] | None = None) -> dict[str, bytes]:
-    """Files for ``<repo>/tensorrt_llm/warmup/`` (raw little-endian tensors, as Triton reads them).
-
-    ``prompt_ids`` defaults to arbitrary small token ids: warm-up exercises the kernels, not the text.
-    """
-    prompt, out = _warmup_lengths(spec)
-    ids = list(prompt_ids or range(100, 100 + prompt))[:prompt]
-    ids += [ids[-1]] * (prompt - len(ids))
-    return {
-        "input_ids": struct.pack(f"<{prompt}i", *ids),
-        "input_lengths": struct.pack("<i", prompt),
-        "request_output_len": struct.pack("<i", out),
-    }
-
+    world = build.tp_size * build.pp_size
+    if serving.instance_count > 1:
+        gpus = world * serving.instance_count
+        args = ("--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+                *(f"--cuda-memory-pool-byte-size={g}:0" for g in range(gpus)))
+        return Launch(env={"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}, server_args=args)
+    return Launch(ranks=world)

@@ -3,7 +3,7 @@
 Configs are ``tritonclient.grpc.model_config_pb2.ModelConfig`` messages filled from the spec and
 rendered with protobuf's ``text_format``; :func:`render` parses the text back as a check, so a
 config can never carry a ``${placeholder}`` (the failure mode of TensorRT-LLM's
-``fill_template.py``; reference/tensorrt-llm-and-triton.md §5).
+``fill_template.py``, which leaves a placeholder it has no value for in the file).
 
 Model names and tensor names follow TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm``
 (NVIDIA/TensorRT-LLM: ``triton_backend/all_models/inflight_batcher_llm/{ensemble,preprocessing,
@@ -24,8 +24,15 @@ request by that key (TensorRT-LLM's ``stop`` input).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
+
+import numpy as np
+
+from ..errors import StageError
+from .models.rtk_text import PERF_OUTPUTS
 
 # Names of the models, as in TensorRT-LLM's inflight_batcher_llm repository.
 PREPROCESSING = "preprocessing"
@@ -34,7 +41,6 @@ POSTPROCESSING = "postprocessing"
 ENSEMBLE = "ensemble"
 BLS = "tensorrt_llm_bls"
 
-PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 
 RTK_EXTENSIONS = {
     "preprocessing.DROPPED_TURNS": "chat turns dropped to fit the context window (context_policy: truncate_oldest)",
@@ -47,119 +53,139 @@ RTK_EXTENSIONS = {
 
 
 @dataclass(frozen=True)
-class T:
-    """One tensor: name, Triton dtype name, dims without the batch dimension."""
+class Tensor:
+    """One tensor: name, Triton dtype name (``MODEL``: the spec's model dtype), dims without the batch dimension."""
 
     name: str
     dtype: str
     dims: tuple[int, ...]
     optional: bool = False
     scalar: bool = False  # dims [1] reshaped to [] (the C++ backend's scalars)
+    ragged: bool = False  # allow_ragged_batch
 
 
-def _pb():
+# model.dtype -> Triton's type name
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+
+
+def pb():
+    """tritonclient's ``model_config_pb2`` (imported when a config is built)."""
     from tritonclient.grpc import model_config_pb2
 
     return model_config_pb2
 
 
-def _add(field, tensors: Iterable[T], *, is_input: bool) -> None:
-    pb = _pb()
+def add_tensors(field, tensors: Iterable[Tensor], *, is_input: bool, model_dtype: str | None = None) -> None:
+    """Append ModelInput / ModelOutput entries to ``field`` (``config.input`` or ``config.output``)."""
+    types = pb().DataType
     for t in tensors:
-        msg = field.add(name=t.name, data_type=pb.DataType.Value(f"TYPE_{t.dtype}"), dims=list(t.dims))
+        dtype = MODEL_DTYPES[model_dtype] if t.dtype == "MODEL" else t.dtype
+        msg = field.add(name=t.name, data_type=types.Value(f"TYPE_{dtype}"), dims=list(t.dims))
         if is_input and t.optional:
             msg.optional = True
+        if is_input and t.ragged:
+            msg.allow_ragged_batch = True
         if t.scalar:
             msg.reshape.SetInParent()  # reshape: { shape: [ ] }
 
 
-def _params(cfg, values: dict) -> None:
+def set_parameters(cfg, values: dict) -> None:
+    """``parameters`` as strings (booleans as "true"/"false"); None values are left out."""
     for k, v in values.items():
         if v is None:
             continue
         cfg.parameters[k].string_value = ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
-def _cpu_instances(cfg, count: int) -> None:
-    cfg.instance_group.add(count=count, kind=_pb().ModelInstanceGroup.KIND_CPU)
+def cpu_instances(cfg, count: int) -> None:
+    cfg.instance_group.add(count=count, kind=pb().ModelInstanceGroup.KIND_CPU)
+
+
+def queue_policy(cfg, spec) -> None:
+    """``dynamic_batching.default_queue_policy`` from serving.max_queue_size / queue_timeout_ms."""
+    policy = cfg.dynamic_batching.default_queue_policy
+    policy.max_queue_size = spec.serving.max_queue_size
+    if spec.serving.queue_timeout_ms:
+        policy.timeout_action = pb().ModelQueuePolicy.REJECT
+        policy.default_timeout_microseconds = spec.serving.queue_timeout_ms * 1000
 
 
 # -- tensor interfaces ------------------------------------------------------------------------
 
-def tensorrt_llm_inputs(*, rtk_extensions: bool) -> list[T]:
+def tensorrt_llm_inputs(*, rtk_extensions: bool) -> list[Tensor]:
     """The C++ ``tensorrtllm`` backend's inputs that rtk's targets honour."""
     s = dict(scalar=True, optional=True)
     out = [
-        T("input_ids", "INT32", (-1,)),
-        T("input_lengths", "INT32", (1,), scalar=True),
-        T("request_output_len", "INT32", (1,), scalar=True),
-        T("end_id", "INT32", (1,), **s),
-        T("pad_id", "INT32", (1,), **s),
-        T("beam_width", "INT32", (1,), **s),
-        T("num_return_sequences", "INT32", (1,), **s),
-        T("runtime_top_k", "INT32", (1,), **s),
-        T("runtime_top_p", "FP32", (1,), **s),
-        T("temperature", "FP32", (1,), **s),
-        T("seed", "UINT64", (1,), **s),
-        T("min_tokens", "INT32", (1,), **s),
-        T("stop_words_list", "INT32", (2, -1), optional=True),
-        T("bad_words_list", "INT32", (2, -1), optional=True),
-        T("streaming", "BOOL", (1,), **s),
-        T("stop", "BOOL", (1,), **s),
-        T("exclude_input_in_output", "BOOL", (1,), **s),
-        T("return_perf_metrics", "BOOL", (1,), **s),
-        T("return_num_input_tokens", "BOOL", (1,), **s),
-        T("return_num_output_tokens", "BOOL", (1,), **s),
+        Tensor("input_ids", "INT32", (-1,)),
+        Tensor("input_lengths", "INT32", (1,), scalar=True),
+        Tensor("request_output_len", "INT32", (1,), scalar=True),
+        Tensor("end_id", "INT32", (1,), **s),
+        Tensor("pad_id", "INT32", (1,), **s),
+        Tensor("beam_width", "INT32", (1,), **s),
+        Tensor("num_return_sequences", "INT32", (1,), **s),
+        Tensor("runtime_top_k", "INT32", (1,), **s),
+        Tensor("runtime_top_p", "FP32", (1,), **s),
+        Tensor("temperature", "FP32", (1,), **s),
+        Tensor("seed", "UINT64", (1,), **s),
+        Tensor("min_tokens", "INT32", (1,), **s),
+        Tensor("stop_words_list", "INT32", (2, -1), optional=True),
+        Tensor("bad_words_list", "INT32", (2, -1), optional=True),
+        Tensor("streaming", "BOOL", (1,), **s),
+        Tensor("stop", "BOOL", (1,), **s),
+        Tensor("exclude_input_in_output", "BOOL", (1,), **s),
+        Tensor("return_perf_metrics", "BOOL", (1,), **s),
+        Tensor("return_num_input_tokens", "BOOL", (1,), **s),
+        Tensor("return_num_output_tokens", "BOOL", (1,), **s),
     ]
     if rtk_extensions:
-        out.append(T("dropped_turns", "INT32", (1,), **s))
+        out.append(Tensor("dropped_turns", "INT32", (1,), **s))
     return out
 
 
-def tensorrt_llm_outputs(*, rtk_extensions: bool) -> list[T]:
+def tensorrt_llm_outputs(*, rtk_extensions: bool) -> list[Tensor]:
     out = [
-        T("output_ids", "INT32", (-1, -1)),
-        T("sequence_length", "INT32", (-1,)),
-        *(T(n, "INT64", (1,)) for n in PERF_OUTPUTS),
-        T("num_input_tokens", "INT32", (1,)),
-        T("num_output_tokens", "INT32", (1,)),
+        Tensor("output_ids", "INT32", (-1, -1)),
+        Tensor("sequence_length", "INT32", (-1,)),
+        *(Tensor(n, "INT64", (1,)) for n in PERF_OUTPUTS),
+        Tensor("num_input_tokens", "INT32", (1,)),
+        Tensor("num_output_tokens", "INT32", (1,)),
     ]
     if rtk_extensions:
-        out += [T("preceding_ids", "INT32", (-1,)), T("dropped_turns", "INT32", (1,)), T("request_key", "STRING", (1,))]
+        out += [Tensor("preceding_ids", "INT32", (-1,)), Tensor("dropped_turns", "INT32", (1,)), Tensor("request_key", "STRING", (1,))]
     return out
 
 
-def client_inputs() -> list[T]:
+def client_inputs() -> list[Tensor]:
     """What a client sends to ``ensemble`` and ``tensorrt_llm_bls``."""
     o = dict(optional=True)
     return [
-        T("text_input", "STRING", (1,)),
-        T("max_tokens", "INT32", (1,), **o),  # optional here: defaults to serving.default_max_tokens
-        T("bad_words", "STRING", (-1,), **o),
-        T("stop_words", "STRING", (-1,), **o),
-        T("end_id", "INT32", (1,), **o),
-        T("pad_id", "INT32", (1,), **o),
-        T("top_k", "INT32", (1,), **o),
-        T("top_p", "FP32", (1,), **o),
-        T("temperature", "FP32", (1,), **o),
-        T("seed", "UINT64", (1,), **o),
-        T("stream", "BOOL", (1,), **o),
-        T("exclude_input_in_output", "BOOL", (1,), **o),
-        T("return_perf_metrics", "BOOL", (1,), **o),
-        T("return_num_input_tokens", "BOOL", (1,), **o),
-        T("return_num_output_tokens", "BOOL", (1,), **o),
+        Tensor("text_input", "STRING", (1,)),
+        Tensor("max_tokens", "INT32", (1,), **o),  # optional here: defaults to serving.default_max_tokens
+        Tensor("bad_words", "STRING", (-1,), **o),
+        Tensor("stop_words", "STRING", (-1,), **o),
+        Tensor("end_id", "INT32", (1,), **o),
+        Tensor("pad_id", "INT32", (1,), **o),
+        Tensor("top_k", "INT32", (1,), **o),
+        Tensor("top_p", "FP32", (1,), **o),
+        Tensor("temperature", "FP32", (1,), **o),
+        Tensor("seed", "UINT64", (1,), **o),
+        Tensor("stream", "BOOL", (1,), **o),
+        Tensor("exclude_input_in_output", "BOOL", (1,), **o),
+        Tensor("return_perf_metrics", "BOOL", (1,), **o),
+        Tensor("return_num_input_tokens", "BOOL", (1,), **o),
+        Tensor("return_num_output_tokens", "BOOL", (1,), **o),
     ]
 
 
-def client_outputs(*, dropped_turns: bool) -> list[T]:
+def client_outputs(*, dropped_turns: bool) -> list[Tensor]:
     out = [
-        T("text_output", "STRING", (-1,)),
-        *(T(n, "INT64", (1,)) for n in PERF_OUTPUTS),
-        T("num_input_tokens", "INT32", (1,)),
-        T("num_output_tokens", "INT32", (1,)),
+        Tensor("text_output", "STRING", (-1,)),
+        *(Tensor(n, "INT64", (1,)) for n in PERF_OUTPUTS),
+        Tensor("num_input_tokens", "INT32", (1,)),
+        Tensor("num_output_tokens", "INT32", (1,)),
     ]
     if dropped_turns:
-        out.append(T("dropped_turns", "INT32", (1,)))
+        out.append(Tensor("dropped_turns", "INT32", (1,)))
     return out
 
 
@@ -175,28 +201,27 @@ class RepoSettings:
 
 
 def preprocessing(spec, s: RepoSettings):
-    pb = _pb()
-    cfg = pb.ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=spec.build.max_batch_size)
+    cfg = pb().ModelConfig(name=PREPROCESSING, backend="python", max_batch_size=spec.build.max_batch_size)
     o = dict(optional=True)
-    _add(cfg.input, [
-        T("QUERY", "STRING", (1,)),
-        T("REQUEST_OUTPUT_LEN", "INT32", (1,), **o),
-        T("BAD_WORDS_DICT", "STRING", (-1,), **o),
-        T("STOP_WORDS_DICT", "STRING", (-1,), **o),
-        T("END_ID", "INT32", (1,), **o),
-        T("PAD_ID", "INT32", (1,), **o),
+    add_tensors(cfg.input, [
+        Tensor("QUERY", "STRING", (1,)),
+        Tensor("REQUEST_OUTPUT_LEN", "INT32", (1,), **o),
+        Tensor("BAD_WORDS_DICT", "STRING", (-1,), **o),
+        Tensor("STOP_WORDS_DICT", "STRING", (-1,), **o),
+        Tensor("END_ID", "INT32", (1,), **o),
+        Tensor("PAD_ID", "INT32", (1,), **o),
     ], is_input=True)
-    _add(cfg.output, [
-        T("INPUT_ID", "INT32", (-1,)),
-        T("REQUEST_INPUT_LEN", "INT32", (1,)),
-        T("BAD_WORDS_IDS", "INT32", (2, -1)),
-        T("STOP_WORDS_IDS", "INT32", (2, -1)),
-        T("REQUEST_OUTPUT_LEN", "INT32", (-1,)),
-        T("OUT_END_ID", "INT32", (1,)),
-        T("OUT_PAD_ID", "INT32", (1,)),
-        T("DROPPED_TURNS", "INT32", (1,)),
+    add_tensors(cfg.output, [
+        Tensor("INPUT_ID", "INT32", (-1,)),
+        Tensor("REQUEST_INPUT_LEN", "INT32", (1,)),
+        Tensor("BAD_WORDS_IDS", "INT32", (2, -1)),
+        Tensor("STOP_WORDS_IDS", "INT32", (2, -1)),
+        Tensor("REQUEST_OUTPUT_LEN", "INT32", (-1,)),
+        Tensor("OUT_END_ID", "INT32", (1,)),
+        Tensor("OUT_PAD_ID", "INT32", (1,)),
+        Tensor("DROPPED_TURNS", "INT32", (1,)),
     ], is_input=False)
-    _params(cfg, {
+    set_parameters(cfg, {
         "tokenizer_dir": s.tokenizer_dir,
         "add_special_tokens": True,
         "max_input_len": spec.build.max_input_len,
@@ -204,23 +229,22 @@ def preprocessing(spec, s: RepoSettings):
         "context_policy": spec.serving.context_policy,
         "default_max_tokens": spec.serving.default_max_tokens,
     })
-    _cpu_instances(cfg, spec.serving.preprocessing_instances)
+    cpu_instances(cfg, spec.serving.preprocessing_instances)
     cfg.dynamic_batching.SetInParent()
     return cfg
 
 
 def postprocessing(spec, s: RepoSettings):
-    pb = _pb()
-    cfg = pb.ModelConfig(name=POSTPROCESSING, backend="python", max_batch_size=spec.build.max_batch_size)
-    _add(cfg.input, [
-        T("TOKENS_BATCH", "INT32", (-1, -1)),
-        T("SEQUENCE_LENGTH", "INT32", (-1,)),
-        T("PRECEDING_IDS", "INT32", (-1,), optional=True),
-        T("REQUEST_KEY", "STRING", (1,), optional=True),
+    cfg = pb().ModelConfig(name=POSTPROCESSING, backend="python", max_batch_size=spec.build.max_batch_size)
+    add_tensors(cfg.input, [
+        Tensor("TOKENS_BATCH", "INT32", (-1, -1)),
+        Tensor("SEQUENCE_LENGTH", "INT32", (-1,)),
+        Tensor("PRECEDING_IDS", "INT32", (-1,), optional=True),
+        Tensor("REQUEST_KEY", "STRING", (1,), optional=True),
     ], is_input=True)
-    _add(cfg.output, [T("OUTPUT", "STRING", (-1,))], is_input=False)
-    _params(cfg, {"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": True, "tensorrt_llm_model_name": TENSORRT_LLM})
-    _cpu_instances(cfg, spec.serving.postprocessing_instances)
+    add_tensors(cfg.output, [Tensor("OUTPUT", "STRING", (-1,))], is_input=False)
+    set_parameters(cfg, {"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": True, "tensorrt_llm_model_name": TENSORRT_LLM})
+    cpu_instances(cfg, spec.serving.postprocessing_instances)
     # No dynamic_batching: the dynamic batcher drops a cancelled request before the model sees it,
     # and postprocessing must see it to stop the engine request (module doc; checked on 2.51).
     return cfg
@@ -228,19 +252,18 @@ def postprocessing(spec, s: RepoSettings):
 
 def tensorrt_llm_cpu(spec, s: RepoSettings):
     """The cpu target's ``tensorrt_llm``: a decoupled python model running rtk's CPU engine."""
-    pb = _pb()
     b, sv = spec.build, spec.serving
-    cfg = pb.ModelConfig(name=TENSORRT_LLM, backend="python", max_batch_size=b.max_batch_size)
-    _add(cfg.input, tensorrt_llm_inputs(rtk_extensions=True), is_input=True)
-    _add(cfg.output, tensorrt_llm_outputs(rtk_extensions=True), is_input=False)
+    cfg = pb().ModelConfig(name=TENSORRT_LLM, backend="python", max_batch_size=b.max_batch_size)
+    add_tensors(cfg.input, tensorrt_llm_inputs(rtk_extensions=True), is_input=True)
+    add_tensors(cfg.output, tensorrt_llm_outputs(rtk_extensions=True), is_input=False)
     cfg.model_transaction_policy.decoupled = sv.decoupled
     # The queue forms in the engine, not in Triton: execute() hands requests over and returns at
     # once.  So the model enforces serving.max_queue_size / queue_timeout_ms itself, and the config
     # has no default_queue_policy: with one, tritonserver 2.51's dynamic batcher held the 3rd and 4th
     # of 4 simultaneous requests back 0.5 s and 1.0 s (tests/test_serve_tiny.py; reference §4.2).
     cfg.dynamic_batching.max_queue_delay_microseconds = 0
-    _cpu_instances(cfg, sv.instance_count)
-    _params(cfg, {
+    cpu_instances(cfg, sv.instance_count)
+    set_parameters(cfg, {
         "engine_dir": s.engine_dir,
         "max_queue_size": sv.max_queue_size,
         "queue_timeout_ms": sv.queue_timeout_ms,
@@ -258,10 +281,9 @@ def _map(step, mapping: dict[str, str], *, inputs: bool) -> None:
 
 def ensemble(spec, s: RepoSettings):
     """pre -> tensorrt_llm -> post, the tensor mapping of TensorRT-LLM's ensemble template."""
-    pb = _pb()
-    cfg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.build.max_batch_size)
-    _add(cfg.input, client_inputs(), is_input=True)
-    _add(cfg.output, client_outputs(dropped_turns=s.rtk_extensions), is_input=False)
+    cfg = pb().ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.build.max_batch_size)
+    add_tensors(cfg.input, client_inputs(), is_input=True)
+    add_tensors(cfg.output, client_outputs(dropped_turns=s.rtk_extensions), is_input=False)
     sched = cfg.ensemble_scheduling
 
     pre = sched.step.add(model_name=PREPROCESSING, model_version=-1)
@@ -301,14 +323,13 @@ def ensemble(spec, s: RepoSettings):
 
 def bls(spec, s: RepoSettings):
     """``tensorrt_llm_bls``: one python model doing pre- and postprocessing around BLS calls to ``tensorrt_llm``."""
-    pb = _pb()
     sv = spec.serving
-    cfg = pb.ModelConfig(name=BLS, backend="python", max_batch_size=spec.build.max_batch_size)
-    _add(cfg.input, client_inputs(), is_input=True)
-    _add(cfg.output, client_outputs(dropped_turns=True), is_input=False)
+    cfg = pb().ModelConfig(name=BLS, backend="python", max_batch_size=spec.build.max_batch_size)
+    add_tensors(cfg.input, client_inputs(), is_input=True)
+    add_tensors(cfg.output, client_outputs(dropped_turns=True), is_input=False)
     cfg.model_transaction_policy.decoupled = sv.decoupled
-    _cpu_instances(cfg, sv.instance_count)
-    _params(cfg, {
+    cpu_instances(cfg, sv.instance_count)
+    set_parameters(cfg, {
         "tokenizer_dir": s.tokenizer_dir,
         "tensorrt_llm_model_name": TENSORRT_LLM,
         "max_input_len": spec.build.max_input_len,
@@ -328,12 +349,19 @@ def add_warmup(cfg, name: str, inputs: dict[str, tuple[str, tuple[int, ...], str
     ``inputs`` maps an input name to (dtype, dims, file name).  Triton runs the sample before it
     reports the model ready, so no user meets a cold model.
     """
-    pb = _pb()
     w = cfg.model_warmup.add(name=name, batch_size=1, count=count)
     for tensor, (dtype, dims, filename) in inputs.items():
-        w.inputs[tensor].data_type = pb.DataType.Value(f"TYPE_{dtype}")
+        w.inputs[tensor].data_type = pb().DataType.Value(f"TYPE_{dtype}")
         w.inputs[tensor].dims.extend(dims)
         w.inputs[tensor].input_data_file = filename
+
+
+def raw_tensor(array: np.ndarray) -> bytes:
+    """A warm-up input file: raw little-endian values; strings as 4-byte length + bytes (Triton's BYTES)."""
+    if array.dtype == np.object_:
+        items = (x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1))
+        return b"".join(struct.pack("<I", len(b)) + b for b in items)
+    return array.astype(array.dtype.newbyteorder("<")).tobytes()
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -343,9 +371,8 @@ def render(cfg) -> str:
     from google.protobuf import text_format
 
     text = text_format.MessageToString(cfg)
-    back = parse(text)
-    if back != cfg:
-        raise AssertionError(f"config of '{cfg.name}' does not survive a text round trip")
+    if parse(text) != cfg:
+        raise StageError(f"the config of model '{cfg.name}' does not survive a text round trip")
     return text
 
 
@@ -353,4 +380,18 @@ def parse(text: str):
     """Parse ``config.pbtxt`` text against Triton's ModelConfig schema (raises ParseError)."""
     from google.protobuf import text_format
 
-    return text_format.Parse(text, _pb().ModelConfig())
+    return text_format.Parse(text, pb().ModelConfig())
+
+
+def write_model_dir(model_dir: Path, cfg, *, warmup: dict[str, bytes] | None = None,
+                    version_files: dict[str, str] | None = None) -> Path:
+    """One model directory: ``config.pbtxt`` (rendered and checked), ``warmup/`` files and version ``1/``."""
+    model_dir = Path(model_dir)
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(render(cfg))
+    for name, data in (warmup or {}).items():
+        (model_dir / "warmup").mkdir(exist_ok=True)
+        (model_dir / "warmup" / name).write_bytes(data)
+    for name, text in (version_files or {}).items():
+        (model_dir / "1" / name).write_text(text)
+    return model_dir

@@ -10,32 +10,44 @@ Layout (TensorRT-LLM's ``inflight_batcher_llm``, so existing clients work unchan
       tensorrt_llm_bls/ config.pbtxt  1/model.py  1/rtk_text.py
       rtk-manifest.json
 
-Every config is built through Triton's protobuf schema (config.py).  The tokenizer is copied into
-the repository; the cpu ``tensorrt_llm`` names the engine directory by absolute path.  The
-repository is written to a temporary directory and renamed into place with its manifest last
-(toolkit/artifacts.py), and skipped when its manifest matches.
+What serves the LLM depends on the target (``llm_backend`` in toolkit/targets/): rtk's CPU
+engine in a python model (config.py), TensorRT-LLM's C++ backend, or Triton's llmapi python model
+alone (gpu_models.py).  Every config is built through Triton's protobuf schema (config.py).  The
+tokenizer is copied into the repository; ``tensorrt_llm`` names the engine directory by absolute
+path.  The repository is written to a temporary directory and renamed into place with its manifest
+last (toolkit/artifacts.py), and skipped when its manifest matches; the manifest records
+:data:`REPOSITORY_FORMAT` so that ``rtk serve`` can refuse a repository an older rtk emitted.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from ..artifacts import atomic_stage, is_complete, read_manifest, sha256_file, stage_key, tool_versions
+from ..artifacts import StageResult, default_output, read_manifest, run_stage, sha256_file, tool_versions
 from ..errors import SourceError, UsageError
 from ..spec import Spec
-from ..stages import StageResult, default_output
-from . import config as C
+from ..targets import target_of
+from . import config as cfgs
+from . import gpu_models
 
 MODELS_SRC = Path(__file__).parent / "models"
+# The files of a Hugging Face tokenizer (and the generation defaults served with it).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"  # relative to the repository root
+# Bumped when what rtk writes into a repository changes incompatibly (2: the cpu model.py imports
+# toolkit.targets.cpu; repositories from before import toolkit.build.cpu).
+REPOSITORY_FORMAT = 2
+# serving fields that say how a server runs, not what the repository holds: not part of the emit key,
+# and a repository served with other values for them needs no new emit.
+SERVER_ONLY_FIELDS = frozenset({"host", "http_port", "grpc_port", "metrics_port", "tritonserver", "repository",
+                                "frontend", "guard", "cache"})
 WARMUP_PROMPT = [{"role": "user", "content": "Warm-up: say hello."}]
 
 
@@ -61,23 +73,28 @@ def emit(
             f"'{spec.build.target}'; rebuild or fix the spec"
         )
     tok_src = Path(tokenizer_dir) if tokenizer_dir else _find_tokenizer(spec, engine_dir)
-    section = {"build": spec.build.model_dump(), "serving": spec.serving.model_dump(exclude={"tritonserver"}), "name": spec.name}
+    section = {"build": spec.build.model_dump(), "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS),
+               "name": spec.name}
     inputs = {
         "engine": engine_manifest.get("key"),
         "engine_dir": str(engine_dir.resolve()),
         "tokenizer": {f.name: sha256_file(f) for f in _tokenizer_files(tok_src)},
-        # What renders the repository: configs, emitter and model sources.
-        "sources": {p.relative_to(MODELS_SRC.parent).as_posix(): sha256_file(p) for p in sorted(MODELS_SRC.parent.rglob("*.py"))},
+        "sources": {p.relative_to(MODELS_SRC.parent).as_posix(): sha256_file(p) for p in render_sources()},
     }
     tools = tool_versions("tritonclient", "protobuf", "transformers")
-    key = stage_key("emit", section, inputs, tools)
-    if not force and is_complete(output, key) and (output / C.ENSEMBLE / "1").is_dir():
-        return StageResult("emit", output, True, read_manifest(output))
 
-    with atomic_stage("emit", output, key, inputs=inputs, spec_section=section, tools=tools) as out:
+    def write(out) -> None:
         models = write_repository(spec, out.tmp, engine_dir=engine_dir.resolve(), tokenizer_src=tok_src)
-        out.manifest.update(target=spec.build.target, models=models)
-    return StageResult("emit", output, False, read_manifest(output))
+        out.manifest.update(target=spec.build.target, models=models, repository_format=REPOSITORY_FORMAT)
+
+    return run_stage("emit", output, section=section, inputs=inputs, tools=tools, write=write, force=force,
+                     complete=lambda d: not target_of(spec).ensemble or (d / cfgs.ENSEMBLE / "1").is_dir())
+
+
+def render_sources() -> list[Path]:
+    """What renders a repository (every config, for every target, and the model sources): the emit cache key."""
+    here = MODELS_SRC.parent
+    return [here / "config.py", here / "gpu_models.py", here / "emit.py", *sorted(MODELS_SRC.glob("*.py"))]
 
 
 def _find_tokenizer(spec: Spec, engine_dir: Path) -> Path:
@@ -96,9 +113,10 @@ def _tokenizer_files(d: Path) -> list[Path]:
 
 def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src: Path) -> list[str]:
     """Write every model of the repository into ``root``; returns the model names."""
-    target = spec.build.target
-    if target == "llmapi":
-        return _write_llmapi(spec, root, engine_dir)
+    backend = target_of(spec).llm_backend
+    if backend == "llmapi":  # one python model, text in and text out: no ensemble
+        gpu_models.write_tensorrt_llm_llmapi(spec, root / cfgs.TENSORRT_LLM, engine_dir)
+        return [cfgs.TENSORRT_LLM]
     tok_dir = root / TOKENIZER_IN_REPO
     tok_dir.mkdir(parents=True)
     for f in _tokenizer_files(tokenizer_src):
@@ -106,105 +124,70 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, local_files_only=True)
-
-    settings = C.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=(target == "cpu"))
+    rtk_cpu = backend == "rtk-cpu"
+    settings = cfgs.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=rtk_cpu)
     warm = spec.serving.warmup
-    pre = C.preprocessing(spec, settings)
-    if warm:
-        _warm_preprocessing(pre, root / C.PREPROCESSING, spec)
-    _write_model(root, pre, "preprocessing.py")
 
-    post = C.postprocessing(spec, settings)
-    if warm:
-        _warm_postprocessing(post, root / C.POSTPROCESSING, tokenizer, settings.rtk_extensions)
-    _write_model(root, post, "postprocessing.py")
-
-    if target == "cpu":
-        llm = C.tensorrt_llm_cpu(spec, settings)
-        if warm:
-            _warm_tensorrt_llm(llm, root / C.TENSORRT_LLM, tokenizer, spec)
-        _write_model(root, llm, "tensorrt_llm_cpu.py")
-    else:  # trt-engine: the C++ tensorrtllm backend; its config and warm-up come from the GPU build module
-        from ..targets import trt_engine
-
-        trt_engine.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
-
-    _write_config(root, C.ensemble(spec, settings))
-    (root / C.ENSEMBLE / "1").mkdir(parents=True, exist_ok=True)
-    _write_model(root, C.bls(spec, settings), "tensorrt_llm_bls.py")
-    return [C.PREPROCESSING, C.TENSORRT_LLM, C.POSTPROCESSING, C.ENSEMBLE, C.BLS]
-
-
-def _write_llmapi(spec: Spec, root: Path, engine_dir: Path) -> list[str]:
-    """The llmapi target: one ``tensorrt_llm`` python model (text in, text out) with its model.yaml."""
-    from ..targets import llmapi
-
-    llmapi.write_triton_model(spec, root / C.TENSORRT_LLM, engine_dir)
-    return [C.TENSORRT_LLM]
-
-
-def _write_config(root: Path, cfg) -> None:
-    d = root / cfg.name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.pbtxt").write_text(C.render(cfg))
-
-
-def _write_model(root: Path, cfg, source: str) -> None:
-    _write_config(root, cfg)
-    version = root / cfg.name / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(MODELS_SRC / source, version / "model.py")
-    shutil.copy2(MODELS_SRC / "rtk_text.py", version / "rtk_text.py")
-
-
-# -- warm-up samples --------------------------------------------------------------------------
-
-def _write_raw(path: Path, array: np.ndarray) -> None:
-    """A warm-up input file: raw little-endian values; strings as 4-byte length + bytes (Triton's BYTES)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if array.dtype == np.object_:
-        data = b"".join(struct.pack("<I", len(b)) + b for b in (x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1)))
-        path.write_bytes(data)
+    pre = cfgs.preprocessing(spec, settings)
+    _write_python_model(root, pre, "preprocessing.py", _warm_preprocessing(pre) if warm else {})
+    post = cfgs.postprocessing(spec, settings)
+    _write_python_model(root, post, "postprocessing.py", _warm_postprocessing(post, tokenizer, rtk_cpu) if warm else {})
+    if rtk_cpu:
+        llm = cfgs.tensorrt_llm_cpu(spec, settings)
+        _write_python_model(root, llm, "tensorrt_llm_cpu.py", _warm_tensorrt_llm(llm, tokenizer, spec) if warm else {})
     else:
-        path.write_bytes(array.astype(array.dtype.newbyteorder("<")).tobytes())
+        gpu_models.write_tensorrt_llm_cpp(spec, root / cfgs.TENSORRT_LLM, engine_dir)
+    cfgs.write_model_dir(root / cfgs.ENSEMBLE, cfgs.ensemble(spec, settings))
+    _write_python_model(root, cfgs.bls(spec, settings), "tensorrt_llm_bls.py", {})
+    return [cfgs.PREPROCESSING, cfgs.TENSORRT_LLM, cfgs.POSTPROCESSING, cfgs.ENSEMBLE, cfgs.BLS]
 
 
-def _warm_preprocessing(cfg, model_dir: Path, spec: Spec) -> None:
-    import json
+def _write_python_model(root: Path, cfg, source: str, warmup: dict[str, bytes]) -> None:
+    """A python-backend model: its config, warm-up files, and ``1/model.py`` with the shared ``rtk_text.py``."""
+    files = {"model.py": (MODELS_SRC / source).read_text(), "rtk_text.py": (MODELS_SRC / "rtk_text.py").read_text()}
+    cfgs.write_model_dir(root / cfg.name, cfg, warmup=warmup, version_files=files)
 
-    query = json.dumps(WARMUP_PROMPT).encode()
-    _write_raw(model_dir / "warmup" / "query", np.array([query], dtype=np.object_))
-    _write_raw(model_dir / "warmup" / "request_output_len", np.array([4], dtype=np.int32))
-    C.add_warmup(cfg, "chat_prompt", {
+
+# -- warm-up samples (each adds its sample to the config and returns the files it reads) -------
+
+def _warm_preprocessing(cfg) -> dict[str, bytes]:
+    cfgs.add_warmup(cfg, "chat_prompt", {
         "QUERY": ("STRING", (1,), "query"),
         "REQUEST_OUTPUT_LEN": ("INT32", (1,), "request_output_len"),
     })
+    return {
+        "query": cfgs.raw_tensor(np.array([json.dumps(WARMUP_PROMPT).encode()], dtype=np.object_)),
+        "request_output_len": cfgs.raw_tensor(np.array([4], dtype=np.int32)),
+    }
 
 
-def _warm_postprocessing(cfg, model_dir: Path, tokenizer, with_preceding: bool) -> None:
+def _warm_postprocessing(cfg, tokenizer, with_preceding: bool) -> dict[str, bytes]:
     ids = np.array(tokenizer.encode("Hello there", add_special_tokens=False), dtype=np.int32)
-    _write_raw(model_dir / "warmup" / "tokens", ids)
-    _write_raw(model_dir / "warmup" / "length", np.array([ids.size], dtype=np.int32))
     inputs = {
         "TOKENS_BATCH": ("INT32", (1, int(ids.size)), "tokens"),
         "SEQUENCE_LENGTH": ("INT32", (1,), "length"),
     }
     if with_preceding:
         inputs["PRECEDING_IDS"] = ("INT32", (int(ids.size),), "tokens")
-    C.add_warmup(cfg, "tokens", inputs)
+    cfgs.add_warmup(cfg, "tokens", inputs)
+    return {"tokens": cfgs.raw_tensor(ids), "length": cfgs.raw_tensor(np.array([ids.size], dtype=np.int32))}
 
 
-def _warm_tensorrt_llm(cfg, model_dir: Path, tokenizer, spec: Spec) -> None:
-    text = tokenizer.apply_chat_template(WARMUP_PROMPT, tokenize=False, add_generation_prompt=True) if tokenizer.chat_template else "Warm-up: say hello."
+def _warm_tensorrt_llm(cfg, tokenizer, spec: Spec) -> dict[str, bytes]:
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(WARMUP_PROMPT, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "Warm-up: say hello."
     ids = np.array(tokenizer.encode(text, add_special_tokens=False)[: spec.build.max_input_len], dtype=np.int32)
     out_len = min(4, spec.build.max_seq_len - ids.size)
-    _write_raw(model_dir / "warmup" / "input_ids", ids)
-    _write_raw(model_dir / "warmup" / "input_lengths", np.array([ids.size], dtype=np.int32))
-    _write_raw(model_dir / "warmup" / "request_output_len", np.array([out_len], dtype=np.int32))
     # Twice: the first pass pays for lazy initialisation, the second for the first decode batch.
-    C.add_warmup(cfg, "chat_prompt", {
+    cfgs.add_warmup(cfg, "chat_prompt", {
         "input_ids": ("INT32", (int(ids.size),), "input_ids"),
         "input_lengths": ("INT32", (1,), "input_lengths"),
         "request_output_len": ("INT32", (1,), "request_output_len"),
     }, count=2)
-
+    return {
+        "input_ids": cfgs.raw_tensor(ids),
+        "input_lengths": cfgs.raw_tensor(np.array([ids.size], dtype=np.int32)),
+        "request_output_len": cfgs.raw_tensor(np.array([out_len], dtype=np.int32)),
+    }

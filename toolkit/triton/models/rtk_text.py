@@ -29,6 +29,9 @@ from typing import Sequence
 import numpy as np
 
 REPLACEMENT = "\ufffd"
+# The server timestamps TensorRT-LLM's backend returns with return_perf_metrics (one home: the configs,
+# the models and the clients read this tuple).
+PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 PRECEDING_WINDOW = 8  # tokens of context for decode_delta: covers a split 4-byte character and a space
 
 

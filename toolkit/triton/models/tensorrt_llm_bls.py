@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 import rtk_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+PERF = rtk_text.PERF_OUTPUTS
 # client input -> (tensorrt_llm input, dtype)
 PASS_THROUGH = {
     "top_k": ("runtime_top_k", np.int32), "top_p": ("runtime_top_p", np.float32),

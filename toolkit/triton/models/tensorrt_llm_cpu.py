@@ -33,7 +33,7 @@ import triton_python_backend_utils as pb_utils
 import rtk_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+PERF = rtk_text.PERF_OUTPUTS
 
 
 class BadRequest(ValueError):

@@ -17,7 +17,10 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from toolkit.targets import llmapi, mpi, trt_engine
+from toolkit.targets import TARGETS, llmapi
+from toolkit.triton import gpu_models
+from toolkit.triton.launch import ServeTarget, make_server
+from toolkit.triton.server import TritonBinary
 from toolkit.errors import SpecError
 from toolkit.spec import load_spec, spec_from_dict
 
@@ -48,7 +51,7 @@ def test_cpp_config_carries_the_spec_values():
     spec = load_spec(ROOT / "examples/llama-3.1-8b-trt-engine.yaml",
                      ["serving.batching_strategy=inflight_batching", "serving.batch_scheduler_policy=max_utilization",
                       "build.enable_kv_cache_reuse=false", "serving.instance_count=1"])
-    cfg = round_trip(trt_engine.triton_model_config(spec, "/srv/engines/llama/engine"))
+    cfg = round_trip(gpu_models.tensorrt_llm_cpp(spec, "/srv/engines/llama/engine"))
     p = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.backend == "tensorrtllm" and cfg.name == "tensorrt_llm"
     assert cfg.max_batch_size == spec.build.max_batch_size == 64
@@ -69,7 +72,7 @@ def test_cpp_config_carries_the_spec_values():
 
 def test_cpp_parameters_are_ones_the_backend_reads_with_values_it_accepts():
     cpp = UPSTREAM["cpp"]
-    cfg = round_trip(trt_engine.triton_model_config(gpu_spec(), "/e"))
+    cfg = round_trip(gpu_models.tensorrt_llm_cpp(gpu_spec(), "/e"))
     p = {k: v.string_value for k, v in cfg.parameters.items()}
     assert set(p) <= set(cpp["parameter_keys"]), set(p) - set(cpp["parameter_keys"])
     assert set(cpp["parameters_read_without_default"]) <= set(p)  # absent, the backend fails to load
@@ -88,7 +91,7 @@ def test_cpp_parameters_are_ones_the_backend_reads_with_values_it_accepts():
 @pytest.mark.parametrize("dtype, triton", [("bfloat16", "TYPE_BF16"), ("float16", "TYPE_FP16")])
 def test_cpp_tensor_interface_matches_the_upstream_template(dtype, triton):
     cpp = UPSTREAM["cpp"]
-    cfg = round_trip(trt_engine.triton_model_config(gpu_spec(model={"dtype": dtype}), "/e"))
+    cfg = round_trip(gpu_models.tensorrt_llm_cpp(gpu_spec(model={"dtype": dtype}), "/e"))
     want_in = {k: [triton if t == "$dtype" else t, d] for k, (t, d) in cpp["inputs"].items()}
     assert tensors(cfg.input) == want_in
     assert tensors(cfg.output) == cpp["outputs"]
@@ -101,9 +104,9 @@ def test_cpp_tensor_interface_matches_the_upstream_template(dtype, triton):
 
 def test_cpp_warmup_requests_match_their_files():
     spec = gpu_spec(build={"max_input_len": 8, "max_seq_len": 10}, serving={"default_max_tokens": 2})
-    cfg = round_trip(trt_engine.triton_model_config(spec, "/e"))
+    cfg = round_trip(gpu_models.tensorrt_llm_cpp(spec, "/e"))
     (w,) = cfg.model_warmup
-    files = trt_engine.warmup_files(spec, prompt_ids=[7, 8, 9])
+    files = gpu_models.cpp_warmup_files(spec, prompt_ids=[7, 8, 9])
     assert w.batch_size == 1 and set(w.inputs) == set(files) == {"input_ids", "input_lengths", "request_output_len"}
     declared = {t.name: t for t in cfg.input}
     for name, inp in w.inputs.items():
@@ -113,12 +116,12 @@ def test_cpp_warmup_requests_match_their_files():
     assert ids == (7, 8, 9, 9, 9, 9, 9, 9)  # padded to the warm-up length, capped by max_input_len
     assert struct.unpack("<i", files["input_lengths"]) == (8,)
     assert struct.unpack("<i", files["request_output_len"]) == (2,)  # max_seq_len - prompt
-    assert not round_trip(trt_engine.triton_model_config(gpu_spec(serving={"warmup": False}), "/e")).model_warmup
+    assert not round_trip(gpu_models.tensorrt_llm_cpp(gpu_spec(serving={"warmup": False}), "/e")).model_warmup
 
 
 def test_cpp_multi_instance_places_each_instance_on_its_own_gpus():
     spec = gpu_spec(build={"tp_size": 2}, serving={"instance_count": 2})
-    cfg = round_trip(trt_engine.triton_model_config(spec, "/e"))
+    cfg = round_trip(gpu_models.tensorrt_llm_cpp(spec, "/e"))
     assert cfg.parameters["gpu_device_ids"].string_value == "0,1;2,3"
     assert cfg.instance_group[0].count == 2
 
@@ -145,7 +148,7 @@ def test_llmapi_model_yaml_and_config_pbtxt_agree_and_carry_the_spec():
     assert y["kv_cache_config"]["dtype"] in up["kv_cache_dtype_values"]
     assert y["enable_chunked_prefill"] is True and y["trust_remote_code"] is False
     assert y["cuda_graph_config"] == {"max_batch_size": 32, "enable_padding": True}
-    cfg = round_trip(llmapi.triton_model_config(spec))
+    cfg = round_trip(gpu_models.tensorrt_llm_llmapi(spec))
     assert cfg.backend == "python"
     # The launcher disables auto-complete, so config.pbtxt must say what model.yaml's triton_config says.
     assert cfg.max_batch_size == y["triton_config"]["max_batch_size"] == 0
@@ -160,9 +163,9 @@ def test_llmapi_cuda_graphs_off_and_warmup_files():
     y = llmapi.model_yaml(spec, "/m")
     assert y["cuda_graph_config"] is None  # TorchLlmArgs: None disables CUDA graphs
     assert y["triton_config"]["decoupled"] is False
-    cfg = round_trip(llmapi.triton_model_config(spec))
+    cfg = round_trip(gpu_models.tensorrt_llm_llmapi(spec))
     (w,) = cfg.model_warmup
-    files = llmapi.warmup_files(spec)
+    files = gpu_models.llmapi_warmup_files(spec)
     (n,) = struct.unpack("<I", files["text_input"][:4])
     assert files["text_input"][4:].decode() == "Hello" and n == 5  # Triton BYTES: length-prefixed
     assert struct.unpack("<i", files["sampling_param_max_tokens"]) == (4,)
@@ -194,13 +197,26 @@ def test_llmapi_build_links_the_checkpoint_and_renders_model_yaml(tmp_path):
 
 # -- multi-GPU launch ---------------------------------------------------------------------------
 
+def launch_argv(spec, *, tritonserver="ts", repository="/repo", allow_run_as_root=None):
+    """The command rtk serve runs for ``spec`` (the same path as serving it), with a stand-in binary path."""
+    from dataclasses import replace
+
+    t = ServeTarget(repository=Path(repository), target=TARGETS[spec.build.target], build=spec.build,
+                    serving=spec.serving, engine_dir=None, models=[])
+    server = make_server(t)
+    server._binary = TritonBinary(path=Path(tritonserver), kind="configured")
+    if allow_run_as_root is not None:
+        server.launch = replace(server.launch, allow_run_as_root=allow_run_as_root)
+    return server.command(), server.launch
+
+
 def test_world_size_above_one_launches_one_rank_per_gpu_under_mpirun():
     spec = gpu_spec(build={"tp_size": 2, "pp_size": 2}, serving={"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002})
-    cmd = mpi.tritonserver_launch(spec, "/opt/tritonserver/bin/tritonserver", "/repo", allow_run_as_root=True)
+    argv, launch = launch_argv(spec, tritonserver="/opt/tritonserver/bin/tritonserver", allow_run_as_root=True)
     up = UPSTREAM["launcher"]
-    assert cmd.argv[:2] == up["mpi_prefix"] and cmd.world_size == 4 and cmd.env == {}
+    assert argv[:2] == up["mpi_prefix"] and launch.ranks == 4 and launch.env == {}
     ranks, cur = [], []
-    for a in cmd.argv[2:]:
+    for a in argv[2:]:
         if a == up["rank_separator"]:
             ranks.append(cur)
             cur = []
@@ -215,17 +231,26 @@ def test_world_size_above_one_launches_one_rank_per_gpu_under_mpirun():
         assert f"--backend-config=python,shm-region-prefix-name=prefix{i}_" in r
         assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--http-port=9000", "--grpc-port=9001"} <= set(r)
         assert ("--model-control-mode=explicit" in r) == (i > 0) and ("--load-model=tensorrt_llm" in r) == (i > 0)
+        assert ("--model-control-mode=none" in r) == (i == 0)
 
 
-def test_single_gpu_llmapi_and_multi_instance_launch_without_mpirun():
-    one = mpi.tritonserver_launch(gpu_spec(), "ts", "/repo")
-    assert one.argv[0] == "ts" and "--model-control-mode=explicit" not in one.argv
-    llm = mpi.tritonserver_launch(gpu_spec("llmapi", build={"tp_size": 4}), "ts", "/repo", extra=("--log-verbose=1",))
-    assert llm.argv[0] == "ts" and "--log-verbose=1" in llm.argv  # the LLM API spawns its own MPI workers
-    multi = mpi.tritonserver_launch(gpu_spec(serving={"instance_count": 2}), "ts", "/repo")
-    assert multi.argv[0] == "ts" and multi.env == UPSTREAM["launcher"]["orchestrator_env"]
-    root = mpi.tritonserver_launch(gpu_spec(build={"tp_size": 2}), "ts", "/r", allow_run_as_root=False)
-    assert root.argv[:3] == ["mpirun", "-n", "1"]
+def test_single_gpu_and_orchestrator_launch_without_mpirun_llmapi_under_mpirun_n1():
+    one, _ = launch_argv(gpu_spec())
+    assert one[0] == "ts" and "--model-control-mode=explicit" not in one
+    # The llmapi target with tp x pp > 1 runs as one process under `mpirun -n 1` (launch_triton_server.py).
+    llm, launch = launch_argv(gpu_spec("llmapi", build={"tp_size": 4}), allow_run_as_root=True)
+    assert llm[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "ts"] and ":" not in llm and launch.ranks == 1
+    single_llm, _ = launch_argv(gpu_spec("llmapi"))
+    assert single_llm[0] == "ts"
+    # Orchestrator mode: TRTLLM_ORCHESTRATOR, and the server gives the GPUs' memory pools up (--multi-model).
+    multi, launch = launch_argv(gpu_spec(build={"tp_size": 2}, serving={"instance_count": 2}))
+    up = UPSTREAM["launcher"]
+    assert multi[0] == "ts" and launch.env == up["orchestrator_env"]
+    assert set(up["multi_model_flags"]) <= set(multi)
+    assert [a for a in multi if a.startswith("--cuda-memory-pool-byte-size=")] == [
+        up["multi_model_flag_per_gpu"].format(gpu=g) for g in range(4)]  # every GPU of the two 2-GPU instances
+    no_root, _ = launch_argv(gpu_spec(build={"tp_size": 2}), repository="/r", allow_run_as_root=False)
+    assert no_root[:3] == ["mpirun", "-n", "1"]
 
 
 # -- written model directories ----------------------------------------------------------------
@@ -234,13 +259,18 @@ def test_single_gpu_llmapi_and_multi_instance_launch_without_mpirun():
 def test_written_model_dir_parses_and_has_every_warmup_file(tmp_path, monkeypatch, target):
     upstream = tmp_path / "upstream"  # stands in for the NGC image's llmapi template directory
     upstream.mkdir()
-    for name in llmapi.UPSTREAM_MODEL_FILES:
+    for name in gpu_models.UPSTREAM_MODEL_FILES:
         (upstream / name).write_text(f"# {name} from TensorRT-LLM\n")
     monkeypatch.setenv("RTK_LLMAPI_MODEL_DIR", str(upstream))
     spec = gpu_spec(target)
     model = tmp_path / "repo" / "tensorrt_llm"
-    module = trt_engine if target == "trt-engine" else llmapi
-    module.write_triton_model(spec, model, tmp_path / "engines" / "t" / "engine")
+    engine = tmp_path / "engines" / "t" / "engine"
+    if target == "trt-engine":
+        gpu_models.write_tensorrt_llm_cpp(spec, model, engine)
+    else:  # the repository's model.yaml is the build stage's own
+        engine.mkdir(parents=True)
+        (engine / llmapi.MODEL_YAML).write_text(llmapi.model_yaml_text(spec, (engine / "hf").resolve()))
+        gpu_models.write_tensorrt_llm_llmapi(spec, model, engine)
     cfg = text_format.Parse((model / "config.pbtxt").read_text(), mc.ModelConfig())
     assert cfg.name == "tensorrt_llm" and (model / "1").is_dir()
     files = [i.input_data_file for w in cfg.model_warmup for i in w.inputs.values()]

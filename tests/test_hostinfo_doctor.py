@@ -168,12 +168,16 @@ every_help = [[name, "--help"] for name in cli.commands]  # every registered com
 for args in (["--help"], *every_help, ["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]):
     r = runner.invoke(cli, args)
     assert r.exit_code in (0, 2), (args, r.output, r.exception)
-import toolkit.targets.trt_engine, toolkit.targets.llmapi, toolkit.targets.mpi, toolkit.doctor, toolkit.hostinfo
+import toolkit.targets.trt_engine, toolkit.targets.llmapi, toolkit.doctor, toolkit.hostinfo, toolkit.triton.launch
 from toolkit.spec import load_spec
-from toolkit.targets import trt_engine, llmapi
+from toolkit.targets import TARGETS, llmapi
+from toolkit.triton import gpu_models
 spec = load_spec("examples/llama-3.1-8b-trt-engine.yaml")
-trt_engine.triton_model_config(spec, "/e")
-llmapi.model_yaml(load_spec("examples/qwen2.5-7b-llmapi.yaml"), "/m")
+gpu_models.tensorrt_llm_cpp(spec, "/e")
+TARGETS["trt-engine"].triton_launch(spec.build, spec.serving)
+qwen = load_spec("examples/qwen2.5-7b-llmapi.yaml")
+llmapi.model_yaml(qwen, "/m")
+gpu_models.tensorrt_llm_llmapi(qwen)
 print("TRTLLM_IMPORTED" if "tensorrt_llm" in sys.modules else "TRTLLM_NOT_IMPORTED")
 '''
 

@@ -149,8 +149,8 @@ def test_checkpoint_must_match_the_spec(tmp_path):
 
 @pytest.mark.parametrize("fmt, group, measured_mb", [("fp8", None, 219.5), ("int4_awq", 64, 173.3)])
 def test_weight_estimate_matches_measured_checkpoint_sizes(fmt, group, measured_mb):
-    # Independent reference: rank0.safetensors sizes of ModelOpt 0.47's SmolLM2-135M exports,
-    # measured by another engineer (shared/reference/modelopt-on-cpu.md §6.2).
+    # Independent reference: rank0.safetensors sizes of ModelOpt 0.47's SmolLM2-135M exports, measured
+    # on disk (not derived from the estimate's formula).
     spec = spec_from_dict({"name": "x", "quantization": {"format": fmt, "group_size": group}})
     est = estimate_memory(ModelShape.from_config(SMOL_TRTLLM_CONFIG), spec)
     assert est.weights_total / 1e6 == pytest.approx(measured_mb, rel=0.01)
@@ -287,3 +287,18 @@ def test_examples_validate():
         spec = load_spec(ROOT / path)
         assert spec.build.target in ("trt-engine", "llmapi") and spec.model.source.startswith("hf:")
     assert os.path.isfile(ROOT / "tests/data/trtllm_1_2_1_trtllm_build.json")
+
+
+def test_rtk_build_on_a_host_without_gpu_refuses_before_the_first_stage(tmp_path, monkeypatch):
+    """Without the fail-fast check, this would start by downloading 16 GB and quantizing an 8B model on the CPU."""
+    from click.testing import CliRunner
+
+    from toolkit.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = CliRunner().invoke(cli, ["build", str(ROOT / "examples/llama-3.1-8b-trt-engine.yaml")])
+    assert r.exit_code == 2, r.output
+    assert "cannot build the trt-engine target" in r.output and "needs an NVIDIA GPU" in r.output
+    assert "rtk quantize SPEC" in r.output and "26.04-trtllm-python-py3" in r.output
+    assert not (tmp_path / "engines").exists()  # not even the fetch stage started

@@ -3,10 +3,13 @@
 * :func:`find_tritonserver` picks the binary: ``serving.tritonserver`` if set, else ``tritonserver``
   on PATH (NGC containers: ``/opt/tritonserver/bin``), else the one bundled in the
   ``nvidia-pytriton`` wheel.  For the bundled one it prepares what the python backend needs
-  (reference/triton-on-cpu.md §2): a backend directory of symlinks with the stub built for this
+  : a backend directory of symlinks with the stub built for this
   interpreter's X.Y (in a user cache dir, never inside site-packages), ``PATH`` with this venv's
   ``bin`` first, ``LD_LIBRARY_PATH`` with the base interpreter's ``LIBDIR``, and the flags that
   silence the GPU probes.
+* :class:`Launch` is how the server runs for a target (toolkit/targets/: one rank per GPU under
+  ``mpirun``, orchestrator mode, extra flags); :class:`TritonServer` builds the command from it, so
+  nothing patches a server from outside.
 * :class:`TritonServer` starts the process on 127.0.0.1 by default, waits for
   ``GET /v2/health/ready`` (failing fast with the log's tail if the process exits), checks model
   readiness, and stops it with SIGTERM, then SIGKILL.  It is a context manager.
@@ -38,14 +41,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
 
-from .errors import ServerError, UsageError
+from ..errors import ServerError, UsageError
 
 log = logging.getLogger(__name__)
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 STATE_DIR = ".rtk-triton"
 LOG_TAIL_LINES = 30
-# Lines the bundled server prints on a host without a GPU; harmless (reference/triton-on-cpu.md §3).
+# Lines the bundled server prints on a host without a GPU; harmless (it probes for CUDA and finds none).
 _NOISE = ("CudaDriverHelper has not been initialized",)
 
 
@@ -255,6 +258,29 @@ def _set_parent_death_signal() -> None:  # runs in the child between fork and ex
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How tritonserver runs for a repository; the target supplies it (toolkit/targets/).
+
+    With ``ranks > 1`` or ``mpirun``, the command is ``mpirun [--allow-run-as-root] -n 1 <rank 0> : -n 1
+    <rank 1> ...`` as TensorRT-LLM's ``triton_backend/scripts/launch_triton_server.py`` (0a2e2c1) runs
+    it: every rank gets the same ports (only rank 0 ever listens: the other ranks' ``tensorrt_llm``
+    never finishes loading, its executor runs as an MPI worker of rank 0), its own python-backend
+    shared-memory prefix, and ranks > 0 load only ``llm_model``.
+    """
+
+    ranks: int = 1
+    mpirun: bool = False              # under mpirun even with one rank (the llmapi target with tp x pp > 1)
+    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
+    server_args: tuple[str, ...] = ()  # flags for every rank
+    llm_model: str = "tensorrt_llm"   # the only model ranks > 0 load
+    allow_run_as_root: bool | None = None  # None: when running as root (NGC containers do; mpirun refuses otherwise)
+
+    @property
+    def uses_mpi(self) -> bool:
+        return self.mpirun or self.ranks > 1
+
+
 class TritonServer(_Endpoints):
     """One tritonserver process serving ``repository``.
 
@@ -281,6 +307,7 @@ class TritonServer(_Endpoints):
         log_verbose: int = 0,
         extra_args: Iterable[str] = (),
         ready_timeout_s: float = 120.0,
+        launch: Launch | None = None,
     ):
         self.repository = Path(repository).resolve()
         self._binary = binary
@@ -300,16 +327,9 @@ class TritonServer(_Endpoints):
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
+        self.launch = launch or Launch()
         self.process: subprocess.Popen | None = None
         self._log_file = None
-
-    @classmethod
-    def from_spec(cls, spec, repository: str | os.PathLike | None = None, **kwargs) -> "TritonServer":
-        """A server for ``spec`` (toolkit.spec.Spec): its repository, host, ports and binary."""
-        s = spec.serving
-        opts = dict(host=s.host, http_port=s.http_port, grpc_port=s.grpc_port, metrics_port=s.metrics_port, tritonserver=s.tritonserver)
-        opts.update(kwargs)
-        return cls(repository or spec.repository_dir(), **opts)
 
     @property
     def binary(self) -> TritonBinary:
@@ -317,24 +337,45 @@ class TritonServer(_Endpoints):
             self._binary = find_tritonserver(self._configured)
         return self._binary
 
-    def command(self) -> list[str]:
-        b = self.binary
+    def rank_command(self, rank: int = 0) -> list[str]:
+        """One rank's tritonserver command line (the whole command without MPI)."""
+        b, launch = self.binary, self.launch
+        control = "explicit" if rank > 0 else self.model_control_mode
         cmd = [
             str(b.path),
             f"--model-repository={self.repository}",
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-            f"--model-control-mode={self.model_control_mode}",
+            f"--model-control-mode={control}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *b.args,
         ]
-        if self.model_control_mode == "explicit":
+        if rank > 0:
+            cmd.append(f"--load-model={launch.llm_model}")
+        elif self.model_control_mode == "explicit":
             cmd += [f"--load-model={m}" for m in self.load_models]
         if self.cache_config:
             cmd.append(f"--cache-config={self.cache_config}")
-        return cmd + self.extra_args
+        if launch.uses_mpi:
+            cmd.append(f"--backend-config=python,shm-region-prefix-name=prefix{rank}_")
+        return cmd + list(launch.server_args) + self.extra_args
+
+    def command(self) -> list[str]:
+        launch = self.launch
+        if not launch.uses_mpi:
+            return self.rank_command(0)
+        as_root = os.geteuid() == 0 if launch.allow_run_as_root is None else launch.allow_run_as_root
+        argv = ["mpirun"] + (["--allow-run-as-root"] if as_root else [])
+        for rank in range(launch.ranks):
+            if rank:
+                argv.append(":")
+            argv += ["-n", "1", *self.rank_command(rank)]
+        return argv
+
+    def environment(self) -> dict[str, str]:
+        return {**self.binary.environment(), **self.launch.env}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, *, detach: bool = False) -> "TritonServer":
@@ -353,7 +394,7 @@ class TritonServer(_Endpoints):
         self.process = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=self.binary.environment(),
+            env=self.environment(),
             # Own session: Ctrl-C reaches us, and we stop the server in order.  When attached, the
             # kernel also sends it SIGTERM if this process dies without stopping it.
             start_new_session=True,
@@ -361,21 +402,12 @@ class TritonServer(_Endpoints):
         )
         return self
 
-    def _get(self, path: str, timeout: float = 1.0) -> int:
-        try:
-            with urllib.request.urlopen(self.http_url + path, timeout=timeout) as resp:
-                return resp.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except (urllib.error.URLError, OSError):
-            return 0
-
     def is_ready(self) -> bool:
-        return self._get("/v2/health/ready") == 200
+        return http_ready(self.http_url)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/ready"
-        return self._get(path) == 200
+        return _http_status(self.http_url + path) == 200
 
     def wait_ready(self, timeout: float | None = None, models: Iterable[str] = ()) -> "TritonServer":
         """Poll until the server (and ``models``) are ready; raise ServerError with the log tail otherwise."""
@@ -470,6 +502,21 @@ class TritonServer(_Endpoints):
             self._log_file.close()
             self._log_file = None
         return st
+
+
+def _http_status(url: str, timeout: float = 1.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def http_ready(http_url: str, timeout: float = 1.0) -> bool:
+    """Triton at ``http_url`` answers ``GET /v2/health/ready`` with 200."""
+    return _http_status(f"{http_url}/v2/health/ready", timeout) == 200
 
 
 def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:

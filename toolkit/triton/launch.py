@@ -1,0 +1,168 @@
+"""Serve an emitted repository: the one way every caller starts tritonserver.
+
+``rtk serve`` (foreground, ``--detach``, ``--stop``), ``rtk chat``, ``rtk slo --serve`` and the tests
+all go through :func:`resolve` then :func:`make_server`:
+
+* :func:`resolve` reads what to serve from a spec or from a repository directory.  Either way the
+  repository's manifest holds the ``build`` and ``serving`` sections it was emitted with, so a
+  repository served by its path is launched exactly as one served by its spec (MPI ranks,
+  orchestrator mode).  A repository emitted by an incompatible rtk is refused with what to re-run.
+* :func:`check_host` refuses a GPU artifact this host cannot run (the target's ``serve_host_check``
+  in toolkit/targets/), so a mismatch is a clear error, not a crash inside the backend.
+* :func:`make_server` builds the :class:`~toolkit.triton.server.TritonServer` with the target's
+  :class:`~toolkit.triton.server.Launch`.  Triton runs each model's ``model_warmup`` before it marks
+  the model ready, so "ready" means warm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..artifacts import read_manifest
+from ..errors import ServerError, UsageError
+from ..spec import BuildSpec, ServingSpec, load_spec
+from ..targets import TARGETS, Target
+from .emit import REPOSITORY_FORMAT, SERVER_ONLY_FIELDS
+from .server import Launch, ServerState, TritonServer, stop_detached
+
+
+@dataclass
+class ServeTarget:
+    """What to serve and how, resolved from a spec or a repository directory."""
+
+    repository: Path
+    target: Target
+    build: BuildSpec
+    serving: ServingSpec
+    engine_dir: Path | None
+    models: list[str]
+
+    def launch(self) -> Launch:
+        fn = self.target.triton_launch
+        return fn(self.build, self.serving) if fn else Launch()
+
+
+def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ServeTarget:
+    """A spec file (``*.yaml``/``*.yml``) or an emitted repository directory."""
+    source = Path(source)
+    if source.is_dir():
+        if overrides:
+            raise UsageError("--set needs a spec; with a repository directory use --host / --http-port / --grpc-port / --metrics-port")
+        repo, spec = source, None
+    elif source.is_file():
+        spec = load_spec(source, list(overrides))
+        repo = spec.repository_dir()
+    else:
+        raise UsageError(f"'{source}' is neither a spec file nor a model repository directory")
+    manifest = read_manifest(repo)
+    rebuild = f"rtk build {source}" if spec is not None else "rtk emit SPEC"
+    if not manifest or not manifest.get("complete"):
+        raise UsageError(f"'{repo}' is not an emitted rtk model repository (no complete rtk-manifest.json); run `{rebuild}` first")
+    fmt = manifest.get("repository_format", 1)
+    if fmt != REPOSITORY_FORMAT:
+        raise UsageError(
+            f"'{repo}' was emitted by rtk {manifest.get('rtk_version', '?')} (repository format {fmt}); this rtk "
+            f"serves format {REPOSITORY_FORMAT}. Re-run `{rebuild}` to write it again"
+        )
+    section = manifest.get("spec") or {}
+    try:
+        build = BuildSpec.model_validate(section.get("build") or {})
+        serving = ServingSpec.model_validate(section.get("serving") or {})
+    except ValidationError:
+        raise UsageError(f"'{repo}' records settings this rtk cannot read; re-run `{rebuild}` to write it again") from None
+    if spec is not None:
+        if build != spec.build:
+            raise UsageError(f"'{repo}' was emitted for other build settings than {source} has now; run `rtk build {source}` again")
+        if serving.model_dump(exclude=SERVER_ONLY_FIELDS) != spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS):
+            raise UsageError(f"'{repo}' was emitted for other serving settings than {source} has now; run `rtk build {source}` again")
+        serving = spec.serving
+    engine = (manifest.get("inputs") or {}).get("engine_dir")
+    target = TARGETS[manifest.get("target", build.target)]
+    if target.ensemble and (repo / "ensemble").is_dir():
+        (repo / "ensemble" / "1").mkdir(exist_ok=True)  # an empty directory a copy tool may have dropped
+    return ServeTarget(repository=repo, target=target, build=build, serving=serving,
+                       engine_dir=Path(engine) if engine else None, models=list(manifest.get("models") or []))
+
+
+def check_host(t: ServeTarget) -> None:
+    """Refuse a GPU artifact this host cannot run (HostMismatchError names what differs and the fix)."""
+    if t.target.serve_host_check is None:
+        return
+    from ..hostinfo import probe_host
+
+    manifest = read_manifest(t.engine_dir) if t.engine_dir else None
+    if manifest is None:
+        raise UsageError(f"the engine '{t.engine_dir}' this repository serves is missing; run `rtk build SPEC` again")
+    t.target.serve_host_check(manifest, probe_host())
+
+
+def make_server(t: ServeTarget, *, host: str | None = None, http_port: int | None = None, grpc_port: int | None = None,
+                metrics_port: int | None = None, free_ports: bool = False, ready_timeout_s: float = 600.0) -> TritonServer:
+    """The server for ``t``: the serving section's host and ports (or free ones), its binary, the target's launch."""
+    s = t.serving
+    ports = (None, None, None) if free_ports else (s.http_port, s.grpc_port, s.metrics_port)
+    return TritonServer(
+        t.repository, host=host or s.host, tritonserver=s.tritonserver,
+        http_port=http_port or ports[0], grpc_port=grpc_port or ports[1], metrics_port=metrics_port or ports[2],
+        ready_timeout_s=ready_timeout_s, launch=t.launch(),
+        # rtk writes complete configs; skipping auto-complete saves a stub start per python model.
+        extra_args=["--disable-auto-complete-config"],
+    )
+
+
+def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=None, **server_kwargs) -> ServerState | None:
+    """Serve ``source`` until interrupted (or, with ``detach``, start it in the background and return its state).
+
+    ``on_ready(server)`` is called once every model is ready and warm.
+    """
+    t = resolve(source, overrides)
+    check_host(t)
+    server = make_server(t, **server_kwargs)
+    if detach:
+        return server.start_detached(models=t.models)
+    stop_event = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    try:
+        server.start()
+        try:
+            server.wait_ready(models=t.models)
+            if on_ready:
+                on_ready(server)
+            while not stop_event.wait(0.5):
+                code = server.process.poll()
+                if code is not None:
+                    raise ServerError(f"tritonserver exited with code {code}.\n{server.log_tail()}")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return None
+
+
+@contextlib.contextmanager
+def running(source: str | Path, *, overrides=(), **server_kwargs):
+    """A ready server on ``source`` for the duration of a ``with`` block (``rtk chat``, ``rtk slo --serve``)."""
+    t = resolve(source, overrides)
+    check_host(t)
+    server = make_server(t, **server_kwargs)
+    server.start()
+    try:
+        server.wait_ready(models=t.models)
+        yield server
+    finally:
+        server.stop()
+
+
+def stop(source: str | Path, overrides=()) -> ServerState | None:
+    """Stop the detached server of ``source``; returns its state, or None when none was running."""
+    source = Path(source)
+    repo = source if source.is_dir() else load_spec(source, list(overrides)).repository_dir()
+    return stop_detached(repo)
