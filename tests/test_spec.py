@@ -41,7 +41,7 @@ def test_examples_validate(path):
         ("name: x\nbuild: {max_input_len: 4096, max_seq_len: 2048}\n", "build.max_input_len", "max_seq_len"),
         ("name: x\nquantization: {format: nvfp4}\nbuild: {target: cpu}\n", "quantization.format", "cannot run on build.target 'cpu'"),
         ("name: ../../etc\n", "name", "safe directory name"),
-        ("name: x\nserving: {streaming: true, decoupled: false}\n", "serving.decoupled", "decoupled"),
+        ("name: x\nserving: {streaming: true}\n", "serving", "a request asks for a stream with its 'stream' input"),
         ("name: x\nbuild: {enable_chunked_context: false, max_num_tokens: 256}\n", "build.max_num_tokens", "chunked"),
         ("name: x\nslo: {objectives: [{metric: ttft, stat: p99}]}\n", "slo.objectives.0", "'max' or 'min'"),
         ("[1, 2]\n", None, "mapping"),

@@ -58,8 +58,8 @@ def test_cpp_config_carries_the_spec_values():
     assert cfg.model_transaction_policy.decoupled is True
     assert list(cfg.dynamic_batching.preferred_batch_size) == [64]
     q = cfg.dynamic_batching.default_queue_policy
-    assert (q.max_queue_size, q.default_timeout_microseconds) == (256, 2_000_000)
-    assert q.timeout_action == mc.ModelQueuePolicy.REJECT
+    # The backend forwards max_queue_size to its executor; it has no queue timeout to set.
+    assert (q.max_queue_size, q.default_timeout_microseconds) == (256, 0)
     assert p["gpt_model_path"] == "/srv/engines/llama/engine"
     assert p["gpt_model_type"] == "inflight_batching"
     assert p["batch_scheduler_policy"] == "max_utilization"
@@ -126,6 +126,30 @@ def test_cpp_multi_instance_places_each_instance_on_its_own_gpus():
     assert cfg.instance_group[0].count == 2
 
 
+@pytest.mark.parametrize("logits_dtype, triton", [("float16", "TYPE_FP16"), ("float32", "TYPE_FP32")])
+def test_cpp_logits_outputs_carry_the_engine_logits_dtype(tmp_path, logits_dtype, triton):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"pretrained_config": {"logits_dtype": logits_dtype}}))
+    gpu_models.write_tensorrt_llm_cpp(gpu_spec(), tmp_path / "tensorrt_llm", engine)
+    cfg = text_format.Parse((tmp_path / "tensorrt_llm" / "config.pbtxt").read_text(), mc.ModelConfig())
+    out = tensors(cfg.output)
+    assert out["context_logits"][0] == out["generation_logits"][0] == triton
+
+
+@pytest.mark.parametrize("target, field, value", [
+    ("trt-engine", "queue_timeout_ms", 2000), ("llmapi", "queue_timeout_ms", 2000), ("llmapi", "max_queue_size", 16)])
+def test_queue_settings_a_target_cannot_enforce_are_refused_with_why(target, field, value):
+    with pytest.raises(SpecError, match=f"serving.{field}.*cannot enforce it"):
+        gpu_spec(target, serving={field: value})
+
+
+def test_each_target_has_queue_defaults_it_enforces():
+    assert gpu_spec("trt-engine").serving.max_queue_size == 64
+    assert gpu_spec("cpu").serving.max_queue_size == 64
+    assert gpu_spec("llmapi").serving.max_queue_size is None
+
+
 # -- llmapi -------------------------------------------------------------------------------------
 
 def test_llmapi_model_yaml_and_config_pbtxt_agree_and_carry_the_spec():
@@ -153,13 +177,13 @@ def test_llmapi_model_yaml_and_config_pbtxt_agree_and_carry_the_spec():
     # The launcher disables auto-complete, so config.pbtxt must say what model.yaml's triton_config says.
     assert cfg.max_batch_size == y["triton_config"]["max_batch_size"] == 0
     assert cfg.model_transaction_policy.decoupled is y["triton_config"]["decoupled"] is True
-    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 128
+    assert not cfg.HasField("dynamic_batching")  # nothing waits in Triton's queue: no policy that does nothing
     assert tensors(cfg.input) == up["inputs"] and tensors(cfg.output) == up["outputs"]
     assert {t.name for t in cfg.input if not t.optional} == {"text_input"}
 
 
 def test_llmapi_cuda_graphs_off_and_warmup_files():
-    spec = gpu_spec("llmapi", build={"use_cuda_graph": False}, serving={"streaming": False, "decoupled": False})
+    spec = gpu_spec("llmapi", build={"use_cuda_graph": False}, serving={"decoupled": False})
     y = llmapi.model_yaml(spec, "/m")
     assert y["cuda_graph_config"] is None  # TorchLlmArgs: None disables CUDA graphs
     assert y["triton_config"]["decoupled"] is False

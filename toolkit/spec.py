@@ -208,18 +208,34 @@ class CacheSpec(Section):
 
 
 class ServingSpec(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "streaming" in data:
+            raise ValueError("'serving.streaming' is gone: a request asks for a stream with its 'stream' input, and "
+                             "serving.decoupled says whether the models can send one; remove the line")
+        return data
+
     repository: str | None = Field(None, description="model repository directory; default triton_repo/<name>")
     host: str = Field("127.0.0.1", description="address tritonserver binds to; loopback unless told otherwise")
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(8001, ge=1, le=65535)
     metrics_port: int = Field(8002, ge=1, le=65535)
-    streaming: bool = Field(True, description="token-by-token responses (needs decoupled)")
-    decoupled: bool = True
+    decoupled: bool = Field(
+        True, description="models may send one response per token (a request asks with its 'stream' input); "
+        "false: one response per request",
+    )
     instance_count: int = Field(1, ge=1, description="instances of the tensorrt_llm model")
     preprocessing_instances: int = Field(1, ge=1)
     postprocessing_instances: int = Field(1, ge=1)
-    max_queue_size: int = Field(64, ge=0, description="requests waiting beyond this are rejected (0 = unbounded)")
-    queue_timeout_ms: int | None = Field(None, ge=1, description="reject requests that waited this long")
+    max_queue_size: int | None = Field(
+        None, ge=0,
+        description="requests waiting beyond this are refused (0 = unbounded); default 64 where the target enforces it "
+        "(cpu, trt-engine; the llmapi target cannot)",
+    )
+    queue_timeout_ms: int | None = Field(
+        None, ge=1, description="refuse requests not scheduled within this time (cpu only: the GPU backends cannot enforce it)"
+    )
     batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "V1"] = "inflight_fused_batching"
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     warmup: bool = Field(True, description="send warm-up requests at load so no user meets a cold start")
@@ -521,14 +537,17 @@ class Spec(Section):
             raise _Rule("build.max_num_tokens", f"{b.max_num_tokens} is below build.max_batch_size ({b.max_batch_size}); a full batch could not decode one token each")
         if b.target == "trt-engine" and (b.enable_kv_cache_reuse or b.enable_chunked_context) and not b.use_paged_context_fmha:
             raise _Rule("build.use_paged_context_fmha", "KV-cache reuse and chunked context need paged context FMHA; set it true or disable both")
+        for name, why in target.unenforceable.items():
+            if getattr(s, name) is not None:
+                raise _Rule(f"serving.{name}", f"the {b.target} target cannot enforce it: {why}")
+        if s.max_queue_size is None and target.default_max_queue_size is not None:
+            s.max_queue_size = target.default_max_queue_size
         if target.max_world_size is not None and b.world_size > target.max_world_size:
             raise _Rule("build.tp_size", f"the {b.target} target runs on one process; set tp_size and pp_size to 1")
         if b.kv_cache_blocks is not None:
             need = -(-b.max_seq_len // b.tokens_per_block)
             if b.kv_cache_blocks < need:
                 raise _Rule("build.kv_cache_blocks", f"{b.kv_cache_blocks} blocks cannot hold even one sequence of max_seq_len {b.max_seq_len} ({need} blocks of {b.tokens_per_block})")
-        if s.streaming and not s.decoupled:
-            raise _Rule("serving.decoupled", "streaming needs a decoupled model; set serving.decoupled: true or serving.streaming: false")
         if s.default_max_tokens > b.max_seq_len - 1:
             raise _Rule("serving.default_max_tokens", f"{s.default_max_tokens} exceeds what build.max_seq_len ({b.max_seq_len}) allows")
         ports = [s.http_port, s.grpc_port, s.metrics_port]

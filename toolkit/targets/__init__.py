@@ -11,7 +11,7 @@ how Triton serves its LLM (toolkit/triton/ renders and launches from this), the 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -34,6 +34,8 @@ MIN_SM = {"none": 80, "fp8": 89, "int8_sq": 80, "int4_awq": 80, "w4a8_awq": 89, 
 MIN_SM_KV = {"none": 80, "fp8": 89, "int8": 80}
 
 LLMBackend = Literal["rtk-cpu", "tensorrtllm", "llmapi"]
+DEFAULT_MAX_QUEUE_SIZE = 64
+_DEADLINE = "for a deadline use serving.guard.ttft_deadline_ms (the front door's admission)"
 
 
 def _call(module: str, name: str) -> Callable:
@@ -65,6 +67,9 @@ class Target:
     triton_launch: Callable | None = None
     max_world_size: int | None = None  # None: tp x pp as the GPUs allow
     ensemble: bool = True              # the repository has preprocessing/postprocessing/ensemble/BLS
+    # serving settings the target cannot enforce -> why; the spec refuses them when set
+    unenforceable: dict[str, str] = field(default_factory=dict)
+    default_max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE
 
     def min_sm(self, fmt: str, kv: str) -> int:
         return max(MIN_SM[fmt], MIN_SM_KV[kv])
@@ -93,6 +98,10 @@ TARGETS: dict[str, Target] = {
         build_host_problems=_call(".trt_engine", "build_host_problems"),
         serve_host_check=_call("..hostinfo", "check_engine_host"),
         triton_launch=_call(".trt_engine", "triton_launch"),
+        unenforceable={"queue_timeout_ms": (
+            "TensorRT-LLM's C++ backend hands every request to its executor at once, so Triton's queue timeout "
+            "never applies and the backend forwards only max_queue_size (model_instance_state.cc); remove it, "
+            + _DEADLINE)},
     ),
     "llmapi": Target(
         name="llmapi",
@@ -105,6 +114,12 @@ TARGETS: dict[str, Target] = {
         serve_host_check=_call("..hostinfo", "check_llmapi_host"),
         triton_launch=_call(".llmapi", "triton_launch"),
         ensemble=False,
+        unenforceable={
+            "max_queue_size": ("the llmapi model's execute() returns at once, so Triton's queue never fills, and the "
+                               "LLM API has no queue bound; remove it, " + _DEADLINE),
+            "queue_timeout_ms": "requests never wait in Triton's queue for the llmapi model; remove it, " + _DEADLINE,
+        },
+        default_max_queue_size=None,
     ),
 }
 TARGET_NAMES = tuple(TARGETS)

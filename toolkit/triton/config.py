@@ -54,7 +54,8 @@ RTK_EXTENSIONS = {
 
 @dataclass(frozen=True)
 class Tensor:
-    """One tensor: name, Triton dtype name (``MODEL``: the spec's model dtype), dims without the batch dimension."""
+    """One tensor: name, Triton dtype name (or a placeholder such as ``MODEL``, given when the config is
+    built), dims without the batch dimension."""
 
     name: str
     dtype: str
@@ -64,8 +65,8 @@ class Tensor:
     ragged: bool = False  # allow_ragged_batch
 
 
-# model.dtype -> Triton's type name
-MODEL_DTYPES = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+# model.dtype / a checkpoint's logits_dtype -> Triton's type name
+TORCH_TO_TRITON = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
 
 
 def pb():
@@ -75,11 +76,14 @@ def pb():
     return model_config_pb2
 
 
-def add_tensors(field, tensors: Iterable[Tensor], *, is_input: bool, model_dtype: str | None = None) -> None:
-    """Append ModelInput / ModelOutput entries to ``field`` (``config.input`` or ``config.output``)."""
+def add_tensors(field, tensors: Iterable[Tensor], *, is_input: bool, placeholders: dict[str, str] | None = None) -> None:
+    """Append ModelInput / ModelOutput entries to ``field`` (``config.input`` or ``config.output``).
+
+    ``placeholders`` gives the Triton type of placeholder dtypes (e.g. ``{"MODEL": "BF16"}``).
+    """
     types = pb().DataType
     for t in tensors:
-        dtype = MODEL_DTYPES[model_dtype] if t.dtype == "MODEL" else t.dtype
+        dtype = (placeholders or {}).get(t.dtype, t.dtype)
         msg = field.add(name=t.name, data_type=types.Value(f"TYPE_{dtype}"), dims=list(t.dims))
         if is_input and t.optional:
             msg.optional = True
@@ -102,12 +106,9 @@ def cpu_instances(cfg, count: int) -> None:
 
 
 def queue_policy(cfg, spec) -> None:
-    """``dynamic_batching.default_queue_policy`` from serving.max_queue_size / queue_timeout_ms."""
-    policy = cfg.dynamic_batching.default_queue_policy
-    policy.max_queue_size = spec.serving.max_queue_size
-    if spec.serving.queue_timeout_ms:
-        policy.timeout_action = pb().ModelQueuePolicy.REJECT
-        policy.default_timeout_microseconds = spec.serving.queue_timeout_ms * 1000
+    """``dynamic_batching.default_queue_policy.max_queue_size`` from serving.max_queue_size (the C++ backend
+    hands it to its executor; the spec refuses a queue timeout it could not enforce)."""
+    cfg.dynamic_batching.default_queue_policy.max_queue_size = spec.serving.max_queue_size or 0
 
 
 # -- tensor interfaces ------------------------------------------------------------------------

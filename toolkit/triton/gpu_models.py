@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -21,7 +22,8 @@ from .config import Tensor
 # -- trt-engine: the C++ tensorrtllm backend -----------------------------------------------------
 
 _OPT_SCALAR = dict(optional=True, scalar=True)  # optional, dims [1] reshaped to [] (the backend's scalars)
-# "MODEL": the model's dtype (encoder_input_features, prompt_embedding_table in the upstream template).
+# Placeholders as in the upstream template: "MODEL" the model's dtype (encoder_input_features,
+# prompt_embedding_table), "LOGITS" the checkpoint's logits_dtype (its ${logits_datatype}).
 CPP_INPUTS = [
     Tensor("input_ids", "INT32", (-1,), optional=True, ragged=True),
     Tensor("encoder_input_features", "MODEL", (-1, -1), optional=True, ragged=True),
@@ -91,8 +93,8 @@ CPP_OUTPUTS = [
     Tensor("sequence_length", "INT32", (-1,)),
     Tensor("cum_log_probs", "FP32", (-1,)),
     Tensor("output_log_probs", "FP32", (-1, -1)),
-    Tensor("context_logits", "FP32", (-1, -1)),
-    Tensor("generation_logits", "FP32", (-1, -1, -1)),
+    Tensor("context_logits", "LOGITS", (-1, -1)),
+    Tensor("generation_logits", "LOGITS", (-1, -1, -1)),
     Tensor("batch_index", "INT32", (1,)),
     Tensor("sequence_index", "INT32", (1,)),
     Tensor("context_phase_params", "UINT8", (-1,)),
@@ -114,8 +116,11 @@ WARMUP_PROMPT_TOKENS = 16
 WARMUP_OUTPUT_TOKENS = 4
 
 
-def tensorrt_llm_cpp(spec, engine_dir: Path | str, *, name: str = cfgs.TENSORRT_LLM):
+def tensorrt_llm_cpp(spec, engine_dir: Path | str, *, name: str = cfgs.TENSORRT_LLM, logits_dtype: str = "float32"):
     """The ``tensorrt_llm`` model for the C++ ``tensorrtllm`` backend.
+
+    ``logits_dtype`` is the engine's (its config.json ``pretrained_config.logits_dtype``; ModelOpt's
+    export writes float16): the logits outputs carry what the engine produces.
 
     ``engine_dir`` is the engine directory as the server will see it.  Every parameter the backend
     reads is set from the spec, including the three it reads without a default (``tokenizer_dir``,
@@ -130,8 +135,9 @@ def tensorrt_llm_cpp(spec, engine_dir: Path | str, *, name: str = cfgs.TENSORRT_
     config.dynamic_batching.preferred_batch_size.append(b.max_batch_size)
     config.dynamic_batching.max_queue_delay_microseconds = 0
     cfgs.queue_policy(config, spec)  # the backend hands max_queue_size to the executor too
-    cfgs.add_tensors(config.input, CPP_INPUTS, is_input=True, model_dtype=spec.model.dtype)
-    cfgs.add_tensors(config.output, CPP_OUTPUTS, is_input=False)
+    types = {"MODEL": cfgs.TORCH_TO_TRITON[spec.model.dtype], "LOGITS": cfgs.TORCH_TO_TRITON[logits_dtype]}
+    cfgs.add_tensors(config.input, CPP_INPUTS, is_input=True, placeholders=types)
+    cfgs.add_tensors(config.output, CPP_OUTPUTS, is_input=False, placeholders=types)
     # KIND_CPU: the backend places the engine on the GPUs itself (upstream template).
     cfgs.cpu_instances(config, s.instance_count)
     params = {
@@ -194,10 +200,20 @@ def cpp_warmup_files(spec, prompt_ids: list[int] | None = None) -> dict[str, byt
     }
 
 
+def engine_logits_dtype(engine_dir: Path | str) -> str:
+    """The built engine's ``pretrained_config.logits_dtype`` (float32 when it does not say)."""
+    try:
+        config = json.loads((Path(engine_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    return (config.get("pretrained_config") or config).get("logits_dtype") or "float32"
+
+
 def write_tensorrt_llm_cpp(spec, model_dir: Path | str, engine_dir: Path | str) -> Path:
     """The ``tensorrt_llm`` model directory of the trt-engine target: config.pbtxt, warmup/, 1/."""
     model_dir = Path(model_dir)
-    cfgs.write_model_dir(model_dir, tensorrt_llm_cpp(spec, engine_dir, name=model_dir.name),
+    config = tensorrt_llm_cpp(spec, engine_dir, name=model_dir.name, logits_dtype=engine_logits_dtype(engine_dir))
+    cfgs.write_model_dir(model_dir, config,
                          warmup=cpp_warmup_files(spec) if spec.serving.warmup else {})
     return model_dir
 
@@ -261,7 +277,7 @@ def tensorrt_llm_llmapi(spec, *, name: str = cfgs.TENSORRT_LLM):
     pb = cfgs.pb()
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=tc["max_batch_size"])
     config.model_transaction_policy.decoupled = tc["decoupled"]
-    cfgs.queue_policy(config, spec)  # Triton's own queue in front of the model (rejects beyond max_queue_size)
+    # No queue policy: execute() hands each request to the LLM and returns, so Triton's queue never fills.
     cfgs.add_tensors(config.input, LLMAPI_INPUTS, is_input=True)
     cfgs.add_tensors(config.output, LLMAPI_OUTPUTS, is_input=False)
     cfgs.cpu_instances(config, 1)
