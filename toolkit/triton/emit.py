@@ -29,17 +29,13 @@ import numpy as np
 
 from ..artifacts import StageResult, default_output, read_manifest, run_stage, sha256_file, tool_versions
 from ..errors import SourceError, UsageError
+from ..hfcompat import TOKENIZER_FILES
 from ..spec import Spec
 from ..targets import target_of
 from . import config as cfgs
 from . import gpu_models
 
 MODELS_SRC = Path(__file__).parent / "models"
-# The files of a Hugging Face tokenizer (and the generation defaults served with it).
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"  # relative to the repository root
 # Bumped when what rtk writes into a repository changes incompatibly (2: the cpu model.py imports
 # toolkit.targets.cpu; repositories from before import toolkit.build.cpu).
