@@ -207,21 +207,6 @@ def test_spec_objective_rules_name_the_problem():
         spec_from_dict({"name": "x", "slo": {"objectives": [{"metric": "error_rate", "stat": "p99", "max": 0.1}]}})
 
 
-def test_objective_shorthand():
-    from toolkit.commands.slo import parse_objective
-
-    o = parse_objective("ttft:p99<=300")
-    assert (o.metric, o.stat, o.max, o.min) == ("ttft", "p99", 300, None)
-    o = parse_objective("e2e:p99.9 <= 2000")
-    assert (o.metric, o.stat, o.max) == ("e2e", "p99.9", 2000)
-    o = parse_objective("attainment>=0.99")
-    assert (o.metric, o.stat, o.min) == ("attainment", "value", 0.99)
-    with pytest.raises(UsageError, match="METRIC"):
-        parse_objective("ttft p99 300")
-    with pytest.raises(UsageError, match="give a stat"):
-        parse_objective("ttft<=300")
-
-
 # -- arrivals ---------------------------------------------------------------------------------------
 
 def _gaps(kind, rate, n=20000, **kw):

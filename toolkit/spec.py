@@ -305,7 +305,7 @@ class SLOSpec(Section):
     @model_validator(mode="after")
     def _one_load(self) -> "SLOSpec":
         if self.concurrency is not None and self.request_rate is not None:
-            raise ValueError("set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both")
+            raise _Rule("slo.request_rate", "set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both")
         openai = self.endpoint in ("chat", "completions")
         if self.transport == "openai" and not openai:
             if "endpoint" in self.model_fields_set:
@@ -656,7 +656,7 @@ def _spec_error(exc: ValidationError, file: str | None) -> SpecError:
         lines.append(f"'{loc}': {msg}" if loc else msg)
     text = "; ".join(lines)
     return SpecError(text, file=file, field=None) if len(lines) > 1 else SpecError(
-        lines[0].split(": ", 1)[1] if ": " in lines[0] else lines[0], file=file, field=first_field or None
+        lines[0].split(": ", 1)[1] if first_field else lines[0], file=file, field=first_field or None
     )
 
 

@@ -1,12 +1,12 @@
-"""``rtk slo``: drive streaming load at Triton and gate on latency objectives.
+"""``rtk slo``: drive streaming load at Triton (or an OpenAI-compatible server) and gate on latency objectives.
 
+A thin layer: options are parsed here and given meaning in toolkit/slo (options.py, runner.py).
 Exit codes: 0 every objective met, 10 an objective missed, 11 inconclusive (too few samples for a
 percentile, or the client could not keep its schedule), 2 usage error, 4 server unreachable.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Literal, get_args, get_origin
@@ -14,51 +14,6 @@ from typing import Literal, get_args, get_origin
 import click
 
 from . import set_option
-
-_SHORTHAND = re.compile(r"^\s*([a-z0-9_]+)\s*(?::\s*(p50|p90|p95|p99\.9|p99|max|mean))?\s*(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$")
-
-
-def parse_objective(text: str):
-    """``'ttft:p99<=300'``, ``'error_rate<=0.001'``, ``'attainment>=0.99'`` → Objective."""
-    from pydantic import ValidationError
-
-    from ..errors import UsageError
-    from ..spec import Objective
-
-    m = _SHORTHAND.match(text)
-    if not m:
-        raise UsageError(f"--objective '{text}' is not METRIC[:STAT]<=VALUE or >=VALUE, e.g. 'ttft:p99<=300' or 'attainment>=0.99'")
-    metric, stat, op, value = m.groups()
-    data = {"metric": metric, "stat": stat or "value", ("max" if op.startswith("<") else "min"): float(value)}
-    try:
-        return Objective.model_validate(data)
-    except ValidationError as exc:
-        msg = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-        raise UsageError(f"--objective '{text}': {msg}") from None
-
-
-def load_objectives(path: Path):
-    import yaml
-    from pydantic import ValidationError
-
-    from ..errors import UsageError
-    from ..spec import Objective
-
-    if not path.is_file():
-        raise UsageError(f"objectives file '{path}' does not exist")
-    data = yaml.safe_load(path.read_text())
-    items = data.get("objectives") if isinstance(data, dict) else data
-    if not isinstance(items, list):
-        raise UsageError(f"{path}: expected a list of objectives (or a mapping with 'objectives:')")
-    out = []
-    for i, item in enumerate(items):
-        try:
-            out.append(Objective.model_validate(item))
-        except ValidationError as exc:
-            msg = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-            raise UsageError(f"{path}: objective {i + 1}: {msg}") from None
-    return out
-
 
 # Options generated from the spec's slo section: each field is declared once (toolkit/spec.py),
 # and its description is the help text.  Values given here override the spec.
@@ -86,11 +41,25 @@ def _slo_options(fn):
 @click.command("slo")
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @set_option
-@click.option("--url", help="gRPC host:port or http://host:port (default: the spec's serving host and port).")
+@click.option("--url", "urls", multiple=True, metavar="URL",
+              help="gRPC host:port, http://host:port, or an OpenAI-compatible base URL (default: the spec's). "
+                   "Repeat for replicas (--balance).")
+@click.option("--balance", type=click.Choice(["round_robin", "least_loaded"]), default="round_robin", show_default=True,
+              help="Several --url: each request to the next URL, or to the one with the fewest in flight.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Client processes on this host sharing one schedule.")
 @click.option("--metrics-url", help="Triton /metrics URL (default: the spec's metrics port).")
+@click.option("--check-metric", "check_metrics", multiple=True, metavar="NAME",
+              help="A server metric (NAME or 'NAME{label=\"value\"}') that must rise above zero under load, "
+                   "e.g. an autoscaling signal (repeatable).")
+@click.option("--start-at", type=float, default=None, metavar="UNIX_TIME",
+              help="Start the schedule at this Unix time (several client hosts; merge their reports with --merge).")
+@click.option("--merge", "merge_paths", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="REPORT",
+              help="Merge the report.json (or report directories) of runs on several hosts instead of running (repeat).")
 @click.option("--repository", type=click.Path(file_okay=False, path_type=Path), help="Model repository (for its tokenizer); default: the spec's.")
 @click.option("--objective", "objective_texts", multiple=True, metavar="EXPR",
-              help="An objective, e.g. 'ttft:p99<=300', 'itl:p99<=50', 'error_rate<=0.001', 'attainment>=0.99' (repeatable; replaces the spec's).")
+              help="An objective, e.g. 'ttft:p99<=300', 'itl:p99<=50', 'error_rate<=0.001', 'shed_rate<=0.05', "
+                   "'attainment>=0.99' (repeatable; replaces the spec's).")
 @click.option("--objectives", "objectives_file", type=click.Path(dir_okay=False, path_type=Path),
               help="YAML file with a list of objectives (replaces the spec's).")
 @click.option("--sweep", type=click.Choice(["rate", "concurrency"]), help="Run at several loads (--values).")
@@ -103,56 +72,56 @@ def _slo_options(fn):
               help="Report directory (default: reports/slo/<name>-<time>/).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @_slo_options
-def command(spec_path, overrides, url, metrics_url, repository, objective_texts, objectives_file, sweep, search, values,
-            start, limit, serve, output, no_plots, **fields):
+def command(spec_path, overrides, urls, balance, workers, metrics_url, check_metrics, start_at, merge_paths, repository,
+            objective_texts, objectives_file, sweep, search, values, start, limit, serve, output, no_plots, **fields):
     """Drive streaming load at Triton and check latency objectives.
 
     Exit status: 0 every objective met (PASS), 10 an objective missed (FAIL), 11 INCONCLUSIVE (too
     few samples for a percentile, e.g. p99 needs 100 requests, or the client could not keep its
-    schedule), 2 usage error, 4 tritonserver unreachable.  Reports (JSON with every request,
-    Markdown, JUnit XML, PNG plots) go to --output.
+    schedule), 2 usage error, 4 server unreachable.  Reports (JSON with every request, Markdown,
+    JUnit XML, PNG plots) go to --output.
     """
     import contextlib
 
     from ..console import err, step
     from ..errors import UsageError
     from ..slo import report as rep
-    from ..slo.runner import as_slo, search_slo, sweep_slo, run_slo
-    from ..spec import SLOSpec, load_spec
+    from ..slo.options import configure, objectives_from, parse_values
+    from ..slo.runner import merge_reports, run_slo, search_slo, sweep_slo
+    from ..spec import load_spec
 
-    if spec_path is not None:
-        spec = load_spec(spec_path, list(overrides))
-        slo_data = spec.slo.model_dump()
-    else:
-        if overrides:
-            raise UsageError("--set needs a SPEC; without one, use the --concurrency/--request-rate/... options")
-        spec, slo_data = None, SLOSpec().model_dump()
-    given = {k: v for k, v in fields.items() if v is not None}
-    if "request_rate" in given and "concurrency" not in given:
-        slo_data["concurrency"] = None
-    if "concurrency" in given and "request_rate" not in given:
-        slo_data["request_rate"] = None
-    slo_data.update(given)
-    objectives = None
-    if objectives_file:
-        objectives = load_objectives(objectives_file)
-    if objective_texts:
-        objectives = (objectives or []) + [parse_objective(t) for t in objective_texts]
-    if objectives is not None:
-        slo_data["objectives"] = [o.model_dump() for o in objectives]
-    _, slo = as_slo(slo_data)
-    config = spec.model_copy(update={"slo": slo}) if spec is not None else slo
+    if overrides and spec_path is None:
+        raise UsageError("--set needs a SPEC; without one, use the --concurrency/--request-rate/... options")
     if sweep and search:
         raise UsageError("use either --sweep or --search, not both")
     if sweep and not values:
         raise UsageError("--sweep needs --values, e.g. --values 1,2,4,8")
-    name = spec.name if spec is not None else "run"
-    out_dir = output or Path("reports") / "slo" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    loads = parse_values(values) if sweep else None
+    objectives = objectives_from(objective_texts, objectives_file)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    if merge_paths:
+        if sweep or search or serve or urls or start_at is not None:
+            raise UsageError("--merge combines existing reports; it takes no --url, --serve, --sweep, --search or --start-at")
+        result = merge_reports(list(merge_paths), objectives)
+        out_dir = output or Path("reports") / "slo" / f"merged-{stamp}"
+        rep.print_report(result)
+        paths = rep.write_report(result, out_dir, plots=not no_plots)
+        err.print(f"reports: {out_dir}/ ({', '.join(p.name for p in paths.values())})")
+        click.get_current_context().exit(result.exit_code)
+
+    spec = load_spec(spec_path, list(overrides)) if spec_path is not None else None
+    config = configure(spec, fields, objectives)
+    slo = config.slo if spec is not None else config
+    url = list(urls) if len(urls) > 1 else (urls[0] if urls else None)
+    out_dir = output or Path("reports") / "slo" / f"{spec.name if spec is not None else 'run'}-{stamp}"
 
     server_ctx = contextlib.nullcontext()
     if serve:
         if spec is None and repository is None:
             raise UsageError("--serve needs a SPEC or --repository to serve")
+        if urls:
+            raise UsageError("--serve starts its own server; drop --url")
         from ..triton.launch import running
 
         # The same launch as `rtk serve` (host check, MPI / orchestrator, configs as written), on free local ports.
@@ -161,16 +130,22 @@ def command(spec_path, overrides, url, metrics_url, repository, objective_texts,
         err.print(f"starting tritonserver on {source} (models load and warm up) …")
     with server_ctx as server:
         if server is not None:
-            url = url or (server.grpc_url if slo.transport == "grpc" else server.http_url)
+            if slo.transport == "openai":
+                url = getattr(server, "frontdoor_url", None)
+                if url is None:
+                    raise UsageError("--serve with transport openai needs the front door's address, which this server "
+                                     "does not report; start it with rtk serve and pass --url")
+            else:
+                url = server.grpc_url if slo.transport == "grpc" else server.http_url
             metrics_url = metrics_url or server.metrics_url
-        kwargs = dict(metrics_url=metrics_url, repository=repository)
+        kwargs = dict(metrics_url=metrics_url, repository=repository, workers=workers, balance=balance,
+                      check_metrics=list(check_metrics), start_at=start_at)
         if sweep or search:
+            if start_at is not None:
+                raise UsageError("--start-at applies to a single run, not to a --sweep or --search")
+            kwargs.pop("start_at")
             on_point = lambda p: err.print(f"  {p.plan.kind} {p.plan.value:g}: {p.verdict.status}")  # noqa: E731
             if sweep:
-                try:
-                    loads = [float(v) for v in values.split(",") if v.strip()]
-                except ValueError:
-                    raise UsageError(f"--values '{values}' is not a comma-separated list of numbers") from None
                 result = sweep_slo(config, url, kind=sweep, values=loads, on_point=on_point, **kwargs)
             else:
                 result = search_slo(config, url, kind=search, start=start, limit=limit, on_point=on_point, **kwargs)

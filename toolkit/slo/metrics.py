@@ -101,11 +101,13 @@ class RequestMetric:
     def value(self, rec: RequestRecord) -> float | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def distribution(self, records: list[RequestRecord], failure_ms: float | None = None) -> Distribution:
-        """Over ``records`` (measured ones); ``failure_ms`` is what a failed or timed-out request counts as."""
+    def distribution(self, records: list[RequestRecord], failure_ms: float | None = None,
+                     outcomes: list[str] | None = None) -> Distribution:
+        """Over ``records`` (measured ones); ``failure_ms`` is what a failed or timed-out request counts as;
+        ``outcomes``: each record's outcome, when the caller has them already."""
         vals, contributing = [], 0
-        for r in records:
-            out = r.outcome
+        outcomes = outcomes if outcomes is not None else [r.outcome for r in records]
+        for r, out in zip(records, outcomes, strict=True):
             if out in self.outcomes:
                 v = self.values(r)
             elif self.failures_at_timeout and failure_ms is not None and out in (O.FAILED, O.TIMED_OUT):
@@ -337,8 +339,9 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
         if tag not in REQUEST_METRICS or not REQUEST_METRICS[tag].per_request_slo:
             raise ValueError(f"'{tag}' cannot bound a single request; use one of ttft, tpot, e2e")
     measured = [r for r in records if r.measured]
-    ok = [r for r in measured if r.ok]
-    dists = {tag: m.distribution(measured, failure_ms) for tag, m in REQUEST_METRICS.items()}
+    outs = [r.outcome for r in measured]
+    ok = [r for r, o in zip(measured, outs) if o == O.SERVED]
+    dists = {tag: m.distribution(measured, failure_ms, outs) for tag, m in REQUEST_METRICS.items()}
     times_start = [r.scheduled_ns for r in measured]
     times_end = [t for r in measured for t in (r.final_ns, r.last_token_ns) if t is not None]
     start = min(times_start) if times_start else 0
@@ -349,8 +352,8 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
     errors: dict[str, int] = {}
     outcomes = {o: 0 for o in O.OUTCOMES}
     tiers: dict[str, int] = {}
-    for r in measured:
-        outcomes[r.outcome] += 1
+    for r, o in zip(measured, outs):
+        outcomes[o] += 1
         if r.tier is not None:
             tiers[r.tier] = tiers.get(r.tier, 0) + 1
         if not r.ok and r.error is not None:

@@ -109,3 +109,22 @@ def parse_values(text: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise UsageError(f"--values '{text}': give one or more positive loads, e.g. 1,2,4,8")
     return values
+
+
+def configure(spec, given: dict[str, Any], objectives: list[Objective] | None = None):
+    """The run's configuration: ``spec`` (a Spec, or None for the defaults) with the ``given``
+    options and, when not None, ``objectives`` replacing the spec's.  Returns a Spec or an SLOSpec."""
+    base = spec.slo.model_dump() if spec is not None else SLOSpec().model_dump()
+    data = apply_options(base, given)
+    if objectives is not None:
+        data["objectives"] = [o.model_dump() for o in objectives]
+    slo = validate_slo(data)
+    return spec.model_copy(update={"slo": slo}) if spec is not None else slo
+
+
+def objectives_from(texts: list[str] | tuple[str, ...], path: str | Path | None) -> list[Objective] | None:
+    """``--objectives FILE`` then every ``--objective``; None when neither was given (keep the spec's)."""
+    out = load_objectives(path) if path else None
+    if texts:
+        out = (out or []) + [parse_objective(t) for t in texts]
+    return out

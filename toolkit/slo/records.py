@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..triton.config import PERF_OUTPUTS as SERVER_STAMPS
+from ..triton.models.rtk_text import PERF_OUTPUTS as SERVER_STAMPS
 from . import outcome as _outcome
 
 ARRIVAL, FIRST_SCHEDULED, FIRST_TOKEN, LAST_TOKEN = SERVER_STAMPS
