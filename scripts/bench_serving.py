@@ -24,6 +24,7 @@ requests of each path and level are not measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -55,7 +56,7 @@ class Recorder:
     def add(self, sent: float, times: list[float]):
         with self.lock:
             self.ttft.append(times[0] - sent)
-            self.itl.extend(b - a for a, b in zip(times, times[1:]))
+            self.itl.extend(b - a for a, b in itertools.pairwise(times))
 
 
 def closed_loop(concurrency: int, requests: int, warmup: int, one, rec: Recorder) -> Recorder:
@@ -84,6 +85,7 @@ def closed_loop(concurrency: int, requests: int, warmup: int, one, rec: Recorder
 
 
 # -- the three paths ----------------------------------------------------------------------------
+
 
 def engine_runner(bg, prompt_ids, out_tokens):
     """The in-process peer: ``run(concurrency, count, warmup, rec)``.  The closed loop is driven from the
@@ -140,17 +142,51 @@ def client_runner(one):
     return run
 
 
-def grpc_one(url, model, inputs_fn):
-    import tritonclient.grpc as g
+class SharedStream:
+    """One gRPC client and one bidirectional stream for every request of a path (no connection per
+    request): requests are multiplexed by id and each response is routed to its request's queue."""
 
+    def __init__(self, url):
+        import tritonclient.grpc as g
+
+        self.client = g.InferenceServerClient(url)
+        self.queues: dict[str, queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.ids = iter(range(1 << 62))
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error):
+        at, at_ns = time.perf_counter(), time.time_ns()
+        rid = result.get_response().id if result is not None else None
+        with self.lock:
+            targets = [self.queues[rid]] if rid in self.queues else list(self.queues.values())
+        for q in targets:  # an error without a request id reaches every request in flight
+            q.put((result, error, at, at_ns))
+
+    def send(self, model, inputs) -> tuple[str, queue.Queue]:
+        q: queue.Queue = queue.Queue()
+        with self.lock:
+            rid = f"bench-{next(self.ids)}"
+            self.queues[rid] = q
+        self.client.async_stream_infer(model, inputs, request_id=rid, enable_empty_final_response=True)
+        return rid, q
+
+    def done(self, rid):
+        with self.lock:
+            self.queues.pop(rid, None)
+
+    def close(self):
+        self.client.stop_stream()
+        self.client.close()
+
+
+def grpc_one(stream: SharedStream, model, inputs_fn):
     def one():
-        client = g.InferenceServerClient(url)
-        q = queue.Queue()
-        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter(), time.time_ns())))
         times, overhead = [], None
+        inputs = inputs_fn()
+        sent, sent_ns = time.perf_counter(), time.time_ns()
+        rid, q = stream.send(model, inputs)
         try:
-            sent, sent_ns = time.perf_counter(), time.time_ns()
-            client.async_stream_infer(model, inputs_fn(), enable_empty_final_response=True)
             while True:
                 result, error, at, at_ns = q.get(timeout=300)
                 if error is not None:
@@ -158,7 +194,8 @@ def grpc_one(url, model, inputs_fn):
                 r = result.get_response()
                 names = {o.name for o in r.outputs}
                 token = ("output_ids" in names and result.as_numpy("output_ids").size) or (
-                    "text_output" in names and any(result.as_numpy("text_output").reshape(-1)))
+                    "text_output" in names and any(result.as_numpy("text_output").reshape(-1))
+                )
                 if token:
                     if not times and "first_token_time_ns" in names:
                         arrival = int(result.as_numpy("arrival_time_ns").reshape(-1)[0])
@@ -168,8 +205,7 @@ def grpc_one(url, model, inputs_fn):
                 if r.parameters["triton_final_response"].bool_param:
                     return sent, times, overhead
         finally:
-            client.stop_stream()
-            client.close()
+            stream.done(rid)
 
     return one
 
@@ -192,11 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="the paths take turns this many times per level")
     args = ap.parse_args(argv)
 
-    from toolkit.artifacts import read_manifest
-    from toolkit.triton.server import free_ports
-    from toolkit.triton import launch
-
     import rtk_text
+
+    from toolkit.artifacts import read_manifest
+    from toolkit.triton import launch
+    from toolkit.triton.server import free_ports
 
     repo = args.repository
     manifest = read_manifest(repo) or {}
@@ -209,38 +245,47 @@ def main(argv=None) -> int:
     n = args.output_tokens
 
     print(f"# rtk serving overhead — {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start", flush=True)
-    print(f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
-          f" ~{args.requests} measured + {args.warmup} warm-up requests per level and path in {args.rounds} interleaved rounds; closed loop", flush=True)
-    from toolkit.targets.cpu import load_engine
+    print(
+        f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
+        f" ~{args.requests} measured + {args.warmup} warm-up requests per level and path in {args.rounds}"
+        " interleaved rounds; closed loop",
+        flush=True,
+    )
     from toolkit.runtime.engine import BackgroundEngine
+    from toolkit.targets.cpu import load_engine
 
     http, grpc, metrics = free_ports(3)
     t = launch.resolve(repo)
     server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
-    bg = None
+    bg, streams = None, []
     try:
         server.wait_ready(models=t.models)
         bg = BackgroundEngine(load_engine(engine_dir))
 
         def llm_inputs():
-            return [tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
-                    tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
-                    tensor("request_output_len", np.array([[n]], dtype=np.int32), "INT32"),
-                    tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                    tensor("streaming", np.array([[True]]), "BOOL"),
-                    tensor("return_perf_metrics", np.array([[True]]), "BOOL")]
+            return [
+                tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
+                tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
+                tensor("request_output_len", np.array([[n]], dtype=np.int32), "INT32"),
+                tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
+                tensor("streaming", np.array([[True]]), "BOOL"),
+                tensor("return_perf_metrics", np.array([[True]]), "BOOL"),
+            ]
 
         def ens_inputs():
-            return [tensor("text_input", np.array([[chat.encode()]], dtype=np.object_), "BYTES"),
-                    tensor("max_tokens", np.array([[n]], dtype=np.int32), "INT32"),
-                    tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                    tensor("stream", np.array([[True]]), "BOOL")]
+            return [
+                tensor("text_input", np.array([[chat.encode()]], dtype=np.object_), "BYTES"),
+                tensor("max_tokens", np.array([[n]], dtype=np.int32), "INT32"),
+                tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
+                tensor("stream", np.array([[True]]), "BOOL"),
+            ]
 
+        streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
         paths = {
             "engine": engine_runner(bg, prompt_ids, n),
-            "tensorrt_llm": client_runner(grpc_one(server.grpc_url, "tensorrt_llm", llm_inputs)),
-            "ensemble": client_runner(grpc_one(server.grpc_url, "ensemble", ens_inputs)),
+            "tensorrt_llm": client_runner(grpc_one(streams[0], "tensorrt_llm", llm_inputs)),
+            "ensemble": client_runner(grpc_one(streams[1], "ensemble", ens_inputs)),
         }
         results = {p: {c: Recorder() for c in args.concurrency} for p in paths}
         for c in args.concurrency:
@@ -250,13 +295,18 @@ def main(argv=None) -> int:
                     run(c, per_round, args.warmup if r == 0 else 0, results[name][c])
             print(f"# {c} stream(s) done", flush=True)
     finally:
+        for st in streams:
+            st.close()
         if bg is not None:
             bg.close()
         server.stop()
 
     ms = 1e3
     print()
-    print("| streams | path | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | TTFT ratio | TTFT added ms | ITL ratio |")
+    print(
+        "| streams | path | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | TTFT ratio | TTFT added ms"
+        " | ITL ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         base = results["engine"][c]
@@ -264,13 +314,19 @@ def main(argv=None) -> int:
         for path in ("engine", "tensorrt_llm", "ensemble"):
             r = results[path][c]
             ttft, itl = statistics.median(r.ttft), statistics.median(r.itl)
-            print(f"| {c} | {path} | {ttft * ms:.1f} | {percentile(r.ttft, 90) * ms:.1f} | {itl * ms:.1f} | "
-                  f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | {itl / b_itl:.2f} |")
+            print(
+                f"| {c} | {path} | {ttft * ms:.1f} | {percentile(r.ttft, 90) * ms:.1f} | {itl * ms:.1f} | "
+                f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
+                f"{itl / b_itl:.2f} |"
+            )
     for c in args.concurrency:
         share = results["tensorrt_llm"][c].triton_ms
         if share:
-            print(f"# {c} stream(s), tensorrt_llm path: Triton's own share of TTFT (send -> execute + first token -> client,"
-                  f" from the model's time stamps): median {statistics.median(share):.2f} ms, p90 {percentile(share, 90):.2f} ms")
+            print(
+                f"# {c} stream(s), tensorrt_llm path: Triton's own share of TTFT (send -> execute + first token"
+                f" -> client, from the model's time stamps): median {statistics.median(share):.2f} ms,"
+                f" p90 {percentile(share, 90):.2f} ms"
+            )
     print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 

