@@ -207,6 +207,47 @@ class CacheSpec(Section):
     max_entries: int = Field(4096, ge=1, description="in-process cache: least recently used beyond this are dropped")
 
 
+class ClassifierSpec(Section):
+    """A classifier model served in the same repository: ``text_input`` (BYTES) in, ``score`` (FP32, 0..1) out."""
+
+    model: str = Field(..., min_length=1, description="the classifier's model name in the repository")
+    threshold: float = Field(0.5, ge=0, le=1, description="a score at or above this is a hit")
+    every_chars: int = Field(64, ge=1, description="output: classify the held text after this many new characters")
+
+
+class FilterSpec(Section):
+    """The content filter on input and streamed output (toolkit/frontdoor/filter.py, docs/guard.md)."""
+
+    keywords: list[str] = Field(default_factory=list, description="phrases refused anywhere in the text")
+    patterns: list[str] = Field(default_factory=list, description="regular expressions (Python re, case-insensitive)")
+    hold_back_chars: int = Field(
+        32, ge=1, le=4096, description="output kept back so a phrase split across tokens is caught (at least the "
+        "longest keyword; a pattern match longer than this may be partly sent before it is found)",
+    )
+    input: bool = Field(True, description="refuse a request whose messages or prompt break a rule (400)")
+    output: bool = Field(True, description="end a response before text that breaks a rule (finish_reason content_filter)")
+    classifier: ClassifierSpec | None = None
+
+    @field_validator("keywords")
+    @classmethod
+    def _words(cls, v: list[str]) -> list[str]:
+        for i, w in enumerate(v):
+            if not w.strip():
+                raise ValueError(f"keywords[{i}] is empty; remove it")
+        return v
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, v: list[str]) -> list[str]:
+        for i, p in enumerate(v):
+            try:
+                if re.compile(p).match(""):
+                    raise ValueError(f"patterns[{i}] {p!r} matches the empty text, so it would match everything")
+            except re.error as exc:
+                raise ValueError(f"patterns[{i}] {p!r} is not a valid regular expression: {exc}") from None
+        return v
+
+
 class ServingSpec(Section):
     @model_validator(mode="before")
     @classmethod
@@ -247,6 +288,7 @@ class ServingSpec(Section):
     frontend: FrontendSpec = FrontendSpec()
     guard: GuardSpec = GuardSpec()
     cache: CacheSpec = CacheSpec()
+    filter: FilterSpec = FilterSpec()
 
 
 class Objective(Section):
