@@ -50,7 +50,10 @@ def percentile(xs, q):
 class Recorder:
     def __init__(self):
         self.ttft, self.itl = [], []
-        self.triton_ms = []  # tensorrt_llm path: (execute - send) + (response - first token), from server stamps
+        # TTFT split from the model's time stamps (same host clock), ms: send -> arrival in the model,
+        # arrival -> first scheduled (waiting for the running step to end), scheduled -> first token
+        # (the step that prefills it), first token -> client
+        self.split = []
         self.lock = threading.Lock()
 
     def add(self, sent: float, times: list[float]):
@@ -74,7 +77,7 @@ def closed_loop(concurrency: int, requests: int, warmup: int, one, rec: Recorder
             if i >= warmup:
                 rec.add(sent, times)
                 if overhead is not None:
-                    rec.triton_ms.append(overhead)
+                    rec.split.append(overhead)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -105,6 +108,16 @@ def engine_runner(bg, prompt_ids, out_tokens):
 
             def on_event(ev):
                 if ev.token_id is not None:
+                    if not times and index >= warmup:  # engine thread: its own stamps are consistent here
+                        t = bg.engine.times(ev.request_id)
+                        rec.split.append(
+                            (
+                                0.0,
+                                (t.first_scheduled_ns - t.arrival_ns) / 1e6,
+                                (t.first_token_ns - t.first_scheduled_ns) / 1e6,
+                                0.0,
+                            )
+                        )
                     times.append(time.perf_counter())
                 if ev.finished:
                     if index >= warmup:
@@ -198,9 +211,17 @@ def grpc_one(stream: SharedStream, model, inputs_fn):
                 )
                 if token:
                     if not times and "first_token_time_ns" in names:
-                        arrival = int(result.as_numpy("arrival_time_ns").reshape(-1)[0])
-                        first = int(result.as_numpy("first_token_time_ns").reshape(-1)[0])
-                        overhead = ((arrival - sent_ns) + (at_ns - first)) / 1e6
+                        stamp = {
+                            k: int(result.as_numpy(k).reshape(-1)[0])
+                            for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")
+                        }
+                        arrival, sched, first = (stamp[k] for k in stamp)
+                        overhead = (
+                            (arrival - sent_ns) / 1e6,
+                            (sched - arrival) / 1e6,
+                            (first - sched) / 1e6,
+                            (at_ns - first) / 1e6,
+                        )
                     times.append(at)
                 if r.parameters["triton_final_response"].bool_param:
                     return sent, times, overhead
@@ -319,14 +340,15 @@ def main(argv=None) -> int:
                 f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
                 f"{itl / b_itl:.2f} |"
             )
+    print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
+    print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
+    print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        share = results["tensorrt_llm"][c].triton_ms
-        if share:
-            print(
-                f"# {c} stream(s), tensorrt_llm path: Triton's own share of TTFT (send -> execute + first token"
-                f" -> client, from the model's time stamps): median {statistics.median(share):.2f} ms,"
-                f" p90 {percentile(share, 90):.2f} ms"
-            )
+        for path in ("engine", "tensorrt_llm"):
+            split = results[path][c].split
+            if split:
+                cols = " | ".join(f"{statistics.median(x[i] for x in split):.1f}" for i in range(4))
+                print(f"| {c} | {path} | {cols} |")
     print(f"\n# load average at end {os.getloadavg()[0]:.1f}")
     return 0
 
