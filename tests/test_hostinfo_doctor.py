@@ -25,31 +25,56 @@ ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
 
 # Stands in for the 26.04 NGC image on an H100 host.
-FAKE_H100_HOST = HostInfo.from_dict({
-    "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 80 * GiB, "compute_capability": [9, 0]}],
-    "driver_version": "590.44.01", "cuda_driver_version": "13.1", "cuda_runtime_version": "13.1",
-    "packages": {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48", "nvidia-modelopt": "0.37.0", "mpi4py": "4.0.3"},
-    "tritonserver": {"path": "/opt/tritonserver/bin/tritonserver", "version": "2.68.0", "source": "system",
-                     "backends": ["python", "tensorrtllm"]},
-    "triton_container": "26.04",
-    "executables": {"trtllm-build": "/usr/local/bin/trtllm-build", "mpirun": "/usr/local/mpi/bin/mpirun"},
-})
+FAKE_H100_HOST = HostInfo.from_dict(
+    {
+        "gpus": [
+            {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 80 * GiB, "compute_capability": [9, 0]}
+        ],
+        "driver_version": "590.44.01",
+        "cuda_driver_version": "13.1",
+        "cuda_runtime_version": "13.1",
+        "packages": {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48", "nvidia-modelopt": "0.37.0", "mpi4py": "4.0.3"},
+        "tritonserver": {
+            "path": "/opt/tritonserver/bin/tritonserver",
+            "version": "2.68.0",
+            "source": "system",
+            "backends": ["python", "tensorrtllm"],
+        },
+        "triton_container": "26.04",
+        "executables": {"trtllm-build": "/usr/local/bin/trtllm-build", "mpirun": "/usr/local/mpi/bin/mpirun"},
+    }
+)
 # Stands in for an L40S host with the 26.03 image (TensorRT-LLM 1.2.0).
-FAKE_L40S_HOST = HostInfo.from_dict({**FAKE_H100_HOST.to_dict(),
-    "gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_bytes": 48 * GiB, "compute_capability": [8, 9]}],
-    "packages": {**FAKE_H100_HOST.packages, "tensorrt_llm": "1.2.0"}, "triton_container": "26.03"})
+FAKE_L40S_HOST = HostInfo.from_dict(
+    {
+        **FAKE_H100_HOST.to_dict(),
+        "gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_bytes": 48 * GiB, "compute_capability": [8, 9]}],
+        "packages": {**FAKE_H100_HOST.packages, "tensorrt_llm": "1.2.0"},
+        "triton_container": "26.03",
+    }
+)
 
 
 def engine_manifest(**over) -> dict:
-    runs_on = {"target": "trt-engine", "spec_name": "llama-3.1-8b-fp8", "tensorrt_llm": "1.2.1",
-               "tensorrt": "10.14.1.48", "cuda": "13.1", "driver": "590.44.01",
-               "gpu": {"name": "NVIDIA H100 80GB HBM3", "sm": 90, "compute_capability": "9.0"},
-               "gpu_count": 1, "tp_size": 1, "pp_size": 1, "quantization": {"format": "fp8", "kv_cache": "fp8"}}
+    runs_on = {
+        "target": "trt-engine",
+        "spec_name": "llama-3.1-8b-fp8",
+        "tensorrt_llm": "1.2.1",
+        "tensorrt": "10.14.1.48",
+        "cuda": "13.1",
+        "driver": "590.44.01",
+        "gpu": {"name": "NVIDIA H100 80GB HBM3", "sm": 90, "compute_capability": "9.0"},
+        "gpu_count": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "quantization": {"format": "fp8", "kv_cache": "fp8"},
+    }
     runs_on.update(over)
     return {"stage": "build", "runs_on": runs_on}
 
 
 # -- artifacts vs hosts -------------------------------------------------------------------------
+
 
 def test_engine_runs_on_the_host_it_was_built_for():
     check_host_compatible(engine_manifest(), FAKE_H100_HOST)
@@ -60,16 +85,22 @@ def test_engine_from_another_gpu_and_version_is_refused_with_what_to_rebuild():
     with pytest.raises(HostMismatchError) as e:
         check_host_compatible(engine_manifest(), FAKE_L40S_HOST)
     msg = str(e.value)
-    assert "engine built with TensorRT-LLM 1.2.1 on H100 80GB HBM3 (sm90); this host has TensorRT-LLM 1.2.0 on L40S (sm89)" in msg
+    assert (
+        "engine built with TensorRT-LLM 1.2.1 on H100 80GB HBM3 (sm90); this host has TensorRT-LLM 1.2.0 on L40S (sm89)"
+        in msg
+    )
     assert "rtk build SPEC --force" in msg and "llama-3.1-8b-fp8" in msg
 
 
-@pytest.mark.parametrize("over, reason", [
-    ({"tensorrt_llm": "1.2.0"}, "only in the TensorRT-LLM version that built them"),
-    ({"tensorrt": "10.13.3.9"}, "TensorRT 10.14.1.48 cannot load plans serialized by TensorRT 10.13.3.9"),
-    ({"gpu_count": 4, "tp_size": 4}, "4 ranks (tp 4 x pp 1) and this host has 1 GPUs"),
-    ({"cuda": "13.2"}, "supports CUDA 13.1 only: upgrade the driver"),
-])
+@pytest.mark.parametrize(
+    "over, reason",
+    [
+        ({"tensorrt_llm": "1.2.0"}, "only in the TensorRT-LLM version that built them"),
+        ({"tensorrt": "10.13.3.9"}, "TensorRT 10.14.1.48 cannot load plans serialized by TensorRT 10.13.3.9"),
+        ({"gpu_count": 4, "tp_size": 4}, "4 ranks (tp 4 x pp 1) and this host has 1 GPUs"),
+        ({"cuda": "13.2"}, "supports CUDA 13.1 only: upgrade the driver"),
+    ],
+)
 def test_each_mismatch_is_named(over, reason):
     with pytest.raises(HostMismatchError, match=re.escape(reason)):
         check_host_compatible(engine_manifest(**over), FAKE_H100_HOST)
@@ -81,18 +112,40 @@ def test_engine_on_a_host_without_gpu_is_refused():
 
 
 def test_llmapi_artifact_needs_a_gpu_that_runs_its_format():
-    runs_on = {"target": "llmapi", "spec_name": "q", "tensorrt_llm_min": "1.0", "min_sm": 89, "gpu_count": 1,
-               "tp_size": 1, "pp_size": 1, "quantization": {"format": "fp8", "kv_cache": "none"}}
+    runs_on = {
+        "target": "llmapi",
+        "spec_name": "q",
+        "tensorrt_llm_min": "1.0",
+        "min_sm": 89,
+        "gpu_count": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "quantization": {"format": "fp8", "kv_cache": "none"},
+    }
     check_host_compatible({"runs_on": runs_on}, FAKE_L40S_HOST)  # sm89 runs fp8
-    ampere = HostInfo.from_dict({**FAKE_H100_HOST.to_dict(), "gpus": [
-        {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "memory_total_bytes": 80 * GiB, "compute_capability": [8, 0]}]})
-    with pytest.raises(HostMismatchError, match="'fp8' needs sm89 or newer and this host has A100-SXM4-80GB \\(sm80\\)"):
+    ampere = HostInfo.from_dict(
+        {
+            **FAKE_H100_HOST.to_dict(),
+            "gpus": [
+                {
+                    "index": 0,
+                    "name": "NVIDIA A100-SXM4-80GB",
+                    "memory_total_bytes": 80 * GiB,
+                    "compute_capability": [8, 0],
+                }
+            ],
+        }
+    )
+    with pytest.raises(
+        HostMismatchError, match="'fp8' needs sm89 or newer and this host has A100-SXM4-80GB \\(sm80\\)"
+    ):
         check_host_compatible({"runs_on": runs_on}, ampere)
     with pytest.raises(HostMismatchError, match="has none.*TensorRT-LLM >= 1.0 is not installed"):
         check_host_compatible({"runs_on": runs_on}, HostInfo())
 
 
 # -- doctor ---------------------------------------------------------------------------------------
+
 
 def test_doctor_on_a_stand_in_gpu_host_passes_the_gpu_targets():
     for target in ("trt-engine", "llmapi"):
@@ -107,17 +160,35 @@ def test_doctor_on_a_stand_in_gpu_host_passes_the_gpu_targets():
 
 def test_doctor_cli_on_this_cpu_host(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
-    ok = subprocess.run([sys.executable, "-m", "toolkit.cli", "doctor", "--target", "cpu"], capture_output=True, text=True,
-                        cwd=ROOT, env=env, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "doctor", "--target", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "cpu: can run" in ok.stdout and "tritonserver" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "toolkit.cli", "doctor", "--target", "trt-engine"], capture_output=True,
-                         text=True, cwd=ROOT, env=env, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "doctor", "--target", "trt-engine"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert bad.returncode == 2
     assert "GPU" in bad.stderr and "use a host with an NVIDIA GPU" in bad.stderr
     assert "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3" in bad.stderr
-    js = subprocess.run([sys.executable, "-m", "toolkit.cli", "doctor", "--json"], capture_output=True, text=True,
-                        cwd=ROOT, env=env, timeout=60)
+    js = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert js.returncode == 0  # without --target it reports and does not gate
     report = json.loads(js.stdout)
     verdict = {t["target"]: t["ok"] for t in report["targets"]}
@@ -154,18 +225,19 @@ def test_nvidia_smi_parsing_from_recorded_output():
 
 # -- never import tensorrt_llm ------------------------------------------------------------------
 
-SENTINEL = '''import os, sys, traceback
+SENTINEL = """import os, sys, traceback
 with open(os.environ["TRTLLM_SENTINEL_LOG"], "a") as f:
     f.write("imported by:\\n" + "".join(traceback.format_stack()))
 raise ImportError("tensorrt_llm sentinel: rtk must not import tensorrt_llm on a CPU host")
-'''
+"""
 
-PROBE = '''import sys
+PROBE = """import sys
 from click.testing import CliRunner
 from toolkit.cli import cli
 runner = CliRunner()
 every_help = [[name, "--help"] for name in cli.commands]  # every registered command, whoever wrote it
-for args in (["--help"], *every_help, ["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]):
+doctor = [["doctor"], ["doctor", "--target", "trt-engine"], ["doctor", "--target", "llmapi", "--json"]]
+for args in (["--help"], *every_help, *doctor):
     r = runner.invoke(cli, args)
     assert r.exit_code in (0, 2), (args, r.output, r.exception)
 import toolkit.targets.trt_engine, toolkit.targets.llmapi, toolkit.doctor, toolkit.hostinfo, toolkit.triton.launch
@@ -179,7 +251,7 @@ qwen = load_spec("examples/qwen2.5-7b-llmapi.yaml")
 llmapi.model_yaml(qwen, "/m")
 gpu_models.tensorrt_llm_llmapi(qwen)
 print("TRTLLM_IMPORTED" if "tensorrt_llm" in sys.modules else "TRTLLM_NOT_IMPORTED")
-'''
+"""
 
 
 def test_no_rtk_command_imports_tensorrt_llm(tmp_path):
@@ -187,10 +259,19 @@ def test_no_rtk_command_imports_tensorrt_llm(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(SENTINEL)
     log = tmp_path / "imports.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "TRTLLM_SENTINEL_LOG": str(log)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+        "TRTLLM_SENTINEL_LOG": str(log),
+    }
     # The sentinel really is importable: a check that would catch an import.
-    seen = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('tensorrt_llm').origin)"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    seen = subprocess.run(
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('tensorrt_llm').origin)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert str(pkg) in seen.stdout
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

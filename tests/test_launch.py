@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from conftest import spec_for
 
 from toolkit.artifacts import MANIFEST
 from toolkit.cli import cli
@@ -22,8 +23,6 @@ from toolkit.spec import spec_from_dict
 from toolkit.triton import launch
 from toolkit.triton.emit import REPOSITORY_FORMAT, SERVER_ONLY_FIELDS
 from toolkit.triton.server import TritonBinary
-
-from conftest import spec_for
 
 
 def emitted_repo(root: Path, target: str = "trt-engine", *, fmt: int | None = REPOSITORY_FORMAT, **sections) -> Path:
@@ -34,10 +33,20 @@ def emitted_repo(root: Path, target: str = "trt-engine", *, fmt: int | None = RE
     spec = spec_from_dict(data)
     repo = root / "repo"
     repo.mkdir(parents=True)
-    manifest = {"complete": True, "stage": "emit", "target": target, "models": ["tensorrt_llm"], "files": {},
-                "rtk_version": "0.1.0", "inputs": {"engine_dir": str(root / "engine")},
-                "spec": {"name": "g", "build": spec.build.model_dump(),
-                         "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS)}}
+    manifest = {
+        "complete": True,
+        "stage": "emit",
+        "target": target,
+        "models": ["tensorrt_llm"],
+        "files": {},
+        "rtk_version": "0.1.0",
+        "inputs": {"engine_dir": str(root / "engine")},
+        "spec": {
+            "name": "g",
+            "build": spec.build.model_dump(),
+            "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS),
+        },
+    }
     if fmt is not None:
         manifest["repository_format"] = fmt
     (repo / MANIFEST).write_text(json.dumps(manifest))
@@ -85,18 +94,48 @@ def test_rtk_slo_serve_starts_the_server_as_rtk_serve_does(tmp_path, tiny_llama_
     from toolkit.targets import build
     from toolkit.triton.emit import emit
 
-    spec = spec_for("tiny-slo", tiny_llama_dir, quantization={"format": "none"},
-                    build={"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 64,
-                           "tokens_per_block": 16},
-                    serving={"repository": str(tmp_path / "repo")})
+    spec = spec_for(
+        "tiny-slo",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build={
+            "max_batch_size": 2,
+            "max_input_len": 64,
+            "max_seq_len": 128,
+            "max_num_tokens": 64,
+            "tokens_per_block": 16,
+        },
+        serving={"repository": str(tmp_path / "repo")},
+    )
     shutil.copytree(tiny_llama_dir, tmp_path / "quantized" / "hf")
     emit(spec, build(spec, tmp_path / "quantized", tmp_path / "engine").path)
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    r = CliRunner().invoke(cli, ["slo", str(spec_path), "--serve", "--concurrency", "1", "--num-requests", "3",
-                                 "--warmup-requests", "0", "--input-tokens", "8", "--output-tokens", "4",
-                                 "--max-schedule-lag-ms", "1000", "-o", str(tmp_path / "report"),
-                                 "--no-plots", "--objective", "ttft:p50<=60000"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "slo",
+            str(spec_path),
+            "--serve",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "3",
+            "--warmup-requests",
+            "0",
+            "--input-tokens",
+            "8",
+            "--output-tokens",
+            "4",
+            "--max-schedule-lag-ms",
+            "1000",
+            "-o",
+            str(tmp_path / "report"),
+            "--no-plots",
+            "--objective",
+            "ttft:p50<=60000",
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["summary"]["succeeded"] == 3

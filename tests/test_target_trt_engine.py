@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from toolkit.artifacts import read_manifest
-from toolkit.targets import trt_engine
-from toolkit.targets.gpu_memory import GiB, ModelShape, check_fits, estimate_memory
 from toolkit.errors import HostMismatchError, SpecError, StageError, UsageError
 from toolkit.hostinfo import GPUInfo, HostInfo
 from toolkit.spec import load_spec, spec_from_dict
+from toolkit.targets import trt_engine
+from toolkit.targets.gpu_memory import GiB, ModelShape, check_fits, estimate_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = json.loads((ROOT / "tests/data/trtllm_1_2_1_trtllm_build.json").read_text())
@@ -31,17 +31,31 @@ FLAGS = json.loads((ROOT / "tests/data/trtllm_1_2_1_trtllm_build.json").read_tex
 # Stands in for a GPU host: what probe_host() returns inside the 26.04 NGC image on an H100.
 FAKE_H100_HOST = HostInfo(
     gpus=[GPUInfo(0, "NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))],
-    driver_version="590.44.01", cuda_driver_version="13.1", cuda_runtime_version="13.1",
+    driver_version="590.44.01",
+    cuda_driver_version="13.1",
+    cuda_runtime_version="13.1",
     packages={"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48", "nvidia-modelopt": "0.37.0"},
 )
 
 # SmolLM2-135M's TensorRT-LLM checkpoint config.json as ModelOpt 0.47 writes it (modelopt-on-cpu.md §6.2).
 SMOL_TRTLLM_CONFIG = {
-    "producer": {"name": "modelopt", "version": "0.47.0"}, "architecture": "LlamaForCausalLM", "decoder": "llama",
-    "dtype": "bfloat16", "logits_dtype": "float16", "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "hidden_size": 576, "head_size": 64, "intermediate_size": 1536, "vocab_size": 49152,
-    "max_position_embeddings": 8192, "hidden_act": "silu", "position_embedding_type": "rope_gpt_neox",
-    "rotary_base": 100000.0, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+    "producer": {"name": "modelopt", "version": "0.47.0"},
+    "architecture": "LlamaForCausalLM",
+    "decoder": "llama",
+    "dtype": "bfloat16",
+    "logits_dtype": "float16",
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+    "head_size": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "hidden_act": "silu",
+    "position_embedding_type": "rope_gpt_neox",
+    "rotary_base": 100000.0,
+    "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
 }
 
@@ -81,17 +95,26 @@ def write_checkpoint(root: Path, config: dict = SMOL_TRTLLM_CONFIG) -> Path:
 
 # -- the command line -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("example", ["examples/llama-3.1-8b-trt-engine.yaml"])
 def test_example_command_uses_only_trtllm_1_2_flags_with_valid_values(example):
     spec = load_spec(ROOT / example)
-    config = {**SMOL_TRTLLM_CONFIG, "max_position_embeddings": 131072,
-              "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+    config = {
+        **SMOL_TRTLLM_CONFIG,
+        "max_position_embeddings": 131072,
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
+    }
     argv = trt_engine.trtllm_build_command(spec, "/q/trtllm", "/e", config)
     assert argv[0] == "trtllm-build"
     ns = parse_trtllm_build(argv)  # raises on an unknown flag or a value outside the choices
     b = spec.build
     assert (ns.max_batch_size, ns.max_input_len, ns.max_seq_len, ns.max_num_tokens, ns.max_beam_width) == (
-        b.max_batch_size, b.max_input_len, b.max_seq_len, b.max_num_tokens, b.max_beam_width)
+        b.max_batch_size,
+        b.max_input_len,
+        b.max_seq_len,
+        b.max_num_tokens,
+        b.max_beam_width,
+    )
     assert (ns.kv_cache_type, ns.tokens_per_block) == ("paged", b.tokens_per_block)
     assert ns.use_paged_context_fmha == "enable" and ns.multiple_profiles == "enable"
     assert ns.gpt_attention_plugin == "auto" and ns.remove_input_padding == "enable"  # in-flight batching needs both
@@ -115,13 +138,19 @@ def test_fused_mlp_is_spelled_off_where_trtllm_build_would_force_it_off():
     assert parse_trtllm_build(trt_engine.trtllm_build_command(spec, "c", "o", int4)).use_fused_mlp == "disable"
 
 
-@pytest.mark.parametrize("build, field", [
-    ({"max_batch_size": 1, "max_seq_len": 256, "max_input_len": 128, "max_num_tokens": 512}, "build.max_num_tokens"),
-    ({"max_num_tokens": 16, "max_batch_size": 8, "tokens_per_block": 64}, "build.max_num_tokens"),
-    ({"max_seq_len": 16384, "max_input_len": 1024}, "build.max_seq_len"),
-    ({"gemm_plugin": "nvfp4"}, "build.gemm_plugin"),
-    ({"gemm_plugin": "float16"}, "build.gemm_plugin"),
-])
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (
+            {"max_batch_size": 1, "max_seq_len": 256, "max_input_len": 128, "max_num_tokens": 512},
+            "build.max_num_tokens",
+        ),
+        ({"max_num_tokens": 16, "max_batch_size": 8, "tokens_per_block": 64}, "build.max_num_tokens"),
+        ({"max_seq_len": 16384, "max_input_len": 1024}, "build.max_seq_len"),
+        ({"gemm_plugin": "nvfp4"}, "build.gemm_plugin"),
+        ({"gemm_plugin": "float16"}, "build.gemm_plugin"),
+    ],
+)
 def test_limits_trtllm_build_would_rewrite_are_refused(build, field):
     with pytest.raises(SpecError) as e:
         trt_engine.check_limits(trt_spec(**build), SMOL_TRTLLM_CONFIG)
@@ -137,7 +166,9 @@ def test_checkpoint_must_match_the_spec(tmp_path):
     int4 = spec_from_dict({"name": "x", "build": {"target": "trt-engine"}, "quantization": {"format": "int4_awq"}})
     with pytest.raises(UsageError, match="quantized as FP8 but quantization.format is 'int4_awq'"):
         trt_engine.check_checkpoint(int4, SMOL_TRTLLM_CONFIG, ckpt)
-    fp8kv = spec_from_dict({"name": "x", "build": {"target": "trt-engine"}, "quantization": {"format": "fp8", "kv_cache": "fp8"}})
+    fp8kv = spec_from_dict(
+        {"name": "x", "build": {"target": "trt-engine"}, "quantization": {"format": "fp8", "kv_cache": "fp8"}}
+    )
     with pytest.raises(UsageError, match="KV-cache quantization none but quantization.kv_cache is 'fp8'"):
         trt_engine.check_checkpoint(fp8kv, SMOL_TRTLLM_CONFIG, ckpt)
     (ckpt / "rank0.safetensors").unlink()
@@ -146,6 +177,7 @@ def test_checkpoint_must_match_the_spec(tmp_path):
 
 
 # -- the memory estimate ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt, group, measured_mb", [("fp8", None, 219.5), ("int4_awq", 64, 173.3)])
 def test_weight_estimate_matches_measured_checkpoint_sizes(fmt, group, measured_mb):
@@ -158,24 +190,49 @@ def test_weight_estimate_matches_measured_checkpoint_sizes(fmt, group, measured_
 
 def test_kv_and_weights_for_llama_3_1_8b_match_published_figures():
     # Llama-3.1-8B: 8.03e9 parameters; KV cache 128 KiB per token in 16-bit (32 layers x 8 KV heads x 128 x 2 x 2 B).
-    hf_config = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+    hf_config = {
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+    }
     bf16 = spec_from_dict({"name": "x", "quantization": {"format": "none"}, "build": {"max_seq_len": 4096}})
     est = estimate_memory(ModelShape.from_config(hf_config), bf16)
     assert est.weights_total / 2 == pytest.approx(8.03e9, rel=0.005)
     assert est.kv_bytes_per_token == 128 * 1024
     assert est.kv_bytes_per_sequence == 4096 * 128 * 1024
-    fp8kv = spec_from_dict({"name": "x", "quantization": {"format": "fp8", "kv_cache": "fp8"}, "build": {"tp_size": 2, "target": "trt-engine"}})
+    fp8kv = spec_from_dict(
+        {
+            "name": "x",
+            "quantization": {"format": "fp8", "kv_cache": "fp8"},
+            "build": {"tp_size": 2, "target": "trt-engine"},
+        }
+    )
     est2 = estimate_memory(ModelShape.from_config(hf_config), fp8kv)
     assert est2.kv_bytes_per_token == 128 * 1024 // 2 // 2  # one byte per value, half the KV heads per GPU
     assert est2.weights_per_gpu < est.weights_per_gpu / 3
 
 
 def test_a_build_that_cannot_fit_is_refused_with_what_to_change():
-    hf_config = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16"}
-    spec = spec_from_dict({"name": "x", "quantization": {"format": "none"},
-                           "build": {"target": "trt-engine", "max_seq_len": 8192, "max_input_len": 4096}})
+    hf_config = {
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+    }
+    spec = spec_from_dict(
+        {
+            "name": "x",
+            "quantization": {"format": "none"},
+            "build": {"target": "trt-engine", "max_seq_len": 8192, "max_input_len": 4096},
+        }
+    )
     est = estimate_memory(ModelShape.from_config(hf_config), spec)
     fit = check_fits(est, spec, 80 * GiB, "H100 (sm90)")  # stands in for an 80 GB GPU
     assert fit.full_sequences >= spec.build.max_batch_size and fit.note() is None
@@ -187,7 +244,7 @@ def test_a_build_that_cannot_fit_is_refused_with_what_to_change():
 
 # -- the stage, with stand-ins for the GPU ----------------------------------------------------
 
-FAKE_TRTLLM_BUILD = r'''#!{python}
+FAKE_TRTLLM_BUILD = r"""#!{python}
 # fake_trtllm_build: stands in for TensorRT-LLM's trtllm-build, which needs a GPU. It validates its command line
 # against the 1.2.x flag data and writes what Engine.save writes: config.json and one rank<N>.engine per rank.
 import argparse, json, sys
@@ -214,13 +271,17 @@ build_config = dict(max_batch_size=a.max_batch_size, max_input_len=a.max_input_l
 (out / "config.json").write_text(json.dumps(dict(version="1.2.1", pretrained_config=cfg, build_config=build_config)))
 for r in range(cfg["mapping"]["world_size"]): (out / f"rank{{r}}.engine").write_bytes(b"plan")
 Path(a.output_timing_cache).write_bytes(b"cache")
-'''
+"""
 
 
 def fake_trtllm_build(bin_dir: Path, *, fail: bool = False) -> str:
     bin_dir.mkdir(parents=True, exist_ok=True)
     exe = bin_dir / "trtllm-build"
-    exe.write_text(FAKE_TRTLLM_BUILD.format(python=sys.executable, flags=str(ROOT / "tests/data/trtllm_1_2_1_trtllm_build.json"), fail=fail))
+    exe.write_text(
+        FAKE_TRTLLM_BUILD.format(
+            python=sys.executable, flags=str(ROOT / "tests/data/trtllm_1_2_1_trtllm_build.json"), fail=fail
+        )
+    )
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     return str(exe)
 
@@ -243,8 +304,12 @@ def test_build_stage_with_stand_ins_writes_engine_log_and_runs_on_record(tmp_pat
     assert str(out.resolve()) in m["build_command"]  # the recorded command names the final directory
     again = trt_engine.build(spec, q, out, host=FAKE_H100_HOST, exe=exe)
     assert again.skipped  # same inputs, same stack: cached
-    other_gpu = HostInfo.from_dict({**FAKE_H100_HOST.to_dict(), "gpus": [
-        {"index": 0, "name": "NVIDIA L40S", "memory_total_bytes": 48 * GiB, "compute_capability": [8, 9]}]})
+    other_gpu = HostInfo.from_dict(
+        {
+            **FAKE_H100_HOST.to_dict(),
+            "gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_bytes": 48 * GiB, "compute_capability": [8, 9]}],
+        }
+    )
     assert not trt_engine.build(spec, q, out, host=other_gpu, exe=exe).skipped  # another GPU: rebuilt
 
 
@@ -275,8 +340,19 @@ def test_build_refuses_a_host_without_gpu_or_with_too_old_a_gpu(tmp_path):
     exe = fake_trtllm_build(tmp_path / "bin")
     with pytest.raises(HostMismatchError, match="needs an NVIDIA GPU and this host has none.*26.04-trtllm-python-py3"):
         trt_engine.build(trt_spec(), q, tmp_path / "e", host=HostInfo(), exe=exe)
-    ampere = HostInfo.from_dict({**FAKE_H100_HOST.to_dict(), "gpus": [
-        {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "memory_total_bytes": 80 * GiB, "compute_capability": [8, 0]}]})
+    ampere = HostInfo.from_dict(
+        {
+            **FAKE_H100_HOST.to_dict(),
+            "gpus": [
+                {
+                    "index": 0,
+                    "name": "NVIDIA A100-SXM4-80GB",
+                    "memory_total_bytes": 80 * GiB,
+                    "compute_capability": [8, 0],
+                }
+            ],
+        }
+    )
     with pytest.raises(HostMismatchError, match="'fp8'.*needs compute capability sm89.*A100-SXM4-80GB \\(sm80\\)"):
         trt_engine.build(trt_spec(), q, tmp_path / "e", host=ampere, exe=exe)
     assert not (tmp_path / "e").exists()

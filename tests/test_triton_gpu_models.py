@@ -17,12 +17,12 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from toolkit.errors import SpecError
+from toolkit.spec import load_spec, spec_from_dict
 from toolkit.targets import TARGETS, llmapi
 from toolkit.triton import gpu_models
 from toolkit.triton.launch import ServeTarget, make_server
 from toolkit.triton.server import TritonBinary
-from toolkit.errors import SpecError
-from toolkit.spec import load_spec, spec_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = json.loads((ROOT / "tests/data/trtllm_1_2_1_triton_models.json").read_text())
@@ -47,10 +47,17 @@ def gpu_spec(target="trt-engine", **sections):
 
 # -- C++ backend --------------------------------------------------------------------------------
 
+
 def test_cpp_config_carries_the_spec_values():
-    spec = load_spec(ROOT / "examples/llama-3.1-8b-trt-engine.yaml",
-                     ["serving.batching_strategy=inflight_batching", "serving.batch_scheduler_policy=max_utilization",
-                      "build.enable_kv_cache_reuse=false", "serving.instance_count=1"])
+    spec = load_spec(
+        ROOT / "examples/llama-3.1-8b-trt-engine.yaml",
+        [
+            "serving.batching_strategy=inflight_batching",
+            "serving.batch_scheduler_policy=max_utilization",
+            "build.enable_kv_cache_reuse=false",
+            "serving.instance_count=1",
+        ],
+    )
     cfg = round_trip(gpu_models.tensorrt_llm_cpp(spec, "/srv/engines/llama/engine"))
     p = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.backend == "tensorrtllm" and cfg.name == "tensorrt_llm"
@@ -80,8 +87,14 @@ def test_cpp_parameters_are_ones_the_backend_reads_with_values_it_accepts():
     assert p["gpt_model_type"] in allowed["gpt_model_type"]
     assert p["batch_scheduler_policy"] in allowed["batch_scheduler_policy"]
     assert p["decoding_mode"] in allowed["decoding_mode"]
-    for key in ("enable_kv_cache_reuse", "enable_chunked_context", "exclude_input_in_output", "normalize_log_probs",
-                "multi_block_mode", "enable_context_fmha_fp32_acc"):
+    for key in (
+        "enable_kv_cache_reuse",
+        "enable_chunked_context",
+        "exclude_input_in_output",
+        "normalize_log_probs",
+        "multi_block_mode",
+        "enable_context_fmha_fp32_acc",
+    ):
         assert p[key] in allowed["bool"]
     for key in ("max_beam_width", "cancellation_check_period_ms", "stats_check_period_ms"):
         int(p[key])
@@ -137,8 +150,10 @@ def test_cpp_logits_outputs_carry_the_engine_logits_dtype(tmp_path, logits_dtype
     assert out["context_logits"][0] == out["generation_logits"][0] == triton
 
 
-@pytest.mark.parametrize("target, field, value", [
-    ("trt-engine", "queue_timeout_ms", 2000), ("llmapi", "queue_timeout_ms", 2000), ("llmapi", "max_queue_size", 16)])
+@pytest.mark.parametrize(
+    "target, field, value",
+    [("trt-engine", "queue_timeout_ms", 2000), ("llmapi", "queue_timeout_ms", 2000), ("llmapi", "max_queue_size", 16)],
+)
 def test_queue_settings_a_target_cannot_enforce_are_refused_with_why(target, field, value):
     with pytest.raises(SpecError, match=f"serving.{field}.*cannot enforce it"):
         gpu_spec(target, serving={field: value})
@@ -151,6 +166,7 @@ def test_each_target_has_queue_defaults_it_enforces():
 
 
 # -- llmapi -------------------------------------------------------------------------------------
+
 
 def test_llmapi_model_yaml_and_config_pbtxt_agree_and_carry_the_spec():
     spec = load_spec(ROOT / "examples/qwen2.5-7b-llmapi.yaml", ["quantization.kv_cache=fp8", "build.tp_size=2"])
@@ -166,9 +182,17 @@ def test_llmapi_model_yaml_and_config_pbtxt_agree_and_carry_the_spec():
     assert y["model"] == "/srv/engines/qwen/engine/hf" and y["backend"] == "pytorch"
     assert (y["tensor_parallel_size"], y["pipeline_parallel_size"]) == (2, 1)
     assert (y["max_batch_size"], y["max_num_tokens"], y["max_seq_len"], y["max_input_len"]) == (
-        b.max_batch_size, b.max_num_tokens, b.max_seq_len, b.max_input_len)
-    assert y["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True,
-                                    "tokens_per_block": 32, "dtype": "fp8"}
+        b.max_batch_size,
+        b.max_num_tokens,
+        b.max_seq_len,
+        b.max_input_len,
+    )
+    assert y["kv_cache_config"] == {
+        "free_gpu_memory_fraction": 0.85,
+        "enable_block_reuse": True,
+        "tokens_per_block": 32,
+        "dtype": "fp8",
+    }
     assert y["kv_cache_config"]["dtype"] in up["kv_cache_dtype_values"]
     assert y["enable_chunked_prefill"] is True and y["trust_remote_code"] is False
     assert y["cuda_graph_config"] == {"max_batch_size": 32, "enable_padding": True}
@@ -221,12 +245,19 @@ def test_llmapi_build_links_the_checkpoint_and_renders_model_yaml(tmp_path):
 
 # -- multi-GPU launch ---------------------------------------------------------------------------
 
+
 def launch_argv(spec, *, tritonserver="ts", repository="/repo", allow_run_as_root=None):
     """The command rtk serve runs for ``spec`` (the same path as serving it), with a stand-in binary path."""
     from dataclasses import replace
 
-    t = ServeTarget(repository=Path(repository), target=TARGETS[spec.build.target], build=spec.build,
-                    serving=spec.serving, engine_dir=None, models=[])
+    t = ServeTarget(
+        repository=Path(repository),
+        target=TARGETS[spec.build.target],
+        build=spec.build,
+        serving=spec.serving,
+        engine_dir=None,
+        models=[],
+    )
     server = make_server(t)
     server._binary = TritonBinary(path=Path(tritonserver), kind="configured")
     if allow_run_as_root is not None:
@@ -235,7 +266,9 @@ def launch_argv(spec, *, tritonserver="ts", repository="/repo", allow_run_as_roo
 
 
 def test_world_size_above_one_launches_one_rank_per_gpu_under_mpirun():
-    spec = gpu_spec(build={"tp_size": 2, "pp_size": 2}, serving={"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002})
+    spec = gpu_spec(
+        build={"tp_size": 2, "pp_size": 2}, serving={"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002}
+    )
     argv, launch = launch_argv(spec, tritonserver="/opt/tritonserver/bin/tritonserver", allow_run_as_root=True)
     up = UPSTREAM["launcher"]
     assert argv[:2] == up["mpi_prefix"] and launch.ranks == 4 and launch.env == {}
@@ -253,7 +286,9 @@ def test_world_size_above_one_launches_one_rank_per_gpu_under_mpirun():
         for flag in up["per_rank_flags"]:
             assert any(a.startswith(flag) for a in r), (i, flag)
         assert f"--backend-config=python,shm-region-prefix-name=prefix{i}_" in r
-        assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--http-port=9000", "--grpc-port=9001"} <= set(r)
+        assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--http-port=9000", "--grpc-port=9001"} <= set(
+            r
+        )
         assert ("--model-control-mode=explicit" in r) == (i > 0) and ("--load-model=tensorrt_llm" in r) == (i > 0)
         assert ("--model-control-mode=none" in r) == (i == 0)
 
@@ -272,12 +307,14 @@ def test_single_gpu_and_orchestrator_launch_without_mpirun_llmapi_under_mpirun_n
     assert multi[0] == "ts" and launch.env == up["orchestrator_env"]
     assert set(up["multi_model_flags"]) <= set(multi)
     assert [a for a in multi if a.startswith("--cuda-memory-pool-byte-size=")] == [
-        up["multi_model_flag_per_gpu"].format(gpu=g) for g in range(4)]  # every GPU of the two 2-GPU instances
+        up["multi_model_flag_per_gpu"].format(gpu=g) for g in range(4)
+    ]  # every GPU of the two 2-GPU instances
     no_root, _ = launch_argv(gpu_spec(build={"tp_size": 2}), repository="/r", allow_run_as_root=False)
     assert no_root[:3] == ["mpirun", "-n", "1"]
 
 
 # -- written model directories ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("target", ["trt-engine", "llmapi"])
 def test_written_model_dir_parses_and_has_every_warmup_file(tmp_path, monkeypatch, target):

@@ -14,10 +14,11 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from . import __version__
 
@@ -139,7 +140,9 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_stage(stage: str, final: Path, key: str, *, inputs: dict, spec_section: Any, tools: dict) -> Iterator[StageOutput]:
+def atomic_stage(
+    stage: str, final: Path, key: str, *, inputs: dict, spec_section: Any, tools: dict
+) -> Iterator[StageOutput]:
     """Write a stage's output atomically.
 
     Yields a :class:`StageOutput` whose ``tmp`` directory the stage fills.  On success the manifest

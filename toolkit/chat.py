@@ -40,6 +40,9 @@ def chat(
     from .console import info
     from .triton.launch import running
 
-    info("[dim]starting tritonserver for this question (models load and warm up; `rtk serve --detach` keeps one running)[/]")
+    info(
+        "[dim]starting tritonserver for this question (models load and warm up; "
+        "`rtk serve --detach` keeps one running)[/]"
+    )
     with running(source, overrides=overrides) as server:
         return stream_chat(server.grpc_url, question, system=system, max_tokens=max_tokens, model=model, out=out)

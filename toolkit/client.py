@@ -15,8 +15,9 @@ import json
 import queue
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import TextIO
 
 from .errors import ServerError, UsageError
 from .triton.config import PERF_OUTPUTS
@@ -102,8 +103,12 @@ def generate(
     try:
         client.start_stream(callback=callback)
         out.sent_at = time.perf_counter()
-        client.async_stream_infer(model, _inputs(text, max_tokens, stream, temperature, None),
-                                  request_id=request_id, enable_empty_final_response=True)
+        client.async_stream_infer(
+            model,
+            _inputs(text, max_tokens, stream, temperature, None),
+            request_id=request_id,
+            enable_empty_final_response=True,
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:

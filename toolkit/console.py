@@ -6,8 +6,8 @@ import contextlib
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -42,7 +42,8 @@ def third_party_output(log_path: Path) -> Iterator[None]:
     with open(log_path, "a", encoding="utf-8") as f, warnings.catch_warnings():
         f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         warnings.showwarning = lambda msg, cat, fn, ln, file=None, line=None: f.write(
-            warnings.formatwarning(msg, cat, fn, ln, line))
+            warnings.formatwarning(msg, cat, fn, ln, line)
+        )
         to_log = logging.StreamHandler(f)
         to_log.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         console_handlers = list(root.handlers)
@@ -70,8 +71,13 @@ def step(title: str) -> Iterator[None]:
 def progress() -> Progress:
     """A bar for steps with a known count (calibration batches, evaluation texts)."""
     return Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
     )
 
 

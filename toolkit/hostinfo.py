@@ -66,7 +66,9 @@ class GPUInfo:
 class TritonServerInfo:
     path: str
     version: str | None
-    source: str  # toolkit.triton.server.TritonBinary.kind: "system" (PATH / NGC), "bundled" (nvidia-pytriton), "configured"
+    source: (
+        str  # toolkit.triton.server.TritonBinary.kind: "system" (PATH / NGC), "bundled" (nvidia-pytriton), "configured"
+    )
     backends: list[str] = field(default_factory=list)
 
 
@@ -74,11 +76,11 @@ class TritonServerInfo:
 class HostInfo:
     gpus: list[GPUInfo] = field(default_factory=list)
     driver_version: str | None = None
-    cuda_driver_version: str | None = None   # highest CUDA the driver supports (nvidia-smi's "CUDA Version")
+    cuda_driver_version: str | None = None  # highest CUDA the driver supports (nvidia-smi's "CUDA Version")
     cuda_runtime_version: str | None = None  # the toolkit in this environment (CUDA_VERSION in NGC images)
     packages: dict[str, str | None] = field(default_factory=dict)
     tritonserver: TritonServerInfo | None = None
-    triton_container: str | None = None      # NGC release, e.g. "26.04" (NVIDIA_TRITON_SERVER_VERSION)
+    triton_container: str | None = None  # NGC release, e.g. "26.04" (NVIDIA_TRITON_SERVER_VERSION)
     executables: dict[str, str | None] = field(default_factory=dict)
     python: str = field(default_factory=lambda: ".".join(map(str, sys.version_info[:3])))
     notes: list[str] = field(default_factory=list)
@@ -107,7 +109,7 @@ class HostInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HostInfo":
+    def from_dict(cls, d: dict) -> HostInfo:
         d = dict(d)
         gpus = [GPUInfo(**{**g, "compute_capability": tuple(g["compute_capability"])}) for g in d.pop("gpus", [])]
         ts = d.pop("tritonserver", None)
@@ -115,6 +117,7 @@ class HostInfo:
 
 
 # -- probing ------------------------------------------------------------------------------------
+
 
 def package_version(key: str) -> str | None:
     """Installed version of a distribution in PACKAGES (metadata only: nothing is imported)."""
@@ -188,9 +191,19 @@ def tritonserver_version(exe: Path, timeout: float = 15.0, env: dict | None = No
     with tempfile.TemporaryDirectory(prefix="rtk-probe-") as repo:
         try:
             proc = subprocess.Popen(
-                [str(exe), f"--model-repository={repo}", "--allow-http=false", "--allow-grpc=false",
-                 "--allow-metrics=false", "--model-control-mode=explicit", "--exit-timeout-secs=0"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                [
+                    str(exe),
+                    f"--model-repository={repo}",
+                    "--allow-http=false",
+                    "--allow-grpc=false",
+                    "--allow-metrics=false",
+                    "--model-control-mode=explicit",
+                    "--exit-timeout-secs=0",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
             )
         except OSError:
             return None
@@ -256,6 +269,7 @@ def probe_host(*, tritonserver: str | None = None, triton_version: bool = True) 
 
 # -- version helpers ----------------------------------------------------------------------------
 
+
 def version_tuple(v: str | None) -> tuple[int, ...]:
     """'1.2.1' -> (1, 2, 1); '590.44.01' -> (590, 44, 1); '1.2.0rc2' -> (1, 2, 0); None -> ()."""
     if not v:
@@ -271,12 +285,14 @@ def version_tuple(v: str | None) -> tuple[int, ...]:
 
 # -- can an artifact run here? ------------------------------------------------------------------
 
+
 def check_host_compatible(manifest: dict, host: HostInfo) -> None:
     """Refuse (HostMismatchError) to serve an artifact on a host it was not built for.
 
     ``manifest`` is a build stage manifest (or its ``runs_on`` section).  TensorRT engines are tied
     to the TensorRT-LLM and TensorRT versions and the GPU's compute capability they were built with
-    (TensorRT's plans are not portable across versions or GPU architectures); the llmapi target needs TensorRT-LLM >= 1.0 and a GPU
+    (TensorRT's plans are not portable across versions or GPU architectures); the llmapi target needs
+    TensorRT-LLM >= 1.0 and a GPU
     that runs its quantization format.  Artifacts without a ``runs_on`` record (the cpu target)
     run anywhere.
     """
@@ -289,14 +305,16 @@ def check_host_compatible(manifest: dict, host: HostInfo) -> None:
 
 
 def _rebuild(runs_on: dict, first: str = "r") -> str:
-    return f"{first}ebuild it on this host with `rtk build SPEC --force` (SPEC: the spec named '{runs_on.get('spec_name', '?')}')"
+    name = runs_on.get("spec_name", "?")
+    return f"{first}ebuild it on this host with `rtk build SPEC --force` (SPEC: the spec named '{name}')"
 
 
 def check_engine_host(manifest: dict, host: HostInfo) -> None:
     """A trt-engine artifact runs only with the TensorRT-LLM, TensorRT and GPU generation that built it."""
     r = manifest.get("runs_on", manifest)
     gpu = r.get("gpu") or {}
-    built = f"TensorRT-LLM {r.get('tensorrt_llm')} on {str(gpu.get('name', '?')).removeprefix('NVIDIA ')} (sm{gpu.get('sm')})"
+    gpu_name = str(gpu.get("name", "?")).removeprefix("NVIDIA ")
+    built = f"TensorRT-LLM {r.get('tensorrt_llm')} on {gpu_name} (sm{gpu.get('sm')})"
     here_trtllm = host.packages.get("tensorrt_llm") or "no TensorRT-LLM"
     if here_trtllm != "no TensorRT-LLM":
         here_trtllm = f"TensorRT-LLM {here_trtllm}"
@@ -305,26 +323,43 @@ def check_engine_host(manifest: dict, host: HostInfo) -> None:
     if not host.has_gpu:
         reasons.append("TensorRT engines run only on the NVIDIA GPU generation they were built for")
     elif host.gpu.sm != gpu.get("sm"):
-        reasons.append(f"engines are compiled for one compute capability (sm{gpu.get('sm')}), this GPU is sm{host.gpu.sm}")
+        reasons.append(
+            f"engines are compiled for one compute capability (sm{gpu.get('sm')}), this GPU is sm{host.gpu.sm}"
+        )
     if host.packages.get("tensorrt_llm") != r.get("tensorrt_llm"):
         reasons.append("engines load only in the TensorRT-LLM version that built them")
     if r.get("tensorrt") and host.packages.get("tensorrt") and host.packages["tensorrt"] != r["tensorrt"]:
         reasons.append(f"TensorRT {host.packages['tensorrt']} cannot load plans serialized by TensorRT {r['tensorrt']}")
     too_few = host.has_gpu and len(host.gpus) < int(r.get("gpu_count", 1))
     if too_few:
-        reasons.append(f"the engine has {r.get('gpu_count')} ranks (tp {r.get('tp_size')} x pp {r.get('pp_size')}) and this host has {len(host.gpus)} GPUs")
+        reasons.append(
+            f"the engine has {r.get('gpu_count')} ranks (tp {r.get('tp_size')} x pp {r.get('pp_size')}) "
+            f"and this host has {len(host.gpus)} GPUs"
+        )
     need_cuda = version_tuple(r.get("cuda"))[:2]
     if host.cuda_driver_version and need_cuda and version_tuple(host.cuda_driver_version)[:2] < need_cuda:
-        reasons.append(f"it was built with CUDA {r.get('cuda')} and this driver ({host.driver_version}) supports CUDA "
-                       f"{host.cuda_driver_version} only: upgrade the driver")
+        reasons.append(
+            f"it was built with CUDA {r.get('cuda')} and this driver ({host.driver_version}) supports CUDA "
+            f"{host.cuda_driver_version} only: upgrade the driver"
+        )
     if reasons:
-        remedy = (f"Serve it on a host with {r.get('gpu_count')} such GPUs, or lower build.tp_size / build.pp_size and "
-                  f"{_rebuild(r)}") if too_few and len(reasons) == 1 else _rebuild(r, "R")
+        remedy = (
+            (
+                f"Serve it on a host with {r.get('gpu_count')} such GPUs, or lower build.tp_size / build.pp_size and "
+                f"{_rebuild(r)}"
+            )
+            if too_few and len(reasons) == 1
+            else _rebuild(r, "R")
+        )
         raise HostMismatchError(f"engine built with {built}; this host has {here}: {'; '.join(reasons)}. {remedy}")
     if host.gpu.name != gpu.get("name"):
         log.warning(
             "engine built on %s, serving on %s (same sm%s): TensorRT advises against moving plans between GPU models; "
-            "rebuild here if it fails or runs slowly", gpu.get("name"), host.gpu.name, host.gpu.sm)
+            "rebuild here if it fails or runs slowly",
+            gpu.get("name"),
+            host.gpu.name,
+            host.gpu.sm,
+        )
 
 
 def check_llmapi_host(manifest: dict, host: HostInfo) -> None:
@@ -339,11 +374,13 @@ def check_llmapi_host(manifest: dict, host: HostInfo) -> None:
     elif host.gpu.sm < need_sm:
         problems.append(f"quantization '{fmt}' needs sm{need_sm} or newer and this host has {host.describe_gpu()}")
     if not have:
-        problems.append(f"TensorRT-LLM >= {r.get('tensorrt_llm_min', '1.0')} is not installed "
-                        f"(use {NGC_CONTAINER})")
+        problems.append(f"TensorRT-LLM >= {r.get('tensorrt_llm_min', '1.0')} is not installed (use {NGC_CONTAINER})")
     elif version_tuple(have) < version_tuple(r.get("tensorrt_llm_min", "1.0")):
         problems.append(f"TensorRT-LLM {have} predates the PyTorch LLM API (need >= {r.get('tensorrt_llm_min')})")
     if host.has_gpu and len(host.gpus) < int(r.get("gpu_count", 1)):
-        problems.append(f"tp {r.get('tp_size')} x pp {r.get('pp_size')} needs {r.get('gpu_count')} GPUs and this host has {len(host.gpus)}")
+        problems.append(
+            f"tp {r.get('tp_size')} x pp {r.get('pp_size')} needs {r.get('gpu_count')} GPUs "
+            f"and this host has {len(host.gpus)}"
+        )
     if problems:
         raise HostMismatchError(f"'{r.get('spec_name', '?')}' (llmapi, {fmt}) cannot run here: {'; '.join(problems)}")

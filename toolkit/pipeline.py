@@ -33,7 +33,9 @@ class PipelineResult:
         return next(r for r in self.stages if r.stage == stage)
 
 
-def build(spec: Spec, *, force: tuple[str, ...] | list[str] = (), engines_root: Path | str = "engines") -> PipelineResult:
+def build(
+    spec: Spec, *, force: tuple[str, ...] | list[str] = (), engines_root: Path | str = "engines"
+) -> PipelineResult:
     """Run the four stages for ``spec``; ``force``: stage names to redo even if cached ("all" for every one)."""
     from .artifacts import default_output
     from .errors import UsageError
@@ -58,8 +60,18 @@ def build(spec: Spec, *, force: tuple[str, ...] | list[str] = (), engines_root: 
 
     root = Path(engines_root)
     ckpt = run(1, "fetch", lambda: fetch(spec, output=default_output(spec, "fetch", root), force="fetch" in redo))
-    quant = run(2, "quantize", lambda: quantize(spec, checkpoint=ckpt.path, output=default_output(spec, "quantize", root), force="quantize" in redo))
-    engine = run(3, f"build ({spec.build.target})", lambda: build_target(spec, quant.path, default_output(spec, "build", root), force="build" in redo))
+    quant = run(
+        2,
+        "quantize",
+        lambda: quantize(
+            spec, checkpoint=ckpt.path, output=default_output(spec, "quantize", root), force="quantize" in redo
+        ),
+    )
+    engine = run(
+        3,
+        f"build ({spec.build.target})",
+        lambda: build_target(spec, quant.path, default_output(spec, "build", root), force="build" in redo),
+    )
     run(4, "emit", lambda: emit(spec, engine.path, tokenizer_dir=quant.path / "hf", force="emit" in redo))
     return out
 
@@ -76,5 +88,6 @@ def check_build_host(spec: Spec, host=None) -> None:
         raise HostMismatchError(
             f"this host cannot build the {target.name} target: {'; '.join(problems)}. Nothing was started. "
             f"Here, `rtk quantize SPEC` prepares the quantized checkpoint (ModelOpt runs on a CPU); then run "
-            f"`rtk build SPEC` on a GPU host inside {NGC_CONTAINER} (`rtk doctor --target {target.name}` lists what it needs)"
+            f"`rtk build SPEC` on a GPU host inside {NGC_CONTAINER} "
+            f"(`rtk doctor --target {target.name}` lists what it needs)"
         )

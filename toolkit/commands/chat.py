@@ -11,7 +11,9 @@ from . import set_option
 @click.argument("source", metavar="SPEC|REPOSITORY", type=click.Path(exists=True, path_type=Path))
 @click.argument("question")
 @set_option
-@click.option("--url", default=None, help="gRPC address of a running server (default: the background one, else start one).")
+@click.option(
+    "--url", default=None, help="gRPC address of a running server (default: the background one, else start one)."
+)
 @click.option("--model", type=click.Choice(["ensemble", "tensorrt_llm_bls"]), default="ensemble", show_default=True)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
@@ -20,7 +22,17 @@ def command(source, question, overrides, url, model, system, max_tokens, no_buil
     """Stream the answer to QUESTION from the model of SPEC (built and served for the occasion if needed)."""
     from ..chat import chat
 
-    result = chat(source, question, overrides=overrides, url=url, model=model, system=system,
-                  max_tokens=max_tokens, build=not no_build)
+    result = chat(
+        source,
+        question,
+        overrides=overrides,
+        url=url,
+        model=model,
+        system=system,
+        max_tokens=max_tokens,
+        build=not no_build,
+    )
     if result.dropped_turns:
-        click.secho(f"({result.dropped_turns} oldest turns were dropped to fit the context window)", err=True, fg="yellow")
+        click.secho(
+            f"({result.dropped_turns} oldest turns were dropped to fit the context window)", err=True, fg="yellow"
+        )

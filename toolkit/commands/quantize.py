@@ -11,8 +11,12 @@ from . import force_option, load, output_option, set_option, spec_argument
 @spec_argument
 @set_option
 @output_option
-@click.option("--checkpoint", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Checkpoint to quantize (default: the fetch stage's output).")
+@click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint to quantize (default: the fetch stage's output).",
+)
 @force_option
 def command(spec_path, overrides, output, checkpoint, force):
     """Quantize with ModelOpt, export HF + TensorRT-LLM checkpoints, and gate on perplexity."""

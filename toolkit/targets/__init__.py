@@ -11,9 +11,10 @@ how Triton serves its LLM (toolkit/triton/ renders and launches from this), the 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 # The supported GPU software stack: one NGC image family (triton-inference-server/server
 # docs/introduction/compatibility.md; the 26.04-26.07 -trtllm-python-py3 images ship TensorRT-LLM 1.2.1).
@@ -53,12 +54,12 @@ class Target:
     """One row of the table."""
 
     name: str
-    formats: frozenset[str]            # quantization.format values it can run
-    kv_formats: frozenset[str]         # quantization.kv_cache values it can run
-    llm_backend: LLMBackend            # what serves the LLM in Triton (toolkit/triton/ renders it)
+    formats: frozenset[str]  # quantization.format values it can run
+    kv_formats: frozenset[str]  # quantization.kv_cache values it can run
+    llm_backend: LLMBackend  # what serves the LLM in Triton (toolkit/triton/ renders it)
     needs_gpu: bool
-    build: Callable                    # build(spec, quantized_dir, output, *, force) -> StageResult
-    doctor_checks: Callable            # doctor_checks(host) -> list[doctor.Check]
+    build: Callable  # build(spec, quantized_dir, output, *, force) -> StageResult
+    doctor_checks: Callable  # doctor_checks(host) -> list[doctor.Check]
     # build_host_problems(spec, host) -> list[str]: why this host cannot build the target ([] = it can)
     build_host_problems: Callable | None = None
     # serve_host_check(engine_manifest, host): raise HostMismatchError when the artifact cannot run here
@@ -66,7 +67,7 @@ class Target:
     # triton_launch(build: BuildSpec, serving: ServingSpec) -> toolkit.triton.server.Launch; None: one process
     triton_launch: Callable | None = None
     max_world_size: int | None = None  # None: tp x pp as the GPUs allow
-    ensemble: bool = True              # the repository has preprocessing/postprocessing/ensemble/BLS
+    ensemble: bool = True  # the repository has preprocessing/postprocessing/ensemble/BLS
     # serving settings the target cannot enforce -> why; the spec refuses them when set
     unenforceable: dict[str, str] = field(default_factory=dict)
     default_max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE
@@ -98,10 +99,13 @@ TARGETS: dict[str, Target] = {
         build_host_problems=_call(".trt_engine", "build_host_problems"),
         serve_host_check=_call("..hostinfo", "check_engine_host"),
         triton_launch=_call(".trt_engine", "triton_launch"),
-        unenforceable={"queue_timeout_ms": (
-            "TensorRT-LLM's C++ backend hands every request to its executor at once, so Triton's queue timeout "
-            "never applies and the backend forwards only max_queue_size (model_instance_state.cc); remove it, "
-            + _DEADLINE)},
+        unenforceable={
+            "queue_timeout_ms": (
+                "TensorRT-LLM's C++ backend hands every request to its executor at once, so Triton's queue timeout "
+                "never applies and the backend forwards only max_queue_size (model_instance_state.cc); remove it, "
+                + _DEADLINE
+            )
+        },
     ),
     "llmapi": Target(
         name="llmapi",
@@ -115,8 +119,10 @@ TARGETS: dict[str, Target] = {
         triton_launch=_call(".llmapi", "triton_launch"),
         ensemble=False,
         unenforceable={
-            "max_queue_size": ("the llmapi model's execute() returns at once, so Triton's queue never fills, and the "
-                               "LLM API has no queue bound; remove it, " + _DEADLINE),
+            "max_queue_size": (
+                "the llmapi model's execute() returns at once, so Triton's queue never fills, and the "
+                "LLM API has no queue bound; remove it, " + _DEADLINE
+            ),
             "queue_timeout_ms": "requests never wait in Triton's queue for the llmapi model; remove it, " + _DEADLINE,
         },
         default_max_queue_size=None,

@@ -60,12 +60,23 @@ def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force:
         out.manifest.update(
             target="cpu",
             engine_config=asdict(config),
-            model={"architecture": ckpt.config.architecture, "num_layers": ckpt.config.num_layers,
-                   "quant_algo": ckpt.quant_algo, "kv_cache_quant_algo": ckpt.kv_cache_quant_algo},
+            model={
+                "architecture": ckpt.config.architecture,
+                "num_layers": ckpt.config.num_layers,
+                "quant_algo": ckpt.quant_algo,
+                "kv_cache_quant_algo": ckpt.kv_cache_quant_algo,
+            },
         )
 
-    return run_stage("build", output, section=spec.build.model_dump(), inputs=inputs,
-                     tools=tool_versions("torch", "safetensors"), write=write, force=force)
+    return run_stage(
+        "build",
+        output,
+        section=spec.build.model_dump(),
+        inputs=inputs,
+        tools=tool_versions("torch", "safetensors"),
+        write=write,
+        force=force,
+    )
 
 
 def load_engine(engine_dir: str | os.PathLike, **overrides):
@@ -82,4 +93,3 @@ def load_engine(engine_dir: str | os.PathLike, **overrides):
 
 def _fingerprint(d: Path) -> dict:
     return {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(d.iterdir()) if p.is_file()}
-

@@ -38,7 +38,7 @@ class ModelShape:
     dtype: str
 
     @classmethod
-    def from_config(cls, config: dict) -> "ModelShape":
+    def from_config(cls, config: dict) -> ModelShape:
         """From a TensorRT-LLM checkpoint config (``head_size``) or an HF config (``head_dim``)."""
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
@@ -92,9 +92,9 @@ class MemoryEstimate:
 
     weights_total: int
     weights_per_gpu: int
-    kv_bytes_per_token: int          # per GPU
-    kv_bytes_per_sequence: int       # one max_seq_len sequence, whole blocks, per GPU
-    kv_pool_full_batch: int          # max_batch_size full sequences, per GPU
+    kv_bytes_per_token: int  # per GPU
+    kv_bytes_per_sequence: int  # one max_seq_len sequence, whole blocks, per GPU
+    kv_pool_full_batch: int  # max_batch_size full sequences, per GPU
     activations: int
     runtime_overhead: int
 
@@ -146,8 +146,8 @@ def estimate_memory(shape: ModelShape, spec) -> MemoryEstimate:
 @dataclass
 class FitReport:
     gpu_memory: int
-    kv_available: int        # what kv_cache_free_gpu_mem_fraction of the free memory gives the KV pool
-    full_sequences: int      # how many max_seq_len sequences that pool holds at once
+    kv_available: int  # what kv_cache_free_gpu_mem_fraction of the free memory gives the KV pool
+    full_sequences: int  # how many max_seq_len sequences that pool holds at once
     max_batch_size: int
 
     @property

@@ -99,8 +99,10 @@ def model_yaml(spec: Spec, model_path: Path | str) -> dict:
 
 
 def model_yaml_text(spec: Spec, model_path: Path | str) -> str:
-    head = (f"# Rendered by rtk from spec '{spec.name}'. Read by Triton's llmapi model (tensorrt_llm/1/model.py):\n"
-            "# triton_config configures Triton; every other key is passed to tensorrt_llm.LLM(**kwargs).\n")
+    head = (
+        f"# Rendered by rtk from spec '{spec.name}'. Read by Triton's llmapi model (tensorrt_llm/1/model.py):\n"
+        "# triton_config configures Triton; every other key is passed to tensorrt_llm.LLM(**kwargs).\n"
+    )
     return head + yaml.safe_dump(model_yaml(spec, model_path), sort_keys=False)
 
 
@@ -120,19 +122,30 @@ def runs_on_record(spec: Spec, host: HostInfo | None) -> dict:
     }
 
 
-def build(spec: Spec, quantized_dir: Path | str, output: Path | str | None = None, *, force: bool = False,
-          host: HostInfo | None = None) -> StageResult:
+def build(
+    spec: Spec,
+    quantized_dir: Path | str,
+    output: Path | str | None = None,
+    *,
+    force: bool = False,
+    host: HostInfo | None = None,
+) -> StageResult:
     """Link the unified HF checkpoint into ``output/hf`` and write ``output/model.yaml``. Needs no GPU."""
     check_spec(spec)
     hf = Path(quantized_dir) / "hf"
     if not (hf / "config.json").is_file():
         raise UsageError(f"'{hf}' holds no HF checkpoint (no config.json); run `rtk quantize SPEC` first")
     output = Path(output) if output else default_output(spec, "build")
-    section = {"build": spec.build.model_dump(mode="json"), "quantization": spec.quantization.model_dump(mode="json"),
-               "serving": {k: getattr(spec.serving, k) for k in ("decoupled", "batch_scheduler_policy")}}
+    section = {
+        "build": spec.build.model_dump(mode="json"),
+        "quantization": spec.quantization.model_dump(mode="json"),
+        "serving": {k: getattr(spec.serving, k) for k in ("decoupled", "batch_scheduler_policy")},
+    }
     m = read_manifest(Path(quantized_dir))
-    inputs = {"quantized_key": m.get("key") if m else None,
-              "hf_files": {p.relative_to(hf).as_posix(): p.stat().st_size for p in sorted(hf.rglob("*")) if p.is_file()}}
+    inputs = {
+        "quantized_key": m.get("key") if m else None,
+        "hf_files": {p.relative_to(hf).as_posix(): p.stat().st_size for p in sorted(hf.rglob("*")) if p.is_file()},
+    }
     host = host or probe_host(triton_version=False)
     tools = {"tensorrt_llm": host.packages.get("tensorrt_llm")}
 

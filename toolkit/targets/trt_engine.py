@@ -50,8 +50,12 @@ BUILD_LOG = "build.log"
 # rtk's quantization.format -> the checkpoint's quantization.quant_algo (the names ModelOpt's
 # TensorRT-LLM export writes: modelopt/torch/export/model_config.py QUANTIZATION_* constants).
 QUANT_ALGO = {
-    "none": None, "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL",
-    "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4",
+    "none": None,
+    "fp8": "FP8",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "int4_awq": "W4A16_AWQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "nvfp4": "NVFP4",
 }
 KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
 # trtllm-build switches use_fused_mlp off unless quant_algo is one of these (commands/build.py).
@@ -63,6 +67,7 @@ def _switch(on: bool) -> str:
 
 
 # -- the checkpoint -----------------------------------------------------------------------------
+
 
 def load_checkpoint_config(checkpoint_dir: Path) -> dict:
     path = Path(checkpoint_dir) / "config.json"
@@ -102,7 +107,9 @@ def check_checkpoint(spec: Spec, config: dict, checkpoint_dir: Path) -> None:
             f"build.tp_size {b.tp_size}, build.pp_size {b.pp_size}: trtllm-build takes tensor/pipeline parallelism "
             f"from the checkpoint's mapping; {redo}"
         )
-    missing = [f"rank{r}.safetensors" for r in range(tp * pp) if not (Path(checkpoint_dir) / f"rank{r}.safetensors").is_file()]
+    missing = [
+        f"rank{r}.safetensors" for r in range(tp * pp) if not (Path(checkpoint_dir) / f"rank{r}.safetensors").is_file()
+    ]
     if missing:
         raise UsageError(f"the checkpoint at '{checkpoint_dir}' lacks {', '.join(missing)}; {redo}")
     heads = int(config.get("num_attention_heads", 0))
@@ -126,17 +133,26 @@ def check_limits(spec: Spec, config: dict) -> None:
             field="build.max_num_tokens",
         )
     if b.max_num_tokens > 16384:
-        log.warning("build.max_num_tokens %d > 16384: TensorRT-LLM warns of no gain and possible tensor-volume errors", b.max_num_tokens)
+        log.warning(
+            "build.max_num_tokens %d > 16384: TensorRT-LLM warns of no gain and possible tensor-volume errors",
+            b.max_num_tokens,
+        )
     max_pos = int(config.get("max_position_embeddings") or 0)
     if max_pos and b.max_seq_len > max_pos:
-        raise SpecError(f"{b.max_seq_len} exceeds the checkpoint's max_position_embeddings ({max_pos})", field="build.max_seq_len")
+        raise SpecError(
+            f"{b.max_seq_len} exceeds the checkpoint's max_position_embeddings ({max_pos})", field="build.max_seq_len"
+        )
     g, dtype = b.gemm_plugin, config.get("dtype", spec.model.dtype)
     if g == "fp8" and spec.quantization.format != "fp8":
-        raise SpecError("'fp8' needs an FP8-calibrated checkpoint (quantization.format: fp8); use 'auto'", field="build.gemm_plugin")
+        raise SpecError(
+            "'fp8' needs an FP8-calibrated checkpoint (quantization.format: fp8); use 'auto'", field="build.gemm_plugin"
+        )
     if g == "nvfp4" and spec.quantization.format != "nvfp4":
         raise SpecError("'nvfp4' needs quantization.format: nvfp4; use 'auto'", field="build.gemm_plugin")
     if g in ("float16", "bfloat16") and g != dtype:
-        raise SpecError(f"'{g}' differs from the checkpoint dtype {dtype}; use 'auto' (the model dtype)", field="build.gemm_plugin")
+        raise SpecError(
+            f"'{g}' differs from the checkpoint dtype {dtype}; use 'auto' (the model dtype)", field="build.gemm_plugin"
+        )
 
 
 def fused_mlp_effective(spec: Spec, config: dict) -> bool:
@@ -146,8 +162,10 @@ def fused_mlp_effective(spec: Spec, config: dict) -> bool:
 
 # -- the command line ---------------------------------------------------------------------------
 
-def trtllm_build_command(spec: Spec, checkpoint_dir: Path | str, output_dir: Path | str, config: dict,
-                         *, exe: str = TRTLLM_BUILD) -> list[str]:
+
+def trtllm_build_command(
+    spec: Spec, checkpoint_dir: Path | str, output_dir: Path | str, config: dict, *, exe: str = TRTLLM_BUILD
+) -> list[str]:
     """``trtllm-build`` argv for the spec: limits, paged KV cache and kernels; tp/pp come from the checkpoint.
 
     In-flight batching needs the GPT attention plugin, packed inputs (remove_input_padding) and a
@@ -159,25 +177,44 @@ def trtllm_build_command(spec: Spec, checkpoint_dir: Path | str, output_dir: Pat
     output_dir = Path(output_dir)
     return [
         exe,
-        "--checkpoint_dir", str(checkpoint_dir),
-        "--output_dir", str(output_dir),
-        "--max_batch_size", str(b.max_batch_size),
-        "--max_input_len", str(b.max_input_len),
-        "--max_seq_len", str(b.max_seq_len),
-        "--max_num_tokens", str(b.max_num_tokens),
-        "--max_beam_width", str(b.max_beam_width),
-        "--kv_cache_type", "paged",
-        "--tokens_per_block", str(b.tokens_per_block),
-        "--gpt_attention_plugin", "auto",
-        "--remove_input_padding", "enable",
-        "--context_fmha", "enable",
-        "--use_paged_context_fmha", _switch(b.use_paged_context_fmha),
-        "--use_fused_mlp", _switch(fused_mlp_effective(spec, config)),
-        "--gemm_plugin", b.gemm_plugin,
-        "--multiple_profiles", _switch(b.multiple_profiles),
-        "--workers", str(b.world_size),
-        "--output_timing_cache", str(output_dir / "model.cache"),
-        "--log_level", "info",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--output_dir",
+        str(output_dir),
+        "--max_batch_size",
+        str(b.max_batch_size),
+        "--max_input_len",
+        str(b.max_input_len),
+        "--max_seq_len",
+        str(b.max_seq_len),
+        "--max_num_tokens",
+        str(b.max_num_tokens),
+        "--max_beam_width",
+        str(b.max_beam_width),
+        "--kv_cache_type",
+        "paged",
+        "--tokens_per_block",
+        str(b.tokens_per_block),
+        "--gpt_attention_plugin",
+        "auto",
+        "--remove_input_padding",
+        "enable",
+        "--context_fmha",
+        "enable",
+        "--use_paged_context_fmha",
+        _switch(b.use_paged_context_fmha),
+        "--use_fused_mlp",
+        _switch(fused_mlp_effective(spec, config)),
+        "--gemm_plugin",
+        b.gemm_plugin,
+        "--multiple_profiles",
+        _switch(b.multiple_profiles),
+        "--workers",
+        str(b.world_size),
+        "--output_timing_cache",
+        str(output_dir / "model.cache"),
+        "--log_level",
+        "info",
     ]
 
 
@@ -207,8 +244,12 @@ def verify_engine(engine_dir: Path, spec: Spec) -> dict:
     try:
         engine_config = json.loads((engine_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise StageError(f"trtllm-build left no readable config.json in '{engine_dir}' ({exc}); see {BUILD_LOG}") from None
-    missing = [f"rank{r}.engine" for r in range(spec.build.world_size) if not (engine_dir / f"rank{r}.engine").is_file()]
+        raise StageError(
+            f"trtllm-build left no readable config.json in '{engine_dir}' ({exc}); see {BUILD_LOG}"
+        ) from None
+    missing = [
+        f"rank{r}.engine" for r in range(spec.build.world_size) if not (engine_dir / f"rank{r}.engine").is_file()
+    ]
     if missing:
         raise StageError(f"trtllm-build did not write {', '.join(missing)} in '{engine_dir}'; see {BUILD_LOG}")
     built = engine_config.get("build_config") or {}
@@ -216,7 +257,9 @@ def verify_engine(engine_dir: Path, spec: Spec) -> dict:
     for key, want in expected_build_config(spec).items():
         if key == "plugin_config":
             plugins = built.get("plugin_config") or {}
-            wrong += [f"plugin_config.{k}={plugins.get(k)!r} (spec: {v!r})" for k, v in want.items() if plugins.get(k) != v]
+            wrong += [
+                f"plugin_config.{k}={plugins.get(k)!r} (spec: {v!r})" for k, v in want.items() if plugins.get(k) != v
+            ]
         elif key == "kv_cache_type":
             if str(built.get(key, "")).lower().split(".")[-1] != want:
                 wrong.append(f"kv_cache_type={built.get(key)!r} (spec: {want!r})")
@@ -231,6 +274,7 @@ def verify_engine(engine_dir: Path, spec: Spec) -> dict:
 
 
 # -- the host -----------------------------------------------------------------------------------
+
 
 def build_host_problems(spec: Spec, host: HostInfo, *, exe: str = TRTLLM_BUILD) -> list[str]:
     """Why this host cannot build ``spec``'s engines ([] when it can): GPUs, trtllm-build, compute capability."""
@@ -276,28 +320,45 @@ def runs_on_record(spec: Spec, host: HostInfo, config: dict) -> dict:
         "tensorrt": host.packages.get("tensorrt"),
         "cuda": host.cuda_version,
         "driver": host.driver_version,
-        "gpu": {"name": g.name, "sm": g.sm, "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
-                "memory_total_bytes": g.memory_total_bytes},
+        "gpu": {
+            "name": g.name,
+            "sm": g.sm,
+            "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+            "memory_total_bytes": g.memory_total_bytes,
+        },
         "gpu_count": spec.build.world_size,
         "tp_size": spec.build.tp_size,
         "pp_size": spec.build.pp_size,
-        "quantization": {"format": spec.quantization.format, "kv_cache": spec.quantization.kv_cache,
-                         "quant_algo": (config.get("quantization") or {}).get("quant_algo")},
+        "quantization": {
+            "format": spec.quantization.format,
+            "kv_cache": spec.quantization.kv_cache,
+            "quant_algo": (config.get("quantization") or {}).get("quant_algo"),
+        },
     }
 
 
 # -- the stage ----------------------------------------------------------------------------------
 
+
 def _checkpoint_fingerprint(quantized_dir: Path, checkpoint_dir: Path) -> dict:
     m = read_manifest(quantized_dir)
     if m and m.get("key"):
         return {"quantized_key": m["key"]}
-    return {"config_sha256": sha256_file(checkpoint_dir / "config.json"),
-            "weights": {p.name: p.stat().st_size for p in sorted(checkpoint_dir.glob("rank*.safetensors"))}}
+    return {
+        "config_sha256": sha256_file(checkpoint_dir / "config.json"),
+        "weights": {p.name: p.stat().st_size for p in sorted(checkpoint_dir.glob("rank*.safetensors"))},
+    }
 
 
-def build(spec: Spec, quantized_dir: Path | str, output: Path | str | None = None, *, force: bool = False,
-          host: HostInfo | None = None, exe: str = TRTLLM_BUILD) -> StageResult:
+def build(
+    spec: Spec,
+    quantized_dir: Path | str,
+    output: Path | str | None = None,
+    *,
+    force: bool = False,
+    host: HostInfo | None = None,
+    exe: str = TRTLLM_BUILD,
+) -> StageResult:
     """Build TensorRT engines into ``output`` (default engines/<name>/engine) from ``<quantized_dir>/trtllm``."""
     if spec.build.target != "trt-engine":
         raise SpecError(f"this builds the trt-engine target, not '{spec.build.target}'", field="build.target")
@@ -316,34 +377,49 @@ def build(spec: Spec, quantized_dir: Path | str, output: Path | str | None = Non
     output = Path(output) if output else default_output(spec, "build")
     section = {"build": spec.build.model_dump(mode="json"), "quantization": spec.quantization.model_dump(mode="json")}
     inputs = {"checkpoint": _checkpoint_fingerprint(quantized_dir, checkpoint_dir)}
-    tools = {"tensorrt_llm": host.packages.get("tensorrt_llm"), "tensorrt": host.packages.get("tensorrt"),
-             "cuda": host.cuda_version, "gpu_sm": host.gpu.sm, "gpu": host.gpu.name}
+    tools = {
+        "tensorrt_llm": host.packages.get("tensorrt_llm"),
+        "tensorrt": host.packages.get("tensorrt"),
+        "cuda": host.cuda_version,
+        "gpu_sm": host.gpu.sm,
+        "gpu": host.gpu.name,
+    }
     failed_log = output.parent / f"{output.name}.{BUILD_LOG.replace('.log', '-failed.log')}"
 
     def write(out) -> None:
         argv = trtllm_build_command(spec, checkpoint_dir.resolve(), out.tmp.resolve(), config, exe=exe)
-        with out.timed("trtllm_build"), step(f"Building TensorRT engines with {Path(exe).name} (log: {output / BUILD_LOG})"):
+        with (
+            out.timed("trtllm_build"),
+            step(f"Building TensorRT engines with {Path(exe).name} (log: {output / BUILD_LOG})"),
+        ):
             run_logged(argv, out.tmp / BUILD_LOG, cwd=out.tmp, keep_on_failure=failed_log)
         (out.tmp / "model.cache").unlink(missing_ok=True)  # timing cache: a build input, not part of the engine
         engine_config = verify_engine(out.tmp, spec)
-        out.manifest.update({
-            "target": "trt-engine",
-            "build_command": trtllm_build_command(spec, checkpoint_dir.resolve(), output.resolve(), config, exe=exe),
-            "engine_version": engine_config.get("version"),
-            "use_fused_mlp_effective": fused_mlp_effective(spec, config),
-            "memory_estimate": {**estimate.to_dict(), "kv_available": fit.kv_available, "full_sequences": fit.full_sequences},
-            "runs_on": runs_on_record(spec, host, config),
-        })
+        out.manifest.update(
+            {
+                "target": "trt-engine",
+                "build_command": trtllm_build_command(
+                    spec, checkpoint_dir.resolve(), output.resolve(), config, exe=exe
+                ),
+                "engine_version": engine_config.get("version"),
+                "use_fused_mlp_effective": fused_mlp_effective(spec, config),
+                "memory_estimate": {
+                    **estimate.to_dict(),
+                    "kv_available": fit.kv_available,
+                    "full_sequences": fit.full_sequences,
+                },
+                "runs_on": runs_on_record(spec, host, config),
+            }
+        )
 
     result = run_stage("build", output, section=section, inputs=inputs, tools=tools, write=write, force=force)
     failed_log.unlink(missing_ok=True)
     return result
 
 
-
-
-def run_logged(argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: Path | None = None,
-               env: dict | None = None) -> None:
+def run_logged(
+    argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: Path | None = None, env: dict | None = None
+) -> None:
     """Run a tool in its own process group with stdout+stderr in ``log_path``; raise StageError on failure.
 
     On failure the log is copied to ``keep_on_failure`` first, because the stage's temporary
@@ -354,7 +430,9 @@ def run_logged(argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: P
         logf.write("$ " + " ".join(argv) + "\n")
         logf.flush()
         try:
-            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
+            )
         except OSError as exc:
             raise StageError(f"cannot run '{argv[0]}': {exc}") from None
         try:
@@ -370,10 +448,13 @@ def run_logged(argv: list[str], log_path: Path, *, cwd: Path, keep_on_failure: P
             shutil.copyfile(log_path, keep_on_failure)
             kept = keep_on_failure
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise StageError(f"{Path(argv[0]).name} failed with exit code {rc}; its log is kept at {kept}. Last lines:\n{tail}")
+        raise StageError(
+            f"{Path(argv[0]).name} failed with exit code {rc}; its log is kept at {kept}. Last lines:\n{tail}"
+        )
 
 
 # -- how tritonserver runs the engine -------------------------------------------------------------
+
 
 def triton_launch(build, serving):
     """The launch for an engine built with ``build`` (BuildSpec) served with ``serving`` (ServingSpec).
@@ -389,7 +470,10 @@ def triton_launch(build, serving):
     world = build.tp_size * build.pp_size
     if serving.instance_count > 1:
         gpus = world * serving.instance_count
-        args = ("--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
-                *(f"--cuda-memory-pool-byte-size={g}:0" for g in range(gpus)))
+        args = (
+            "--pinned-memory-pool-byte-size=0",
+            "--enable-peer-access=false",
+            *(f"--cuda-memory-pool-byte-size={g}:0" for g in range(gpus)),
+        )
         return Launch(env={"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}, server_args=args)
     return Launch(ranks=world)

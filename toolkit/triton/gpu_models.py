@@ -168,11 +168,15 @@ def tensorrt_llm_cpp(spec, engine_dir: Path | str, *, name: str = cfgs.TENSORRT_
     cfgs.set_parameters(config, params)
     if s.warmup:
         prompt, _ = _cpp_warmup_lengths(spec)
-        cfgs.add_warmup(config, "rtk_warmup", {
-            "input_ids": ("INT32", (prompt,), "input_ids"),
-            "input_lengths": ("INT32", (1,), "input_lengths"),
-            "request_output_len": ("INT32", (1,), "request_output_len"),
-        })
+        cfgs.add_warmup(
+            config,
+            "rtk_warmup",
+            {
+                "input_ids": ("INT32", (prompt,), "input_ids"),
+                "input_lengths": ("INT32", (1,), "input_lengths"),
+                "request_output_len": ("INT32", (1,), "request_output_len"),
+            },
+        )
     return config
 
 
@@ -213,8 +217,7 @@ def write_tensorrt_llm_cpp(spec, model_dir: Path | str, engine_dir: Path | str) 
     """The ``tensorrt_llm`` model directory of the trt-engine target: config.pbtxt, warmup/, 1/."""
     model_dir = Path(model_dir)
     config = tensorrt_llm_cpp(spec, engine_dir, name=model_dir.name, logits_dtype=engine_logits_dtype(engine_dir))
-    cfgs.write_model_dir(model_dir, config,
-                         warmup=cpp_warmup_files(spec) if spec.serving.warmup else {})
+    cfgs.write_model_dir(model_dir, config, warmup=cpp_warmup_files(spec) if spec.serving.warmup else {})
     return model_dir
 
 
@@ -222,34 +225,47 @@ def write_tensorrt_llm_cpp(spec, model_dir: Path | str, engine_dir: Path | str) 
 
 LLMAPI_INPUTS = [
     Tensor("text_input", "STRING", (-1,)),
-    *(Tensor(n, dt, (1,), optional=True) for n, dt in (
-        ("streaming", "BOOL"),
-        ("sampling_param_best_of", "INT32"),
-        ("sampling_param_temperature", "FP32"),
-        ("sampling_param_top_k", "INT32"),
-        ("sampling_param_top_p", "FP32"),
-        ("sampling_param_frequency_penalty", "FP32"),
-        ("sampling_param_presence_penalty", "FP32"),
-        ("sampling_param_max_tokens", "INT32"),
-    )),
+    *(
+        Tensor(n, dt, (1,), optional=True)
+        for n, dt in (
+            ("streaming", "BOOL"),
+            ("sampling_param_best_of", "INT32"),
+            ("sampling_param_temperature", "FP32"),
+            ("sampling_param_top_k", "INT32"),
+            ("sampling_param_top_p", "FP32"),
+            ("sampling_param_frequency_penalty", "FP32"),
+            ("sampling_param_presence_penalty", "FP32"),
+            ("sampling_param_max_tokens", "INT32"),
+        )
+    ),
     Tensor("sampling_param_stop", "STRING", (-1,), optional=True),
-    *(Tensor(n, dt, (1,), optional=True) for n, dt in (
-        ("sampling_param_seed", "UINT64"),
-        ("sampling_param_exclude_input_from_output", "BOOL"),
-        ("sampling_param_return_perf_metrics", "BOOL"),
-        ("return_finish_reason", "BOOL"),
-        ("return_stop_reason", "BOOL"),
-        ("return_cumulative_logprob", "BOOL"),
-        ("stop", "BOOL"),
-    )),
+    *(
+        Tensor(n, dt, (1,), optional=True)
+        for n, dt in (
+            ("sampling_param_seed", "UINT64"),
+            ("sampling_param_exclude_input_from_output", "BOOL"),
+            ("sampling_param_return_perf_metrics", "BOOL"),
+            ("return_finish_reason", "BOOL"),
+            ("return_stop_reason", "BOOL"),
+            ("return_cumulative_logprob", "BOOL"),
+            ("stop", "BOOL"),
+        )
+    ),
 ]
 LLMAPI_OUTPUTS = [
     Tensor("text_output", "STRING", (-1,)),
     Tensor("finish_reason", "STRING", (-1,)),
     Tensor("stop_reason", "STRING", (-1,)),
     Tensor("cumulative_logprob", "FP32", (-1,)),
-    *(Tensor(n, "INT32", (-1,)) for n in ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
-                                     "kv_cache_alloc_total_blocks")),
+    *(
+        Tensor(n, "INT32", (-1,))
+        for n in (
+            "kv_cache_reused_block",
+            "kv_cache_missed_block",
+            "kv_cache_alloc_new_blocks",
+            "kv_cache_alloc_total_blocks",
+        )
+    ),
     Tensor("kv_cache_hit_rate", "FP32", (-1,)),
     *(Tensor(n, "INT64", (1,)) for n in cfgs.PERF_OUTPUTS),
     Tensor("acceptance_rate", "FP32", (1,)),
@@ -282,10 +298,14 @@ def tensorrt_llm_llmapi(spec, *, name: str = cfgs.TENSORRT_LLM):
     cfgs.add_tensors(config.output, LLMAPI_OUTPUTS, is_input=False)
     cfgs.cpu_instances(config, 1)
     if spec.serving.warmup:
-        cfgs.add_warmup(config, "rtk_warmup", {
-            "text_input": ("STRING", (1,), "text_input"),
-            "sampling_param_max_tokens": ("INT32", (1,), "sampling_param_max_tokens"),
-        })
+        cfgs.add_warmup(
+            config,
+            "rtk_warmup",
+            {
+                "text_input": ("STRING", (1,), "text_input"),
+                "sampling_param_max_tokens": ("INT32", (1,), "sampling_param_max_tokens"),
+            },
+        )
     return config
 
 
@@ -318,6 +338,10 @@ def write_tensorrt_llm_llmapi(spec, model_dir: Path | str, engine_dir: Path | st
     src = upstream_llmapi_model_dir()
     if src is not None:
         files.update({n: (src / n).read_text() for n in UPSTREAM_MODEL_FILES})
-    cfgs.write_model_dir(model_dir, tensorrt_llm_llmapi(spec, name=model_dir.name),
-                         warmup=llmapi_warmup_files(spec) if spec.serving.warmup else {}, version_files=files)
+    cfgs.write_model_dir(
+        model_dir,
+        tensorrt_llm_llmapi(spec, name=model_dir.name),
+        warmup=llmapi_warmup_files(spec) if spec.serving.warmup else {},
+        version_files=files,
+    )
     return model_dir
