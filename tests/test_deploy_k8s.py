@@ -9,6 +9,7 @@ Prometheus and the adapter answering) is listed in docs/deploy.md.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from functools import cache
@@ -259,6 +260,25 @@ def test_leader_runs_rtks_mpi_launch_over_the_group(bundles):
     assert "--http-address=0.0.0.0" in script
     worker = _pod_templates(bundles["trt-tp8pp2-lws-hpa"])[1][1]["spec"]["containers"][0]
     assert "sshd" in worker["command"][2]
+
+
+@pytest.mark.parametrize("case", ["trt-tp2-s3-keda", "trt-tp8pp2-lws-hpa", "trt-instances-custom", "llmapi-none-gs"])
+def test_pod_command_is_the_one_rtk_serve_runs(case):
+    """The pod runs what ``rtk serve`` would run for the same repository (toolkit.triton.launch.make_server),
+    with the NGC image's binary."""
+    from toolkit.targets import TARGETS
+    from toolkit.triton import launch
+    from toolkit.triton.server import TritonBinary
+
+    spec = pod_spec(spec_from_dict(copy.deepcopy(CASES[case])))
+    t = launch.ServeTarget(repository=Path(spec.serving.repository), target=TARGETS[spec.build.target],
+                           build=spec.build, serving=spec.serving, engine_dir=None, models=[])
+    server = launch.make_server(t)
+    server._binary = TritonBinary(Path("/opt/tritonserver/bin/tritonserver"), "system")  # the NGC image's
+    server.launch = dataclasses.replace(server.launch, allow_run_as_root=True)  # NGC containers run as root
+    argv, env = triton_command(spec)
+    assert argv == server.command()
+    assert env == dict(server.launch.env)
 
 
 def test_cpu_pod_serves_the_spec_from_its_configmap(bundles):

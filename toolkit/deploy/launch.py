@@ -29,6 +29,8 @@ SPEC_MOUNT = "/etc/rtk"
 SPEC_FILE = "spec.yaml"
 SSH_SECRET_MOUNT = "/etc/rtk-ssh"
 ANY_ADDRESS = "0.0.0.0"
+# What toolkit.triton.launch.make_server adds to every server (tests/test_deploy_k8s.py compares the two commands).
+SERVE_EXTRA_ARGS = ["--disable-auto-complete-config"]
 
 
 def repository_in_pod(spec: Spec) -> str:
@@ -71,7 +73,7 @@ def triton_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     s = spec.serving
     server = TritonServer(spec.serving.repository, binary=TritonBinary(Path(TRITONSERVER_IN_NGC), "system"),
                           host=s.host, http_port=s.http_port, grpc_port=s.grpc_port, metrics_port=s.metrics_port,
-                          launch=launch)
+                          launch=launch, extra_args=SERVE_EXTRA_ARGS)
     return server.command(), dict(launch.env)
 
 
