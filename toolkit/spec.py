@@ -248,6 +248,36 @@ class FilterSpec(Section):
         return v
 
 
+class SessionsSpec(Section):
+    """Conversations kept by the front door for requests with ``session_id`` (toolkit/frontdoor/sessions.py)."""
+
+    enabled: bool = True
+    url: str | None = Field(None, description="redis://HOST:PORT/DB; default: SQLite beside the server's state file")
+    path: str | None = Field(None, description="the SQLite file (default: .rtk-triton/<repository>.sessions.sqlite)")
+    ttl_s: float = Field(86_400.0, gt=0, description="a session is forgotten this long after its last turn")
+    max_tokens: int = Field(
+        32_768, ge=16, description="per-session size cap in stored token ids; beyond it the oldest turns are dropped"
+    )
+    admin_key: str | None = Field(
+        None, description="'env:VARIABLE' or 'file:PATH': the key that may list, read and delete every session"
+    )
+    exact_ids: bool = Field(
+        True, description="send the stored token ids (hits the engine's KV reuse); false: re-tokenise the history"
+    )
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_source(cls, v: str | None) -> str | None:
+        return _secret_source(v)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^rediss?://", v):
+            raise ValueError(f"'{v}' is not a Redis URL; use redis://HOST:PORT/DB (or leave it unset for SQLite)")
+        return v
+
+
 class ServingSpec(Section):
     @model_validator(mode="before")
     @classmethod
@@ -289,6 +319,7 @@ class ServingSpec(Section):
     guard: GuardSpec = GuardSpec()
     cache: CacheSpec = CacheSpec()
     filter: FilterSpec = FilterSpec()
+    sessions: SessionsSpec = SessionsSpec()
 
 
 class Objective(Section):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
-from ..spec import CacheSpec, FrontendSpec, GuardSpec
+from ..spec import CacheSpec, FilterSpec, FrontendSpec, GuardSpec, SessionsSpec
 
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"
 
@@ -17,11 +17,15 @@ class FrontDoorConfig:
     frontend: FrontendSpec = field(default_factory=FrontendSpec)
     guard: GuardSpec = field(default_factory=GuardSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
+    filter: FilterSpec = field(default_factory=FilterSpec)
+    sessions: SessionsSpec = field(default_factory=SessionsSpec)
     triton_model: str = "ensemble"
     max_batch_size: int = 8
     max_seq_len: int = 2048
+    max_input_len: int = 2048
     default_max_tokens: int = 128
     tokenizer_dir: Path | None = None
+    repository: Path | None = None  # sessions' SQLite file goes beside its state file
 
 
 def config_from(source, *, triton_model: str = "ensemble") -> FrontDoorConfig:
@@ -55,9 +59,13 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         frontend=frontend,
         guard=GuardSpec(**serving.get("guard", {})),
         cache=CacheSpec(**serving.get("cache", {})),
+        filter=FilterSpec(**serving.get("filter", {})),
+        sessions=SessionsSpec(**serving.get("sessions", {})),
         triton_model=triton_model,
         max_batch_size=int(build.get("max_batch_size", 8)),
         max_seq_len=int(build.get("max_seq_len", 2048)),
+        max_input_len=int(build.get("max_input_len", build.get("max_seq_len", 2048))),
         default_max_tokens=int(serving.get("default_max_tokens", 128)),
         tokenizer_dir=tok if tok.is_dir() else None,
+        repository=repo,
     )

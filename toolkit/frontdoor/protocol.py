@@ -62,13 +62,15 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     ttft_deadline_ms: float | None = None
+    session_id: str | None = None  # the conversation the front door keeps (toolkit/frontdoor/sessions.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def deterministic(self) -> bool:
-        """Greedy, or sampled with a fixed seed: the same request gives the same answer."""
-        return not self.temperature or self.seed is not None
+        """Greedy, or sampled with a fixed seed: the same request gives the same answer (not in a session,
+        whose history is part of the prompt)."""
+        return (not self.temperature or self.seed is not None) and self.session_id is None
 
     def text_input(self) -> str:
         """What the Triton ensemble takes: a plain prompt, or the chat as a JSON message list."""
@@ -219,6 +221,12 @@ def parse_request(kind: str, body: Any, *, served_model: str, max_seq_len: int, 
         v = body.get(name)
         if v not in (None, False, {}, [], 1 if name == "best_of" else None):
             raise bad(name, "is not supported by this deployment; leave it unset")
+    if body.get("session_id") is not None:
+        from .sessions import session_id_of
+
+        if kind != "chat":
+            raise bad("session_id", "sessions are kept for /v1/chat/completions; send the whole prompt here")
+        req.session_id = session_id_of(body)
     if "ttft_deadline_ms" in body:
         req.ttft_deadline_ms = _number(body, "ttft_deadline_ms", 0.0, 0.0, 3_600_000.0, lo_open=True)
     return req

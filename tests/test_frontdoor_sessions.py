@@ -1,0 +1,189 @@
+"""Sessions (toolkit/frontdoor/sessions.py): the stores (SQLite; Redis against a real redis-server), the token
+ids kept across turns with the embedded model's real tokenizer and chat template, and — slow — whole turns
+through the front door over the emitted cpu repository of the tiny Llama served by a real tritonserver."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from toolkit.frontdoor.protocol import APIError, GenRequest
+from toolkit.frontdoor.sessions import (
+    ChatTokens,
+    RedisSessions,
+    Session,
+    SessionManager,
+    SQLiteSessions,
+    owner_of,
+    session_id_of,
+)
+from toolkit.spec import SessionsSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- stores ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server); Redis sessions untested")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path_factory.mktemp("redis"))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_factory(request, tmp_path):
+    if request.param == "sqlite":
+        return lambda ttl_s: SQLiteSessions(tmp_path / "s.sqlite", ttl_s)
+    url = request.getfixturevalue("redis_url")
+
+    import redis
+
+    redis.from_url(url).flushdb()
+    return lambda ttl_s: RedisSessions(url, ttl_s)
+
+
+def test_store_roundtrip_list_delete_and_ttl(store_factory):
+    async def go():
+        store = store_factory(60)
+        a = Session("a", owner=owner_of("key-a"), ids=[1, 2, 3], text="x", messages=[{"role": "user", "content": "é"}])
+        b = Session("b", owner=owner_of("key-b"))
+        await store.put(a)
+        await store.put(b)
+        got = await store.get("a")
+        assert got == a
+        assert [s.id for s in await store.list(owner_of("key-a"))] == ["a"]
+        assert sorted(s.id for s in await store.list(None)) == ["a", "b"]
+        assert await store.delete("a") and await store.get("a") is None and not await store.delete("a")
+        await store.close()
+        # A session is forgotten ttl_s after its last turn.
+        short = store_factory(0.3)
+        await short.put(Session("c", updated=time.time()))
+        assert await short.get("c") is not None
+        await asyncio.sleep(0.5)
+        assert await short.get("c") is None and "c" not in [s.id for s in await short.list(None)]
+        await short.close()
+
+    asyncio.run(go())
+
+
+def test_sqlite_store_survives_a_new_process_state(tmp_path):
+    async def go():
+        first = SQLiteSessions(tmp_path / "s.sqlite", 60)
+        await first.put(Session("kept", ids=[5, 6]))
+        await first.close()
+        second = SQLiteSessions(tmp_path / "s.sqlite", 60)
+        assert (await second.get("kept")).ids == [5, 6]
+        await second.close()
+
+    asyncio.run(go())
+
+
+def test_session_id_is_validated_and_the_owner_is_a_hash():
+    assert session_id_of({"session_id": "chat-1.a:b"}) == "chat-1.a:b"
+    for bad_id in ("", "-x", "a b", "x" * 200, 7):
+        with pytest.raises(APIError) as e:
+            session_id_of({"session_id": bad_id})
+        assert e.value.param == "session_id"
+    assert owner_of(None) == "" and len(owner_of("sk-secret")) == 16 and "secret" not in owner_of("sk-secret")
+
+
+# -- token ids across turns (real tokenizer, no server) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokens(smollm2_tokenizer_dir):
+    return ChatTokens(smollm2_tokenizer_dir)
+
+
+def manager(tmp_path, tokens, **spec):
+    store = SQLiteSessions(tmp_path / "m.sqlite", 60)
+    return SessionManager(SessionsSpec(**spec), store, tokens, window=400, max_seq_len=512)
+
+
+def chat(text, max_tokens=16):
+    return GenRequest(kind="chat", model="m", messages=[{"role": "user", "content": text}], max_tokens=max_tokens)
+
+
+def test_the_next_turn_starts_with_the_exact_ids_the_engine_saw(tmp_path, tokens):
+    async def go():
+        m = manager(tmp_path, tokens)
+        t1 = await m.begin(chat("Hi there"), "s", "")
+        assert t1.reused_ids == 0 and t1.prompt_ids == tokens.encode(
+            tokens.render([{"role": "user", "content": "Hi there"}], generation_prompt=True))
+        # Generated ids whose decoding re-tokenises differently (" Hel" + "lo" vs " Hello"): kept as generated.
+        gen = tokens.encode(" Hel") + tokens.encode("lo") + [tokens.end_id]
+        reply = tokens.tok.decode(gen, skip_special_tokens=True)
+        assert tokens.encode(reply) != gen[:-1]
+        s = await m.commit(t1, gen, reply, {})
+        assert s.ids[: len(t1.prompt_ids) + len(gen) - 1] == t1.prompt_ids + gen[:-1]
+        t2 = await m.begin(chat("And now?"), "s", "")
+        assert t2.reused_ids == len(s.ids) and t2.prompt_ids[: len(s.ids)] == s.ids
+        # The new turn's tail is what the template renders for the new message.
+        full = tokens.render(s.messages + [{"role": "user", "content": "And now?"}], generation_prompt=True)
+        assert t2.prompt_text == full and tokens.tok.decode(t2.prompt_ids) == full
+        # exact_ids off: the history is re-tokenised from its text (the stored ids are not reused).
+        m2 = SessionManager(SessionsSpec(exact_ids=False), m.store, tokens, window=400, max_seq_len=512)
+        t3 = await m2.begin(chat("And now?"), "s", "")
+        assert t3.reused_ids == 0 and t3.prompt_ids != t2.prompt_ids
+        await m.store.close()
+
+    asyncio.run(go())
+
+
+def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, tokens):
+    async def go():
+        m = manager(tmp_path, tokens)
+        sys = GenRequest(kind="chat", model="m", max_tokens=16, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 60}])
+        t = await m.begin(sys, "w", "")
+        await m.commit(t, tokens.encode(" ok"), " ok", {})
+        for i in range(6):
+            t = await m.begin(chat(f"turn {i} " + "word " * 60), "w", "")
+            assert len(t.prompt_ids) <= 400 and t.history[0]["role"] == "system"
+            s = await m.commit(t, tokens.encode(" ok"), " ok", {})
+        system = {"role": "system", "content": "Be brief.", "tokens": len(tokens.encode("Be brief."))}
+        assert s.dropped_turns > 0 and s.messages[0] == system
+        with pytest.raises(APIError) as e:
+            await m.begin(chat("word " * 600), "w", "")
+        assert e.value.param == "messages"
+        capped = SessionManager(SessionsSpec(max_tokens=150), m.store, tokens, window=400, max_seq_len=512)
+        t = await capped.begin(chat("again " * 30), "w", "")
+        s = await capped.commit(t, tokens.encode(" ok"), " ok", {})
+        assert len(s.ids) <= 150 and s.messages[-1]["content"] == " ok"
+        # Another owner cannot continue it.
+        with pytest.raises(APIError) as e:
+            await m.begin(chat("hi"), "w", owner_of("other"))
+        assert e.value.status == 404
+        await m.store.close()
+
+    asyncio.run(go())

@@ -1,0 +1,583 @@
+"""Sessions (``serving.sessions``): a conversation kept by the front door, outside the model process.
+
+A request with ``"session_id"`` sends only its new messages; the front door prepends the stored
+conversation.  The conversation is stored with the exact token ids the engine saw (prompt and
+generated ids), and the next turn's prompt is those ids followed by the tokens of the new messages
+only, sent straight to the repository's ``tensorrt_llm`` model.  So the unchanged history is
+token-for-token what the engine already has KV blocks for (it registers blocks filled by generated
+tokens too), and its prefix reuse skips it; re-tokenising the reply text could give other ids and
+miss.  The front door therefore does for session requests what the ensemble's pre- and
+postprocessing do for the others: chat template, context window (oldest turns dropped, system
+messages kept), incremental detokenisation.
+
+Storage is SQLite (stdlib) by default, a file beside the server's state file, or Redis when
+``serving.sessions.url`` is given; either survives a restart of tritonserver or of the front door.
+Sessions expire ``ttl_s`` after their last turn; one that would grow over ``max_tokens`` stored ids
+drops its oldest turns.  A session belongs to the API key that made it (a hash of it, never the key);
+reading, listing and deleting others' sessions needs the admin key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .protocol import APIError, GenRequest, bad
+
+log = logging.getLogger("rtk.frontdoor")
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+LLM_MODEL = "tensorrt_llm"
+REDIS_PREFIX = "rtk:session:"
+
+
+def owner_of(key: str | None) -> str:
+    """What a session records of the API key that made it: a short hash ("" without keys)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str = ""
+    messages: list[dict] = field(default_factory=list)  # {"role", "content", "tokens"}
+    ids: list[int] = field(default_factory=list)  # exactly what the engine saw, closed after the last reply
+    text: str = ""  # the rendered text ``ids`` stand for
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    turns: int = 0
+    dropped_turns: int = 0
+    stats: list[dict] = field(default_factory=list)  # per turn: prompt tokens, reused ids, engine's reused blocks
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Session:
+        return cls(**json.loads(text))
+
+    def public(self, *, with_messages: bool = True) -> dict:
+        out = {"id": self.id, "object": "session", "created": int(self.created), "updated": int(self.updated),
+               "turns": self.turns, "tokens": len(self.ids), "dropped_turns": self.dropped_turns, "stats": self.stats}
+        if with_messages:
+            out["messages"] = self.messages
+        return out
+
+
+# -- stores ------------------------------------------------------------------------------------------
+
+
+class SQLiteSessions:
+    """Sessions in one SQLite file (WAL); calls run in a worker thread."""
+
+    def __init__(self, path: Path, ttl_s: float):
+        self.path, self.ttl_s = Path(path), ttl_s
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, owner TEXT NOT NULL, updated REAL NOT NULL, "
+            "body TEXT NOT NULL)"
+        )
+
+    def _run(self, fn):
+        def locked():
+            with self._lock:
+                return fn(self._db)
+
+        return asyncio.to_thread(locked)
+
+    async def get(self, sid: str) -> Session | None:
+        cutoff = time.time() - self.ttl_s
+        row = await self._run(
+            lambda db: db.execute("SELECT body FROM sessions WHERE id = ? AND updated >= ?", (sid, cutoff)).fetchone()
+        )
+        return Session.from_json(row[0]) if row else None
+
+    async def put(self, s: Session) -> None:
+        await self._run(lambda db: db.execute(
+            "INSERT OR REPLACE INTO sessions (id, owner, updated, body) VALUES (?, ?, ?, ?)",
+            (s.id, s.owner, s.updated, s.to_json())))
+
+    async def delete(self, sid: str) -> bool:
+        return (await self._run(lambda db: db.execute("DELETE FROM sessions WHERE id = ?", (sid,)).rowcount)) > 0
+
+    async def list(self, owner: str | None) -> list[Session]:
+        cutoff = time.time() - self.ttl_s
+
+        def q(db):
+            if owner is None:
+                return db.execute("SELECT body FROM sessions WHERE updated >= ? ORDER BY updated DESC",
+                                  (cutoff,)).fetchall()
+            return db.execute("SELECT body FROM sessions WHERE owner = ? AND updated >= ? ORDER BY updated DESC",
+                              (owner, cutoff)).fetchall()
+
+        return [Session.from_json(r[0]) for r in await self._run(q)]
+
+    async def purge(self) -> int:
+        cutoff = time.time() - self.ttl_s
+        return await self._run(lambda db: db.execute("DELETE FROM sessions WHERE updated < ?", (cutoff,)).rowcount)
+
+    async def close(self) -> None:
+        await self._run(lambda db: db.close())
+
+
+class RedisSessions:
+    """Sessions in Redis: one key per session with the TTL as its expiry."""
+
+    def __init__(self, url: str, ttl_s: float):
+        import redis.asyncio as redis
+
+        self.client = redis.from_url(url)
+        self.ttl_s = ttl_s
+
+    async def get(self, sid: str) -> Session | None:
+        raw = await self.client.get(REDIS_PREFIX + sid)
+        return Session.from_json(raw.decode()) if raw else None
+
+    async def put(self, s: Session) -> None:
+        await self.client.set(REDIS_PREFIX + s.id, s.to_json(), px=max(1, int(self.ttl_s * 1000)))
+
+    async def delete(self, sid: str) -> bool:
+        return bool(await self.client.delete(REDIS_PREFIX + sid))
+
+    async def list(self, owner: str | None) -> list[Session]:
+        out = []
+        async for key in self.client.scan_iter(match=REDIS_PREFIX + "*", count=500):
+            raw = await self.client.get(key)
+            if raw:
+                s = Session.from_json(raw.decode())
+                if owner is None or s.owner == owner:
+                    out.append(s)
+        return sorted(out, key=lambda s: -s.updated)
+
+    async def purge(self) -> int:
+        return 0  # Redis expires the keys itself
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def make_store(spec, default_path: Path):
+    if spec.url:
+        return RedisSessions(spec.url, spec.ttl_s)
+    return SQLiteSessions(Path(spec.path) if spec.path else default_path, spec.ttl_s)
+
+
+def default_sqlite_path(repository: Path | None) -> Path:
+    """Beside the server's state file: ``<repository's parent>/.rtk-triton/<repository name>.sessions.sqlite``."""
+    from ..triton.server import state_path
+
+    if repository is None:
+        return Path(".rtk-triton") / "sessions.sqlite"
+    return state_path(repository).with_suffix(".sessions.sqlite")
+
+
+# -- the chat in token ids -------------------------------------------------------------------------------
+
+
+class ChatTokens:
+    """The repository's tokenizer and chat template, as the preprocessing model uses them."""
+
+    def __init__(self, tokenizer_dir: Path):
+        from ..triton.models.rtk_text import end_id_of, load_tokenizer, pad_id_of
+
+        self.tok = load_tokenizer(str(tokenizer_dir))
+        self.end_id, self.pad_id = end_id_of(self.tok), pad_id_of(self.tok)
+
+    def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def delta(self, preceding: list[int], new: list[int]) -> str:
+        from ..triton.models.rtk_text import PRECEDING_WINDOW, decode_delta
+
+        return decode_delta(self.tok, preceding[-PRECEDING_WINDOW:], new)
+
+
+@dataclass
+class Turn:
+    """One request of a session: what is sent and what to store when it completes."""
+
+    session: Session
+    new_messages: list[dict]
+    prompt_ids: list[int]
+    prompt_text: str
+    history: list[dict]  # the messages the prompt holds (after dropping turns to fit)
+    reused_ids: int  # how many leading prompt ids are the stored ones
+    dropped: int = 0
+
+
+class SessionManager:
+    def __init__(self, spec, store, tokens: ChatTokens, *, window: int, max_seq_len: int):
+        self.spec, self.store, self.tokens = spec, store, tokens
+        self.window, self.max_seq_len = window, max_seq_len
+
+    async def load(self, sid: str, owner: str, *, create: bool) -> Session | None:
+        s = await self.store.get(sid)
+        if s is not None and s.owner != owner:
+            raise APIError(404, f"session '{sid}' does not exist for this API key", param="session_id",
+                           code="session_not_found")
+        if s is None and create:
+            s = Session(id=sid, owner=owner)
+        return s
+
+    async def begin(self, req: GenRequest, sid: str, owner: str) -> Turn:
+        s = await self.load(sid, owner, create=True)
+        new = [{"role": m["role"], "content": m["content"]} for m in req.messages]
+        window = min(self.window, self.max_seq_len - req.max_tokens)
+        history = list(s.messages)
+        dropped = 0
+        while True:
+            ids, text, reused = self._prompt(s, history, new, exact=dropped == 0)
+            if len(ids) <= window:
+                break
+            shorter = _drop_oldest_turn(history)
+            if shorter is None:
+                raise bad("messages", f"the new messages (with the system prompt) have {len(ids)} tokens, more than "
+                          f"the {window} that fit the context window; shorten them or lower max_tokens")
+            history, dropped = shorter, dropped + 1
+        return Turn(s, new, ids, text, history, reused, dropped)
+
+    def _prompt(self, s: Session, history: list[dict], new: list[dict], *, exact: bool) -> tuple[list[int], str, int]:
+        full = self.tokens.render(history + new, generation_prompt=True)
+        if exact and self.spec.exact_ids and s.ids and full.startswith(s.text):
+            suffix = full[len(s.text):]
+            return s.ids + self.tokens.encode(suffix), full, len(s.ids)
+        return self.tokens.encode(full), full, 0
+
+    async def commit(self, turn: Turn, generated: list[int], reply: str, stats: dict) -> Session:
+        """Store the completed turn: the prompt ids, the generated ids, and the template's close of the reply."""
+        s = turn.session
+        gen = list(generated)
+        if gen and gen[-1] == self.tokens.end_id:
+            gen = gen[:-1]
+        answer = {"role": "assistant", "content": reply}
+        closed = self.tokens.render(turn.history + turn.new_messages + [answer], generation_prompt=False)
+        head = turn.prompt_text + reply
+        if closed.startswith(head):
+            s.ids = turn.prompt_ids + gen + self.tokens.encode(closed[len(head):])
+        else:  # a template that does not render the history as a prefix: exactness is lost for this turn
+            s.ids = self.tokens.encode(closed)
+        s.text = closed
+        counts = [len(self.tokens.encode(m["content"])) for m in turn.new_messages]
+        s.messages = turn.history + [{**m, "tokens": n} for m, n in zip(turn.new_messages, counts, strict=True)]
+        s.messages.append({**answer, "tokens": len(gen)})
+        s.stats = (s.stats + [stats])[-16:]
+        s.dropped_turns += turn.dropped
+        s.turns += 1
+        s.updated = time.time()
+        while len(s.ids) > self.spec.max_tokens:  # the size cap: drop the oldest turns (the next turn re-renders)
+            shorter = _drop_oldest_turn(s.messages[:-1])
+            if shorter is None:
+                break
+            s.messages = shorter + s.messages[-1:]
+            s.text = self.tokens.render(s.messages, generation_prompt=False)
+            s.ids = self.tokens.encode(s.text)
+            s.dropped_turns += 1
+        await self.store.put(s)
+        return s
+
+
+def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """``messages`` without the oldest non-system turn (a user message and the replies to it)."""
+    n_system = 0
+    while n_system < len(messages) and messages[n_system]["role"] == "system":
+        n_system += 1
+    rest = messages[n_system:]
+    if not rest:
+        return None
+    cut = 1
+    while cut < len(rest) and rest[cut]["role"] != "user":
+        cut += 1
+    return messages[:n_system] + rest[cut:]
+
+
+def session_id_of(body: dict) -> str | None:
+    sid = body.get("session_id")
+    if sid is None:
+        return None
+    if not isinstance(sid, str) or not SESSION_ID.match(sid):
+        raise bad("session_id", "must be 1-128 characters: letters, digits and . _ : - (not starting with one of "
+                  "those signs)")
+    return sid
+
+
+# -- the engine stream of a session turn ------------------------------------------------------------------
+
+
+class SessionStream:
+    """A turn sent as token ids to the ``tensorrt_llm`` model; answers like :class:`TritonStream` (text pieces)
+    and stores the turn when its final response comes."""
+
+    def __init__(self, backend, manager: SessionManager, turn: Turn, req: GenRequest):
+        from .triton import TritonStream
+
+        self.manager, self.turn, self.req = manager, turn, req
+        self.generated: list[int] = []
+        self.text: list[str] = []
+        self.reused_blocks: int | None = None
+        self.stream = TritonStream(backend, self._build(backend, req, turn.prompt_ids))
+
+    def _build(self, backend, req: GenRequest, ids: list[int]):
+        from tritonclient.grpc import service_pb2 as pb
+
+        msg = pb.ModelInferRequest(model_name=backend.model, id=req.id)
+
+        def add(name, datatype, arr):
+            arr = np.asarray(arr)
+            arr = arr.reshape(1, -1) if arr.ndim else arr.reshape(1, 1)
+            if not backend.batched:
+                arr = arr[0]
+            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            msg.raw_input_contents.append(arr.tobytes())
+
+        def optional(name, field_name, wanted):
+            if wanted and name not in backend.inputs:
+                raise bad(field_name, f"is not supported by this deployment's '{backend.model}' model; leave it unset")
+            return wanted
+
+        add("input_ids", "INT32", np.array(ids, dtype=np.int32))
+        add("input_lengths", "INT32", np.array(len(ids), dtype=np.int32))
+        add("request_output_len", "INT32", np.array(req.max_tokens, dtype=np.int32))
+        add("end_id", "INT32", np.array(self.manager.tokens.end_id, dtype=np.int32))
+        add("pad_id", "INT32", np.array(self.manager.tokens.pad_id, dtype=np.int32))
+        add("streaming", "BOOL", np.array(True))
+        for name in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
+                     "return_perf_metrics"):
+            if name in backend.inputs:
+                add(name, "BOOL", np.array(True))
+        if req.temperature:
+            add("temperature", "FP32", np.array(req.temperature, dtype=np.float32))
+            if optional("runtime_top_p", "top_p", req.top_p < 1.0):
+                add("runtime_top_p", "FP32", np.array(req.top_p, dtype=np.float32))
+            if optional("runtime_top_k", "top_k", bool(req.top_k)):
+                add("runtime_top_k", "INT32", np.array(req.top_k, dtype=np.int32))
+            if req.seed is not None:
+                add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
+        if req.stop:
+            from ..triton.models.rtk_text import word_list
+
+            words = word_list(self.manager.tokens.tok, [req.stop])[0]
+            add("stop_words_list", "INT32", words[np.newaxis] if backend.batched else words)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if optional(name, name, v != 0.0):
+                add(name, "FP32", np.array(v, dtype=np.float32))
+        for name in ("output_ids", "sequence_length", "kv_cache_reused_blocks"):
+            msg.outputs.add(name=name)
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+        return msg
+
+    async def next(self):
+        from .triton import Piece
+
+        resp = await self._raw()
+        r = resp.infer_response
+        index = {o.name: i for i, o in enumerate(r.outputs)}
+        raws = r.raw_output_contents
+        new: list[int] = []
+        if "output_ids" in index:
+            new = [int(t) for t in np.frombuffer(raws[index["output_ids"]], dtype=np.int32)]
+            if "sequence_length" in index:
+                new = new[: int(np.frombuffer(raws[index["sequence_length"]], dtype=np.int32)[0])]
+        if "kv_cache_reused_blocks" in index:
+            self.reused_blocks = int(np.frombuffer(raws[index["kv_cache_reused_blocks"]], dtype=np.int32)[0])
+        new = [t for t in new if t != self.manager.tokens.end_id]
+        text = self.manager.tokens.delta(self.turn.prompt_ids[-8:] + self.generated, new) if new else ""
+        self.generated += new
+        self.text.append(text)
+        p = r.parameters.get("triton_final_response")
+        piece = Piece(text, final=bool(p is not None and p.bool_param), prompt_tokens=len(self.turn.prompt_ids))
+        piece.completion_tokens = len(self.generated)
+        if piece.final:
+            self.stream.close()
+            stats = {"prompt_tokens": len(self.turn.prompt_ids), "reused_ids": self.turn.reused_ids,
+                     "completion_tokens": len(self.generated), "kv_reused_blocks": self.reused_blocks,
+                     "dropped_turns": self.turn.dropped}
+            await self.manager.commit(self.turn, self.generated, "".join(self.text), stats)
+        return piece
+
+    async def _raw(self):
+        import grpc
+
+        from .triton import OVERLOAD, TritonRefused
+
+        s = self.stream
+        try:
+            resp = await s._it.__anext__()
+        except StopAsyncIteration:
+            s.finished = True
+            raise TritonRefused("the stream ended without a final response", overload=False) from None
+        except grpc.aio.AioRpcError as exc:
+            s.finished = True
+            overload = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise TritonRefused(f"{exc.code().name}: {exc.details()}", overload=overload) from None
+        if resp.error_message:
+            s.close()
+            raise TritonRefused(resp.error_message, overload=any(m in resp.error_message for m in OVERLOAD))
+        return resp
+
+    @property
+    def finished(self) -> bool:
+        return self.stream.finished
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+# -- what the front door holds, and the HTTP API ------------------------------------------------------------
+
+
+def bearer(request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+class SessionService:
+    """The store (opened with the front door), the tokenizer and the ``tensorrt_llm`` stream (opened at the
+    first session turn), and the admin key."""
+
+    def __init__(self, config, grpc_url: str):
+        from .tiers import read_secret
+
+        self.config, self.spec, self.grpc_url = config, config.sessions, grpc_url
+        self.admin_keys = read_secret(self.spec.admin_key) if self.spec.admin_key else []
+        self.store = None
+        self.manager: SessionManager | None = None
+        self.backend = None
+        self._opening = asyncio.Lock()
+        self._purger: asyncio.Task | None = None
+        self.unavailable = ""
+
+    async def start(self) -> None:
+        if not self.spec.enabled:
+            self.unavailable = "sessions are off (serving.sessions.enabled: false)"
+            return
+        path = Path(self.spec.path) if self.spec.path else (
+            default_sqlite_path(self.config.repository) if self.config.repository else None)
+        if not self.spec.url and path is None:
+            self.unavailable = "no session store: set serving.sessions.path or serving.sessions.url"
+            return
+        self.store = make_store(self.spec, path)
+        self._purger = asyncio.create_task(self._purge())
+
+    async def _purge(self) -> None:
+        while True:
+            try:
+                await self.store.purge()
+            except Exception as exc:  # noqa: BLE001 — the next round retries
+                log.warning("front door: purging expired sessions failed: %r", exc)
+            await asyncio.sleep(max(1.0, min(300.0, self.spec.ttl_s / 4)))
+
+    async def stop(self) -> None:
+        if self._purger is not None:
+            self._purger.cancel()
+            await asyncio.gather(self._purger, return_exceptions=True)
+        if self.backend is not None:
+            await self.backend.close()
+        if self.store is not None:
+            await self.store.close()
+
+    async def _open_engine(self) -> SessionManager:
+        from .triton import TritonBackend
+
+        async with self._opening:
+            if self.manager is None:
+                if self.store is None:
+                    raise APIError(400, f"'session_id': {self.unavailable}", param="session_id",
+                                   code="sessions_unavailable")
+                d = self.config.tokenizer_dir
+                if d is None:
+                    raise APIError(400, "'session_id': this deployment has no tokenizer in its repository, so the "
+                                   "front door cannot keep token ids; send the whole conversation instead",
+                                   param="session_id", code="sessions_unavailable")
+                tokens = await asyncio.to_thread(ChatTokens, d)
+                backend = TritonBackend(self.grpc_url, LLM_MODEL)
+                await backend.open()
+                self.backend = backend
+                self.manager = SessionManager(self.spec, self.store, tokens,
+                                              window=self.config.max_input_len, max_seq_len=self.config.max_seq_len)
+        if not self.backend.ready and not await self.backend.check_health():
+            raise APIError(503, f"sessions are served by the '{LLM_MODEL}' model, which is not available "
+                           f"({self.backend.ready_reason}); retry later", kind="server_error", code="unavailable",
+                           headers={"Retry-After": "1"})
+        return self.manager
+
+    async def stream(self, req: GenRequest, request) -> SessionStream:
+        manager = await self._open_engine()
+        turn = await manager.begin(req, req.session_id, owner_of(bearer(request) or None))
+        return SessionStream(self.backend, manager, turn, req)
+
+    # -- HTTP ---------------------------------------------------------------------------------------------
+    def _is_admin(self, request) -> bool:
+        import hmac
+
+        key = bearer(request)
+        return bool(key) and any(hmac.compare_digest(key, k) for k in self.admin_keys)
+
+    def _caller(self, fd, request) -> tuple[str, bool]:
+        """(owner, is_admin); an admin key passes where API keys are required."""
+        if self._is_admin(request):
+            return owner_of(bearer(request)), True
+        fd._check_key(request)
+        if self.store is None:
+            raise APIError(404, self.unavailable, code="sessions_unavailable")
+        return owner_of(bearer(request) or None), False
+
+    def routes(self, fd) -> list:
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        def guarded(handler):
+            async def endpoint(request):
+                try:
+                    owner, admin = self._caller(fd, request)
+                    if self.store is None:
+                        raise APIError(404, self.unavailable, code="sessions_unavailable")
+                    return await handler(request, owner, admin)
+                except APIError as exc:
+                    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+            return endpoint
+
+        async def listing(request, owner, admin):
+            everyone = request.query_params.get("all") in ("1", "true")
+            if everyone and not admin:
+                raise APIError(403, "listing every session needs the admin key (serving.sessions.admin_key)",
+                               param="all", code="admin_key_required")
+            found = await self.store.list(None if everyone else owner)
+            return JSONResponse({"object": "list", "data": [s.public(with_messages=False) for s in found]})
+
+        async def one(request, owner, admin):
+            sid = request.path_params["session_id"]
+            s = await self.store.get(sid)
+            if s is None or (s.owner != owner and not admin):
+                raise APIError(404, f"session '{sid}' does not exist for this API key", param="session_id",
+                               code="session_not_found")
+            if request.method == "DELETE":
+                await self.store.delete(sid)
+                return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
+            return JSONResponse(s.public())
+
+        return [
+            Route("/v1/sessions", guarded(listing), methods=["GET"]),
+            Route("/v1/sessions/{session_id}", guarded(one), methods=["GET", "DELETE"]),
+        ]
