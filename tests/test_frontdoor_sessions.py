@@ -5,11 +5,13 @@ through the front door over the emitted cpu repository of the tiny Llama served 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from toolkit.frontdoor.protocol import APIError, GenRequest
@@ -187,3 +189,133 @@ def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, 
         await m.store.close()
 
     asyncio.run(go())
+
+
+# -- whole turns through the front door and the real engine ------------------------------------------------
+
+BUILD = {"max_batch_size": 2, "max_input_len": 256, "max_seq_len": 320, "max_num_tokens": 128, "tokens_per_block": 8}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_llama_dir):
+    from conftest import spec_for
+    from triton_helpers import running_server
+
+    from toolkit.targets import build
+    from toolkit.triton.emit import emit
+
+    root = tmp_path_factory.mktemp("sessions_engine")
+    spec = spec_for("tiny-sessions", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
+                    serving={"repository": str(root / "repo"), "default_max_tokens": 8, "warmup": False})
+    shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
+    engine = build(spec, root / "quantized", root / "engine").path
+    repo = emit(spec, engine).path
+    with running_server(repo, ready_timeout_s=300) as triton:
+        yield {"repo": repo, "triton": triton, "model": spec.name, "db": root / "sessions.sqlite"}
+
+
+def front_door(served, monkeypatch):
+    from toolkit.frontdoor import FrontDoorServer, create_app
+    from toolkit.frontdoor.config import config_from
+
+    monkeypatch.setenv("RTK_TEST_SESSION_KEYS", "key-alice,key-bob")
+    monkeypatch.setenv("RTK_TEST_SESSION_ADMIN", "key-admin")
+    cfg = config_from(served["repo"])
+    cfg.frontend = cfg.frontend.model_copy(update={"api_keys": "env:RTK_TEST_SESSION_KEYS"})
+    cfg.sessions = SessionsSpec(path=str(served["db"]), admin_key="env:RTK_TEST_SESSION_ADMIN")
+    app = create_app(cfg, served["triton"].grpc_url, metrics_url=served["triton"].metrics_url)
+    return FrontDoorServer(app, "127.0.0.1", free_port())
+
+
+def turn(fd, served, text, *, key="key-alice", sid="s1", stream=False):
+    body = {"model": served["model"], "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+            "temperature": 0, "stream": stream}
+    if sid:
+        body["session_id"] = sid
+    h = {"Authorization": f"Bearer {key}"}
+    if not stream:
+        r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=h, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    with httpx.Client(timeout=120) as c, c.stream("POST", fd.url + "/v1/chat/completions", json=body, headers=h) as r:
+        assert r.status_code == 200
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_session_turns_reuse_the_engines_kv_blocks_and_survive_a_front_door_restart(served, monkeypatch):
+    alice = {"Authorization": "Bearer key-alice"}
+    with front_door(served, monkeypatch) as fd:
+        first = turn(fd, served, "What is the capital of France?")
+        # The session path (token ids to tensorrt_llm, detokenised here) answers what the ensemble answers.
+        assert first == turn(fd, served, "What is the capital of France?", sid=None)
+        second = turn(fd, served, "And of Spain?", stream=True)
+        s = httpx.get(fd.url + "/v1/sessions/s1", headers=alice).json()
+        assert s["turns"] == 2 and [m["role"] for m in s["messages"]] == ["user", "assistant"] * 2
+        assert [m["content"] for m in s["messages"][1::2]] == [first, second]
+        t1, t2 = s["stats"]
+        assert t1["reused_ids"] == 0 and t2["reused_ids"] >= t1["prompt_tokens"] + t1["completion_tokens"]
+        # The engine found the first turn's blocks (prompt and generated tokens) for the second prompt.
+        assert t2["kv_reused_blocks"] * BUILD["tokens_per_block"] >= t1["prompt_tokens"]
+    with front_door(served, monkeypatch) as fd:  # a new front door: the conversation is in SQLite
+        turn(fd, served, "And of Italy?")
+        s = httpx.get(fd.url + "/v1/sessions/s1", headers=alice).json()
+        assert s["turns"] == 3 and s["stats"][2]["reused_ids"] > s["stats"][1]["prompt_tokens"]
+        assert s["stats"][2]["kv_reused_blocks"] > t2["kv_reused_blocks"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_others_sessions_need_the_admin_key(served, monkeypatch):
+    bob, admin = {"Authorization": "Bearer key-bob"}, {"Authorization": "Bearer key-admin"}
+    with front_door(served, monkeypatch) as fd:
+        turn(fd, served, "Hello", sid="alice-only")
+        assert httpx.get(fd.url + "/v1/sessions/alice-only", headers=bob).status_code == 404
+        assert httpx.delete(fd.url + "/v1/sessions/alice-only", headers=bob).status_code == 404
+        mine = httpx.get(fd.url + "/v1/sessions", headers=bob).json()["data"]
+        assert "alice-only" not in [s["id"] for s in mine]
+        r = httpx.get(fd.url + "/v1/sessions?all=1", headers=bob)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+        assert httpx.get(fd.url + "/v1/sessions").status_code == 401  # API keys are configured
+        # Bob cannot continue it either.
+        r = httpx.post(fd.url + "/v1/chat/completions", headers=bob, timeout=60, json={
+            "model": served["model"], "messages": [{"role": "user", "content": "hi"}], "session_id": "alice-only"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
+        listed = httpx.get(fd.url + "/v1/sessions?all=1", headers=admin).json()["data"]
+        assert "alice-only" in [s["id"] for s in listed]
+        read = httpx.get(fd.url + "/v1/sessions/alice-only", headers=admin).json()
+        assert read["messages"][0]["content"] == "Hello"
+        assert httpx.delete(fd.url + "/v1/sessions/alice-only", headers=admin).json()["deleted"] is True
+        assert httpx.get(fd.url + "/v1/sessions/alice-only", headers=admin).status_code == 404
+
+
+def test_rtk_sessions_lists_shows_and_deletes(tmp_path):
+    from click.testing import CliRunner
+
+    from toolkit.cli import cli
+
+    db = tmp_path / "cli.sqlite"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: cli-sessions\nmodel: {{source: builtin:smollm2-135m-instruct}}\n"
+                    f"serving: {{sessions: {{path: {db}}}}}\n")
+    runner = CliRunner()
+    r = runner.invoke(cli, ["sessions", "list", str(spec)])
+    assert r.exit_code == 2 and "no sessions yet" in r.output
+
+    async def seed():
+        store = SQLiteSessions(db, 86_400)
+        await store.put(Session("chat-7", owner=owner_of("someone"), ids=[1, 2, 3], turns=1,
+                                messages=[{"role": "user", "content": "bonjour", "tokens": 2}]))
+        await store.close()
+
+    asyncio.run(seed())
+    r = runner.invoke(cli, ["sessions", "list", str(spec)])
+    assert r.exit_code == 0 and "chat-7" in r.output, r.output
+    r = runner.invoke(cli, ["sessions", "show", str(spec), "chat-7"])
+    assert r.exit_code == 0 and json.loads(r.output)["messages"][0]["content"] == "bonjour"
+    r = runner.invoke(cli, ["sessions", "delete", str(spec), "chat-7"])
+    assert r.exit_code == 0 and "deleted" in r.output
+    r = runner.invoke(cli, ["sessions", "show", str(spec), "chat-7"])
+    assert r.exit_code == 2 and "does not exist" in r.output

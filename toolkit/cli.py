@@ -25,7 +25,7 @@ from . import __version__
 from .errors import RtkError
 
 # Command modules, each exposing ``command`` (a click.Command).
-COMMANDS = ["fetch", "quantize", "doctor", "slo", "build", "emit", "serve", "chat", "deploy"]
+COMMANDS = ["fetch", "quantize", "doctor", "slo", "build", "emit", "serve", "chat", "deploy", "sessions"]
 
 
 class RtkGroup(click.Group):

@@ -379,7 +379,8 @@ class SessionStream:
             if optional(name, name, v != 0.0):
                 add(name, "FP32", np.array(v, dtype=np.float32))
         for name in ("output_ids", "sequence_length", "kv_cache_reused_blocks"):
-            msg.outputs.add(name=name)
+            if name in backend.outputs:
+                msg.outputs.add(name=name)
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
         return msg
 
@@ -581,3 +582,42 @@ class SessionService:
             Route("/v1/sessions", guarded(listing), methods=["GET"]),
             Route("/v1/sessions/{session_id}", guarded(one), methods=["GET", "DELETE"]),
         ]
+
+
+# -- the operator's view (``rtk sessions``): the store itself, so every session, like the admin key ---------
+
+
+def store_for_spec(spec):
+    """The session store a spec's front door uses."""
+    from ..errors import UsageError
+
+    sp = spec.serving.sessions
+    path = Path(sp.path) if sp.path else default_sqlite_path(spec.repository_dir())
+    if not sp.url and not path.is_file():
+        raise UsageError(f"no sessions yet for '{spec.name}' ({path} does not exist); they are made by requests "
+                         "with a session_id to its front door")
+    return make_store(sp, path)
+
+
+async def list_sessions(spec) -> list[Session]:
+    store = store_for_spec(spec)
+    try:
+        return await store.list(None)
+    finally:
+        await store.close()
+
+
+async def read_session(spec, sid: str) -> Session | None:
+    store = store_for_spec(spec)
+    try:
+        return await store.get(sid)
+    finally:
+        await store.close()
+
+
+async def delete_session(spec, sid: str) -> bool:
+    store = store_for_spec(spec)
+    try:
+        return await store.delete(sid)
+    finally:
+        await store.close()
