@@ -278,6 +278,32 @@ class SessionsSpec(Section):
         return v
 
 
+class JobsSpec(Section):
+    """Async jobs: POST /v1/jobs, GET /v1/jobs/{id}, signed callbacks (toolkit/frontdoor/jobs.py)."""
+
+    enabled: bool = True
+    path: str | None = Field(None, description="the SQLite file (default: .rtk-triton/<repository>.jobs.sqlite)")
+    ttl_s: float = Field(86_400.0, gt=0, description="finished jobs and their results are kept this long")
+    max_concurrent: int = Field(2, ge=1, description="jobs run at once (each is one request to the model)")
+    poll_s: float = Field(0.5, gt=0, le=60, description="how often due jobs and callbacks are looked for")
+    callback_secret: str | None = Field(
+        None, description="'env:VARIABLE' or 'file:PATH': the HMAC-SHA256 key callbacks are signed with; "
+        "without it a callback_url is refused",
+    )
+    allow_private_callbacks: bool = Field(
+        False, description="allow callback URLs on loopback, private, link-local and other non-public addresses"
+    )
+    callback_max_attempts: int = Field(8, ge=1, le=100)
+    callback_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubled each attempt")
+    callback_max_backoff_s: float = Field(300.0, gt=0)
+    callback_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("callback_secret")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        return _secret_source(v)
+
+
 class ServingSpec(Section):
     @model_validator(mode="before")
     @classmethod
@@ -320,6 +346,7 @@ class ServingSpec(Section):
     cache: CacheSpec = CacheSpec()
     filter: FilterSpec = FilterSpec()
     sessions: SessionsSpec = SessionsSpec()
+    jobs: JobsSpec = JobsSpec()
 
 
 class Objective(Section):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
-from ..spec import CacheSpec, FilterSpec, FrontendSpec, GuardSpec, SessionsSpec
+from ..spec import CacheSpec, FilterSpec, FrontendSpec, GuardSpec, JobsSpec, SessionsSpec
 
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"
 
@@ -19,6 +19,7 @@ class FrontDoorConfig:
     cache: CacheSpec = field(default_factory=CacheSpec)
     filter: FilterSpec = field(default_factory=FilterSpec)
     sessions: SessionsSpec = field(default_factory=SessionsSpec)
+    jobs: JobsSpec = field(default_factory=JobsSpec)
     triton_model: str = "ensemble"
     max_batch_size: int = 8
     max_seq_len: int = 2048
@@ -61,6 +62,7 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         cache=CacheSpec(**serving.get("cache", {})),
         filter=FilterSpec(**serving.get("filter", {})),
         sessions=SessionsSpec(**serving.get("sessions", {})),
+        jobs=JobsSpec(**serving.get("jobs", {})),
         triton_model=triton_model,
         max_batch_size=int(build.get("max_batch_size", 8)),
         max_seq_len=int(build.get("max_seq_len", 2048)),

@@ -43,7 +43,7 @@ REPOSITORY_FORMAT = 2
 # serving fields that say how a server runs, not what the repository holds: not part of the emit key,
 # and a repository served with other values for them needs no new emit.
 SERVER_ONLY_FIELDS = frozenset({"host", "http_port", "grpc_port", "metrics_port", "tritonserver", "repository",
-                                "frontend", "guard", "cache", "filter", "sessions"})
+                                "frontend", "guard", "cache", "filter", "sessions", "jobs"})
 WARMUP_PROMPT = [{"role": "user", "content": "Warm-up: say hello."}]
 
 
