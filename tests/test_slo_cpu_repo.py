@@ -28,8 +28,13 @@ def cpu_repo(tmp_path_factory, tiny_llama_dir):
     from toolkit.triton.emit import emit
 
     root = tmp_path_factory.mktemp("slo-cpu")
-    spec = spec_for("slo-cpu", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
-                    serving={"repository": str(root / "repo"), "max_queue_size": 16})
+    spec = spec_for(
+        "slo-cpu",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build=BUILD,
+        serving={"repository": str(root / "repo"), "max_queue_size": 16},
+    )
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     repo = emit(spec, engine).path
@@ -37,13 +42,24 @@ def cpu_repo(tmp_path_factory, tiny_llama_dir):
         yield dict(repo=repo, server=server)
 
 
-@pytest.mark.xfail(strict=True, reason="the cpu tensorrt_llm model refuses min_tokens > 1 and the ensemble does not "
-                   "declare it yet (fidelity issue item 2: the full upstream interface on the cpu target)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cpu tensorrt_llm model refuses min_tokens > 1 and the ensemble does not "
+    "declare it yet (fidelity issue item 2: the full upstream interface on the cpu target)",
+)
 @pytest.mark.parametrize("endpoint", ["ensemble", "tensorrt_llm"])
 def test_run_slo_on_the_cpu_repository_serves_the_requested_length(cpu_repo, endpoint):
     srv = cpu_repo["server"]
-    slo = SLOSpec(endpoint=endpoint, concurrency=2, num_requests=8, warmup_requests=1, input_tokens=16, output_tokens=8,
-                  max_schedule_lag_ms=500, objectives=[Objective(metric="short_output_rate", max=0.0)])
+    slo = SLOSpec(
+        endpoint=endpoint,
+        concurrency=2,
+        num_requests=8,
+        warmup_requests=1,
+        input_tokens=16,
+        output_tokens=8,
+        max_schedule_lag_ms=500,
+        objectives=[Objective(metric="short_output_rate", max=0.0)],
+    )
     rep = run_slo(slo, srv.grpc_url, metrics_url=srv.metrics_url, repository=cpu_repo["repo"])
     assert rep.summary.outcomes["served"] == 8, rep.summary.errors
     assert not any("does not take min_tokens" in n for n in rep.notes), rep.notes  # the length is enforced
@@ -54,10 +70,18 @@ def test_run_slo_on_the_cpu_repository_serves_the_requested_length(cpu_repo, end
 def test_the_engines_waiting_gauge_moves_under_load_and_tritons_pending_count_does_not(cpu_repo):
     srv = cpu_repo["server"]
     pending = 'nv_inference_pending_request_count{model="tensorrt_llm"}'
-    slo = SLOSpec(concurrency=6, num_requests=18, warmup_requests=1, input_tokens=24, output_tokens=12,
-                  max_schedule_lag_ms=500, objectives=[Objective(metric="error_rate", max=0.0)])
-    rep = run_slo(slo, srv.grpc_url, metrics_url=srv.metrics_url, repository=cpu_repo["repo"],
-                  check_metrics=[WAITING, pending])
+    slo = SLOSpec(
+        concurrency=6,
+        num_requests=18,
+        warmup_requests=1,
+        input_tokens=24,
+        output_tokens=12,
+        max_schedule_lag_ms=500,
+        objectives=[Objective(metric="error_rate", max=0.0)],
+    )
+    rep = run_slo(
+        slo, srv.grpc_url, metrics_url=srv.metrics_url, repository=cpu_repo["repo"], check_metrics=[WAITING, pending]
+    )
     by = {r.objective["metric"]: r for r in rep.verdict.results}
     assert rep.summary.outcomes["served"] == 18, rep.summary.errors
     assert by[WAITING].status == "PASS" and by[WAITING].observed >= 1, by[WAITING]

@@ -25,19 +25,37 @@ from toolkit.spec import Objective, SLOSpec, spec_from_dict
 MS = 1_000_000
 
 
-def rec(i, *, sched=0, sent=None, chunks=(), final=None, tokens=None, error=None, phase="measure", released=None, server=None):
+def rec(
+    i,
+    *,
+    sched=0,
+    sent=None,
+    chunks=(),
+    final=None,
+    tokens=None,
+    error=None,
+    phase="measure",
+    released=None,
+    server=None,
+):
     """A record with times in ms relative to 0 (stored as ns)."""
     chunk_ns = [int(c * MS) for c in chunks]
     return RequestRecord(
-        index=i, phase=phase, scheduled_ns=int(sched * MS), sent_ns=int((sched if sent is None else sent) * MS),
+        index=i,
+        phase=phase,
+        scheduled_ns=int(sched * MS),
+        sent_ns=int((sched if sent is None else sent) * MS),
         released_ns=None if released is None else int(released * MS),
-        chunk_ns=chunk_ns, chunk_tokens=list(tokens) if tokens is not None else [1] * len(chunk_ns),
-        final_ns=int(final * MS) if final is not None else (chunk_ns[-1] if chunk_ns else None), error=error,
+        chunk_ns=chunk_ns,
+        chunk_tokens=list(tokens) if tokens is not None else [1] * len(chunk_ns),
+        final_ns=int(final * MS) if final is not None else (chunk_ns[-1] if chunk_ns else None),
+        error=error,
         server=server or {},
     )
 
 
 # -- per-request definitions ---------------------------------------------------------------------
+
 
 def test_request_times_from_schedule_and_from_send():
     r = rec(0, sched=100, sent=130, chunks=[180, 190, 205, 215], final=216)
@@ -65,8 +83,16 @@ def test_tpot_counts_tokens_not_chunks_and_is_undefined_for_one_token():
 
 def test_server_stamps_are_used_only_as_differences():
     base = 1_700_000_000_000_000_000  # epoch ns on the server's clock, unrelated to the client's
-    r = rec(0, chunks=[50], server={"arrival_time_ns": base, "first_scheduled_time_ns": base + 3 * MS,
-                                    "first_token_time_ns": base + 40 * MS, "last_token_time_ns": base + 40 * MS})
+    r = rec(
+        0,
+        chunks=[50],
+        server={
+            "arrival_time_ns": base,
+            "first_scheduled_time_ns": base + 3 * MS,
+            "first_token_time_ns": base + 40 * MS,
+            "last_token_time_ns": base + 40 * MS,
+        },
+    )
     assert r.server_ms("arrival_time_ns", "first_scheduled_time_ns") == pytest.approx(3)
     assert r.server_ms("arrival_time_ns", "first_token_time_ns") == pytest.approx(40)
     s = summarize([r])
@@ -74,6 +100,7 @@ def test_server_stamps_are_used_only_as_differences():
 
 
 # -- percentiles ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [1, 2, 7, 10, 99, 100, 101, 1000, 1234])
 def test_nearest_rank_percentile_is_the_smallest_value_covering_q(n):
@@ -97,6 +124,7 @@ def test_p99_of_100_samples_is_the_99th_value():
 
 
 # -- aggregates ------------------------------------------------------------------------------------
+
 
 def _run_records():
     # 4 measured requests over 1 s, one failed; one warm-up request that must not count.
@@ -134,12 +162,15 @@ def test_goodput_bounds_must_be_per_request_metrics():
 
 # -- verdict ---------------------------------------------------------------------------------------
 
+
 def _uniform(n, ttft_ms=10.0):
     return [rec(i, sched=i * 10, chunks=[i * 10 + ttft_ms, i * 10 + ttft_ms + 1]) for i in range(n)]
 
 
 def test_required_samples_follow_the_percentile():
-    assert [required_samples(Objective(metric="ttft", stat=s, max=1)) for s in ("p50", "p90", "p95", "p99", "p99.9", "max")] == [2, 10, 20, 100, 1000, 1]
+    assert [
+        required_samples(Objective(metric="ttft", stat=s, max=1)) for s in ("p50", "p90", "p95", "p99", "p99.9", "max")
+    ] == [2, 10, 20, 100, 1000, 1]
     assert required_samples(Objective(metric="attainment", min=0.99)) == 100
 
 
@@ -168,12 +199,19 @@ def test_failed_requests_fail_the_gate_unless_allowed():
 
 def test_no_successful_request_is_a_failure_not_inconclusive():
     recs = [rec(i, error="refused", final=1) for i in range(5)]
-    v = evaluate([Objective(metric="ttft", stat="p50", max=50), Objective(metric="error_rate", max=1.0)], summarize(recs))
+    v = evaluate(
+        [Objective(metric="ttft", stat="p50", max=50), Objective(metric="error_rate", max=1.0)], summarize(recs)
+    )
     assert v.status == FAIL
 
 
 def test_client_that_could_not_keep_the_schedule_makes_it_inconclusive():
-    v = evaluate([Objective(metric="ttft", stat="p50", max=50)], summarize(_uniform(10)), schedule_ok=False, schedule_message="lag 9 ms")
+    v = evaluate(
+        [Objective(metric="ttft", stat="p50", max=50)],
+        summarize(_uniform(10)),
+        schedule_ok=False,
+        schedule_message="lag 9 ms",
+    )
     assert v.status == INCONCLUSIVE and "could not keep the schedule" in v.reasons[0]
 
 
@@ -190,11 +228,22 @@ def test_exit_codes_are_distinct_and_match_the_cli_docs():
 
 def test_throughput_minimum():
     s = summarize(_run_records())
-    assert evaluate([Objective(metric="output_token_throughput", min=10), Objective(metric="error_rate", max=0.5)], s).status == FAIL
-    assert evaluate([Objective(metric="output_token_throughput", min=5), Objective(metric="error_rate", max=0.5)], s).status == PASS
+    assert (
+        evaluate(
+            [Objective(metric="output_token_throughput", min=10), Objective(metric="error_rate", max=0.5)], s
+        ).status
+        == FAIL
+    )
+    assert (
+        evaluate(
+            [Objective(metric="output_token_throughput", min=5), Objective(metric="error_rate", max=0.5)], s
+        ).status
+        == PASS
+    )
 
 
 # -- objectives in the spec and on the command line -------------------------------------------------
+
 
 def test_spec_objective_rules_name_the_problem():
     from toolkit.errors import SpecError
@@ -208,6 +257,7 @@ def test_spec_objective_rules_name_the_problem():
 
 
 # -- arrivals ---------------------------------------------------------------------------------------
+
 
 def _gaps(kind, rate, n=20000, **kw):
     it = arrival_offsets(kind, rate, **kw)
@@ -235,6 +285,7 @@ def test_arrivals_are_reproducible_from_the_seed():
 
 
 # -- workloads --------------------------------------------------------------------------------------
+
 
 def test_synthetic_workload_is_reproducible_and_follows_the_lengths():
     from toolkit.slo.workload import SyntheticWorkload
@@ -267,7 +318,9 @@ def test_jsonl_dataset_rows_and_errors(tmp_path):
     from toolkit.slo.workload import JsonlWorkload
 
     p = tmp_path / "d.jsonl"
-    p.write_text('{"text": "hello there", "output_tokens": 5}\n\n{"turns": ["a b", {"text": "c", "output_tokens": 3}]}\n')
+    p.write_text(
+        '{"text": "hello there", "output_tokens": 5}\n\n{"turns": ["a b", {"text": "c", "output_tokens": 3}]}\n'
+    )
     w = JsonlWorkload(p, output_tokens=9)
     assert [(t.text, t.output_tokens) for t in w.session(0).turns] == [("hello there", 5)]
     assert [(t.text, t.output_tokens) for t in w.session(1).turns] == [("a b", 9), ("c", 3)]
@@ -285,17 +338,22 @@ def test_jsonl_dataset_rows_and_errors(tmp_path):
 
 # -- Triton /metrics -------------------------------------------------------------------------------
 
+
 def test_prometheus_counters_become_deltas():
     from toolkit.slo import server_metrics as sm
 
     before = sm.parse_prometheus(
         '# TYPE nv_inference_request_success counter\nnv_inference_request_success{model="ensemble",version="1"} 10\n'
-        '# TYPE nv_inference_queue_duration_us counter\nnv_inference_queue_duration_us{model="ensemble",version="1"} 1000\n'
-        "# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.5\n")
+        "# TYPE nv_inference_queue_duration_us counter\n"
+        'nv_inference_queue_duration_us{model="ensemble",version="1"} 1000\n'
+        "# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.5\n"
+    )
     after = sm.parse_prometheus(
         '# TYPE nv_inference_request_success counter\nnv_inference_request_success{version="1",model="ensemble"} 30\n'
-        '# TYPE nv_inference_queue_duration_us counter\nnv_inference_queue_duration_us{model="ensemble",version="1"} 5000\n'
-        "# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.75\n")
+        "# TYPE nv_inference_queue_duration_us counter\n"
+        'nv_inference_queue_duration_us{model="ensemble",version="1"} 5000\n'
+        "# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.75\n"
+    )
     d = sm.diff(before, after)
     assert d["counters"]['nv_inference_request_success{model="ensemble",version="1"}'] == 20
     assert d["gauges"]["nv_cpu_utilization"] == 0.75
@@ -306,6 +364,7 @@ def test_prometheus_counters_become_deltas():
 
 # -- reports ----------------------------------------------------------------------------------------
 
+
 def _report(records, objectives):
     from toolkit.slo.loadgen import LoadPlan
     from toolkit.slo.runner import SLOReport, Target
@@ -313,10 +372,27 @@ def _report(records, objectives):
     slo = SLOSpec(objectives=objectives, concurrency=2)
     s = summarize(records)
     v = evaluate(objectives, s)
-    return SLOReport(target=Target(url="127.0.0.1:1"), plan=LoadPlan(concurrency=2, num_requests=len(records)), slo=slo,
-                     workload={"kind": "synthetic", "tokenizer": "words", "input_tokens": 1, "input_tokens_stddev": 0,
-                               "output_tokens": 2, "output_tokens_stddev": 0, "turns": 1, "seed": 0, "warmup_requests": 0},
-                     summary=s, verdict=v, records=records, started_unix=1.7e9, wall_s=1.0)
+    return SLOReport(
+        target=Target(url="127.0.0.1:1"),
+        plan=LoadPlan(concurrency=2, num_requests=len(records)),
+        slo=slo,
+        workload={
+            "kind": "synthetic",
+            "tokenizer": "words",
+            "input_tokens": 1,
+            "input_tokens_stddev": 0,
+            "output_tokens": 2,
+            "output_tokens_stddev": 0,
+            "turns": 1,
+            "seed": 0,
+            "warmup_requests": 0,
+        },
+        summary=s,
+        verdict=v,
+        records=records,
+        started_unix=1.7e9,
+        wall_s=1.0,
+    )
 
 
 def test_reports_hold_the_numbers(tmp_path):

@@ -60,7 +60,9 @@ def test_a_given_load_replaces_the_other_kind():
 def test_a_new_transport_takes_its_own_interface_unless_one_is_given():
     grpc = SLOSpec(endpoint="tensorrt_llm").model_dump()
     assert validate_slo(apply_options(grpc, {"transport": "openai"})).endpoint == "chat"
-    assert validate_slo(apply_options(grpc, {"transport": "openai", "endpoint": "completions"})).endpoint == "completions"
+    assert (
+        validate_slo(apply_options(grpc, {"transport": "openai", "endpoint": "completions"})).endpoint == "completions"
+    )
     assert validate_slo(apply_options(grpc, {"transport": "http"})).endpoint == "tensorrt_llm"
     openai = SLOSpec(transport="openai", endpoint="completions").model_dump()
     assert validate_slo(apply_options(openai, {"transport": "grpc"})).endpoint == "ensemble"
@@ -90,15 +92,42 @@ def _report(slo, status_ttft_ms=10.0):
     from toolkit.slo.records import RequestRecord
     from toolkit.slo.runner import SLOReport, Target, judge
 
-    recs = [RequestRecord(index=i, scheduled_ns=i * 10 * MS, sent_ns=i * 10 * MS,
-                          chunk_ns=[int((i * 10 + status_ttft_ms) * MS)], chunk_tokens=[1],
-                          final_ns=int((i * 10 + status_ttft_ms) * MS), requested_output_tokens=1) for i in range(4)]
+    recs = [
+        RequestRecord(
+            index=i,
+            scheduled_ns=i * 10 * MS,
+            sent_ns=i * 10 * MS,
+            chunk_ns=[int((i * 10 + status_ttft_ms) * MS)],
+            chunk_tokens=[1],
+            final_ns=int((i * 10 + status_ttft_ms) * MS),
+            requested_output_tokens=1,
+        )
+        for i in range(4)
+    ]
     summary, verdict, notes = judge(recs, slo, list(slo.objectives))
-    return SLOReport(target=Target(url="127.0.0.1:1"), plan=LoadPlan(concurrency=1, num_requests=4), slo=slo,
-                     workload={"kind": "synthetic", "tokenizer": "words", "input_tokens": 1, "input_tokens_stddev": 0,
-                               "output_tokens": 1, "output_tokens_stddev": 0, "turns": 1, "seed": 0, "warmup_requests": 0},
-                     summary=summary, verdict=verdict, records=recs, started_unix=1.7e9, wall_s=0.1, notes=notes,
-                     client={"t0_ns": 0, "t0_unix": 1.7e9})
+    return SLOReport(
+        target=Target(url="127.0.0.1:1"),
+        plan=LoadPlan(concurrency=1, num_requests=4),
+        slo=slo,
+        workload={
+            "kind": "synthetic",
+            "tokenizer": "words",
+            "input_tokens": 1,
+            "input_tokens_stddev": 0,
+            "output_tokens": 1,
+            "output_tokens_stddev": 0,
+            "turns": 1,
+            "seed": 0,
+            "warmup_requests": 0,
+        },
+        summary=summary,
+        verdict=verdict,
+        records=recs,
+        started_unix=1.7e9,
+        wall_s=0.1,
+        notes=notes,
+        client={"t0_ns": 0, "t0_unix": 1.7e9},
+    )
 
 
 @pytest.fixture
@@ -132,9 +161,28 @@ def _rtk(tmp_path, *args):
 def test_cli_options_reach_the_library(tmp_path, calls):
     spec = tmp_path / "s.yaml"
     spec.write_text("name: s\nslo:\n  concurrency: 4\n  objectives: [{metric: ttft, stat: p50, max: 1}]\n")
-    res = _rtk(tmp_path, str(spec), "--request-rate", "2.5", "--arrival", "constant", "--objective", "ttft:p50<=50",
-               "--url", "127.0.0.1:1", "--url", "127.0.0.1:2", "--balance", "least_loaded", "--workers", "3",
-               "--check-metric", 'nv_trt_llm_request_metrics{request_type="waiting"}', "--start-at", "1790000000")
+    res = _rtk(
+        tmp_path,
+        str(spec),
+        "--request-rate",
+        "2.5",
+        "--arrival",
+        "constant",
+        "--objective",
+        "ttft:p50<=50",
+        "--url",
+        "127.0.0.1:1",
+        "--url",
+        "127.0.0.1:2",
+        "--balance",
+        "least_loaded",
+        "--workers",
+        "3",
+        "--check-metric",
+        'nv_trt_llm_request_metrics{request_type="waiting"}',
+        "--start-at",
+        "1790000000",
+    )
     assert res.exit_code == 0, res.output
     kind, slo, url, kw = calls[0]
     assert (slo.request_rate, slo.concurrency, slo.arrival) == (2.5, None, "constant")
@@ -168,20 +216,23 @@ def test_cli_merge(tmp_path, calls):
     assert bad.exit_code == 2 and "--merge combines existing reports" in bad.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--objective", "ttft p99 300"], "METRIC[:STAT]<=VALUE"),
-    (["--objective", "shed_rate<=3"], "fraction between 0 and 1"),
-    (["--objective", "ttft<=300"], "give a stat"),
-    (["--arrival", "steady"], "'steady' is not one of"),
-    (["--workers", "0"], "--workers"),
-    (["--sweep", "rate"], "--sweep needs --values"),
-    (["--sweep", "rate", "--values", "1,x"], "not a comma-separated list"),
-    (["--sweep", "rate", "--search", "rate", "--values", "1"], "either --sweep or --search"),
-    (["--set", "slo.seed=1"], "--set needs a SPEC"),
-    (["--transport", "grpc", "--endpoint", "chat"], "field 'slo.endpoint'"),
-    (["--concurrency", "0"], "field 'slo.concurrency'"),
-    (["--check-metric", "bad metric{"], "--check-metric"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--objective", "ttft p99 300"], "METRIC[:STAT]<=VALUE"),
+        (["--objective", "shed_rate<=3"], "fraction between 0 and 1"),
+        (["--objective", "ttft<=300"], "give a stat"),
+        (["--arrival", "steady"], "'steady' is not one of"),
+        (["--workers", "0"], "--workers"),
+        (["--sweep", "rate"], "--sweep needs --values"),
+        (["--sweep", "rate", "--values", "1,x"], "not a comma-separated list"),
+        (["--sweep", "rate", "--search", "rate", "--values", "1"], "either --sweep or --search"),
+        (["--set", "slo.seed=1"], "--set needs a SPEC"),
+        (["--transport", "grpc", "--endpoint", "chat"], "field 'slo.endpoint'"),
+        (["--concurrency", "0"], "field 'slo.concurrency'"),
+        (["--check-metric", "bad metric{"], "--check-metric"),
+    ],
+)
 def test_cli_bad_options_exit_2_and_say_what_to_change(tmp_path, args, message):
     # Refused before any connection: nothing listens on port 9, and a connection attempt would exit 4.
     res = _rtk(tmp_path, "--url", "127.0.0.1:9", *args)

@@ -21,33 +21,66 @@ MS = 1_000_000
 def served(i, ttft=10.0, *, tokens=4, requested=4, tier=None, sched=None):
     s = (i * 10 if sched is None else sched) * MS
     chunks = [s + int((ttft + k) * MS) for k in range(tokens)]
-    return RequestRecord(index=i, scheduled_ns=s, sent_ns=s, chunk_ns=chunks, chunk_tokens=[1] * tokens,
-                         final_ns=chunks[-1], requested_output_tokens=requested, tier=tier)
+    return RequestRecord(
+        index=i,
+        scheduled_ns=s,
+        sent_ns=s,
+        chunk_ns=chunks,
+        chunk_tokens=[1] * tokens,
+        final_ns=chunks[-1],
+        requested_output_tokens=requested,
+        tier=tier,
+    )
 
 
 def refused(i, after_ms=2.0, status=429):
     s = i * 10 * MS
-    return RequestRecord(index=i, scheduled_ns=s, sent_ns=s, final_ns=s + int(after_ms * MS), error=f"HTTP {status}: busy",
-                         status=status, requested_output_tokens=4)
+    return RequestRecord(
+        index=i,
+        scheduled_ns=s,
+        sent_ns=s,
+        final_ns=s + int(after_ms * MS),
+        error=f"HTTP {status}: busy",
+        status=status,
+        requested_output_tokens=4,
+    )
 
 
 def failed(i, status=None, after_ms=5.0):
     s = i * 10 * MS
-    return RequestRecord(index=i, scheduled_ns=s, sent_ns=s, final_ns=s + int(after_ms * MS), error="boom", status=status,
-                         requested_output_tokens=4)
+    return RequestRecord(
+        index=i,
+        scheduled_ns=s,
+        sent_ns=s,
+        final_ns=s + int(after_ms * MS),
+        error="boom",
+        status=status,
+        requested_output_tokens=4,
+    )
 
 
 def timed_out(i):
     s = i * 10 * MS
-    return RequestRecord(index=i, scheduled_ns=s, sent_ns=s, final_ns=s + 2000 * MS, error="no final response",
-                         timed_out=True, requested_output_tokens=4)
+    return RequestRecord(
+        index=i,
+        scheduled_ns=s,
+        sent_ns=s,
+        final_ns=s + 2000 * MS,
+        error="no final response",
+        timed_out=True,
+        requested_output_tokens=4,
+    )
 
 
 def test_the_four_outcomes():
     assert served(0).outcome == O.SERVED and served(0, tier=O.PRIMARY_TIER).outcome == O.SERVED
     assert served(0, tier="cache").outcome == O.SHED  # answered by a fallback tier
     assert refused(0, status=429).outcome == O.SHED and refused(0, status=503).outcome == O.SHED
-    assert failed(0).outcome == O.FAILED and failed(0, status=500).outcome == O.FAILED and failed(0, status=400).outcome == O.FAILED
+    assert (
+        failed(0).outcome == O.FAILED
+        and failed(0, status=500).outcome == O.FAILED
+        and failed(0, status=400).outcome == O.FAILED
+    )
     assert timed_out(0).outcome == O.TIMED_OUT
     unfinished = RequestRecord(index=0, sent_ns=0)
     assert unfinished.outcome == O.TIMED_OUT
@@ -84,12 +117,21 @@ def test_shed_requests_enter_shed_rate_and_goodput_not_the_served_latencies():
     objs = [Objective(metric="refusal_latency", stat="max", max=5), Objective(metric="shed_rate", max=0.1)]
     v = evaluate(objs, s)
     assert [r.status for r in v.results] == [FAIL, FAIL, PASS]  # + implied error_rate ≤ 0 passes
-    assert evaluate([Objective(metric="refusal_latency", stat="max", max=10), Objective(metric="shed_rate", max=0.2)], s).status == PASS
+    assert (
+        evaluate(
+            [Objective(metric="refusal_latency", stat="max", max=10), Objective(metric="shed_rate", max=0.2)], s
+        ).status
+        == PASS
+    )
 
 
 def test_fallback_tiers_are_shed_and_counted_per_tier():
-    recs = [served(i, tier="primary") for i in range(6)] + [served(6, tier="cache"), served(7, tier="int4-awq"),
-                                                               served(8, tier="cache"), refused(9)]
+    recs = [served(i, tier="primary") for i in range(6)] + [
+        served(6, tier="cache"),
+        served(7, tier="int4-awq"),
+        served(8, tier="cache"),
+        refused(9),
+    ]
     s = summarize(recs)
     assert s.tiers == {"primary": 6, "cache": 2, "int4-awq": 1}
     assert s.aggregates["fallback_rate"] == pytest.approx(0.3) and s.aggregates["shed_rate"] == pytest.approx(0.4)
@@ -148,18 +190,24 @@ def test_objective_names_come_from_the_metrics_registry():
 
 # -- OpenAI-compatible streams (decoding only; the transport is tested against a server) -------------
 
+
 def test_openai_chunks_usage_and_tier_decode_into_the_record():
     from toolkit.slo.openai_transport import HEADER_TIER
     from toolkit.slo.transport import ModelInfo, finish_record
 
     info = ModelInfo(name="m", interface="chat", max_batch_size=0, inputs=set(), outputs=set())
     rec = RequestRecord(index=0, scheduled_ns=0, sent_ns=0, requested_output_tokens=5)
-    chunk = lambda d: json.dumps({"choices": [{"index": 0, "delta": d}]}).encode()
-    rec.raw = [(1 * MS, {HEADER_TIER: "cache"}),
-               (2 * MS, chunk({"role": "assistant"})),
-               (3 * MS, chunk({"content": "Hel"})),
-               (5 * MS, chunk({"content": "lo"})),
-               (6 * MS, json.dumps({"choices": [], "usage": {"completion_tokens": 5}, "rtk_tier": "cache"}).encode())]
+
+    def chunk(delta):
+        return json.dumps({"choices": [{"index": 0, "delta": delta}]}).encode()
+
+    rec.raw = [
+        (1 * MS, {HEADER_TIER: "cache"}),
+        (2 * MS, chunk({"role": "assistant"})),
+        (3 * MS, chunk({"content": "Hel"})),
+        (5 * MS, chunk({"content": "lo"})),
+        (6 * MS, json.dumps({"choices": [], "usage": {"completion_tokens": 5}, "rtk_tier": "cache"}).encode()),
+    ]
     rec.final_ns = 7 * MS
     finish_record(rec, info, "openai")
     assert rec.chunk_ns == [3 * MS, 5 * MS] and rec.chunk_tokens == [1, 4]  # the server's count: 5 tokens
@@ -168,7 +216,10 @@ def test_openai_chunks_usage_and_tier_decode_into_the_record():
 
     comp = ModelInfo(name="m", interface="completions", max_batch_size=0, inputs=set(), outputs=set())
     r2 = RequestRecord(index=1, requested_output_tokens=2, final_ns=9)
-    r2.raw = [(4, json.dumps({"choices": [{"text": "a"}]}).encode()), (8, json.dumps({"choices": [{"text": "b"}]}).encode())]
+    r2.raw = [
+        (4, json.dumps({"choices": [{"text": "a"}]}).encode()),
+        (8, json.dumps({"choices": [{"text": "b"}]}).encode()),
+    ]
     finish_record(r2, comp, "openai")
     assert r2.text == "ab" and r2.chunk_tokens == [1, 1] and r2.outcome == O.SERVED and r2.tier is None
 
@@ -182,11 +233,26 @@ def test_reports_show_outcomes_and_tiers(tmp_path):
     recs = [served(i, tier="primary") for i in range(7)] + [served(7, tier="cache"), refused(8), timed_out(9)]
     s = summarize(recs, failure_ms=2000.0)
     objs = [Objective(metric="shed_rate", max=0.5)]
-    rep = SLOReport(target=Target(url="http://127.0.0.1:1", transport="openai", model="m", endpoint="chat"),
-                    plan=LoadPlan(concurrency=1, num_requests=10), slo=SLOSpec(objectives=objs), summary=s,
-                    verdict=evaluate(objs, s), records=recs, started_unix=1.7e9,
-                    workload={"kind": "synthetic", "tokenizer": "words", "input_tokens": 1, "input_tokens_stddev": 0,
-                              "output_tokens": 4, "output_tokens_stddev": 0, "turns": 1, "seed": 0, "warmup_requests": 0})
+    rep = SLOReport(
+        target=Target(url="http://127.0.0.1:1", transport="openai", model="m", endpoint="chat"),
+        plan=LoadPlan(concurrency=1, num_requests=10),
+        slo=SLOSpec(objectives=objs),
+        summary=s,
+        verdict=evaluate(objs, s),
+        records=recs,
+        started_unix=1.7e9,
+        workload={
+            "kind": "synthetic",
+            "tokenizer": "words",
+            "input_tokens": 1,
+            "input_tokens_stddev": 0,
+            "output_tokens": 4,
+            "output_tokens_stddev": 0,
+            "turns": 1,
+            "seed": 0,
+            "warmup_requests": 0,
+        },
+    )
     assert outcome_line(rep) == "10 measured: 7 served, 2 shed, 0 failed, 1 timed out; tiers: cache 1, primary 7"
     md = markdown(rep)
     assert "| cache | 1 |" in md and "count as 2000 ms (the request timeout)" in md

@@ -17,14 +17,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from click.testing import CliRunner
+from triton_helpers import running_server, write_fake_llm
 
 from toolkit.cli import cli
 from toolkit.errors import ServerError, UsageError
-from toolkit.triton.server import free_ports
 from toolkit.slo.runner import run_slo, search_slo, sweep_slo
 from toolkit.spec import Objective, SLOSpec
-
-from triton_helpers import running_server, write_fake_llm
+from toolkit.triton.server import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,8 +55,15 @@ def _url(srv, transport):
 def test_measured_ttft_and_itl_match_the_model_and_transports_agree(server):
     reports = {}
     for transport in ("grpc", "http"):
-        slo = _slo(transport=transport, concurrency=2, num_requests=40,
-                   objectives=[Objective(metric="ttft", stat="p50", max=TTFT + 10), Objective(metric="itl", stat="p50", max=ITL + 3)])
+        slo = _slo(
+            transport=transport,
+            concurrency=2,
+            num_requests=40,
+            objectives=[
+                Objective(metric="ttft", stat="p50", max=TTFT + 10),
+                Objective(metric="itl", stat="p50", max=ITL + 3),
+            ],
+        )
         rep = run_slo(slo, _url(server, transport), metrics_url=server.metrics_url)
         reports[transport] = rep
         ttft, itl, srv_ttft = rep.dist("ttft"), rep.dist("itl"), rep.dist("server_ttft")
@@ -66,8 +72,15 @@ def test_measured_ttft_and_itl_match_the_model_and_transports_agree(server):
         assert ITL - 1 <= itl.p50 <= ITL + 3, (transport, itl)
         # Independent reference: the server stamped the same first and last tokens on its own clock.
         # The client's first→last span of each request must match the server's.
-        spans = sorted(abs((r.last_token_ns - r.first_token_ns) - (r.server["last_token_time_ns"] - r.server["first_token_time_ns"])) / 1e6
-                       for r in rep.records if r.measured)
+        spans = sorted(
+            abs(
+                (r.last_token_ns - r.first_token_ns)
+                - (r.server["last_token_time_ns"] - r.server["first_token_time_ns"])
+            )
+            / 1e6
+            for r in rep.records
+            if r.measured
+        )
         assert spans[len(spans) // 2] < 2.0, (transport, spans)
         assert itl.count == 40 * 5  # 6 tokens, one per response: 5 gaps each
         # The server's own timestamps sit beside the client's: its TTFT is the configured one, and
@@ -87,7 +100,15 @@ def test_measured_ttft_and_itl_match_the_model_and_transports_agree(server):
 
 
 def test_tensorrt_llm_endpoint_and_multi_turn_sessions_resend_history(server):
-    slo = _slo(endpoint="tensorrt_llm", concurrency=2, num_requests=12, turns=3, input_tokens=10, output_tokens=4, warmup_requests=0)
+    slo = _slo(
+        endpoint="tensorrt_llm",
+        concurrency=2,
+        num_requests=12,
+        turns=3,
+        input_tokens=10,
+        output_tokens=4,
+        warmup_requests=0,
+    )
     rep = run_slo(slo, server.grpc_url)
     assert rep.summary.succeeded == 12
     by_session: dict[int, list] = {}
@@ -95,14 +116,21 @@ def test_tensorrt_llm_endpoint_and_multi_turn_sessions_resend_history(server):
         by_session.setdefault(r.session, []).append(r)
         # The fake model's first id is 1000 + the prompt length it received: the whole history.
         assert r.output_ids[0] == 1000 + r.input_tokens
-        assert set(r.server) == {"arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"}
+        assert set(r.server) == {
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+        }
     full = [turns for turns in by_session.values() if len(turns) == 3]
     assert full, "no session completed its three turns"
     for turns in full:
         assert [t.turn for t in turns] == [0, 1, 2]
         assert [t.input_tokens for t in turns] == [10, 10 + 4 + 10, 10 + 4 + 10 + 4 + 10]
         assert turns[1].scheduled_ns == turns[0].final_ns  # the next turn is due when the last one ends
-    http = run_slo(_slo(endpoint="tensorrt_llm", transport="http", concurrency=2, num_requests=6, output_tokens=4), server.http_url)
+    http = run_slo(
+        _slo(endpoint="tensorrt_llm", transport="http", concurrency=2, num_requests=6, output_tokens=4), server.http_url
+    )
     assert http.summary.succeeded == 6 and all(r.output_ids[0] == 1000 + r.input_tokens for r in http.records)
 
 
@@ -110,9 +138,27 @@ def test_cli_gate_pass_fail_inconclusive_and_report_files(server, tmp_path):
     runner = CliRunner()
 
     def slo(*args, out):
-        return runner.invoke(cli, ["slo", "--url", server.grpc_url, "--metrics-url", server.metrics_url, "-o", str(tmp_path / out),
-                                   "--input-tokens", "12", "--output-tokens", "6", "--warmup-requests", "2",
-                                   "--max-schedule-lag-ms", "500", *args])
+        return runner.invoke(
+            cli,
+            [
+                "slo",
+                "--url",
+                server.grpc_url,
+                "--metrics-url",
+                server.metrics_url,
+                "-o",
+                str(tmp_path / out),
+                "--input-tokens",
+                "12",
+                "--output-tokens",
+                "6",
+                "--warmup-requests",
+                "2",
+                "--max-schedule-lag-ms",
+                "500",
+                *args,
+            ],
+        )
 
     ok = slo("--concurrency", "4", "--num-requests", "20", "--objective", f"ttft:p50<={TTFT + 30}", out="pass")
     assert ok.exit_code == 0, ok.output
@@ -143,8 +189,16 @@ def test_stall_with_capped_client_shows_only_in_schedule_relative_latency(server
     Timed from the send, almost every request looks fast; timed from when it was due, the ~25
     requests that came due during the stall waited up to a second, and the gate says so.
     """
-    slo = _slo(request_rate=25, arrival="constant", max_inflight=1, num_requests=60, warmup_requests=0, output_tokens=3,
-               model="stall_capped", objectives=[Objective(metric="ttft", stat="p90", max=100)])
+    slo = _slo(
+        request_rate=25,
+        arrival="constant",
+        max_inflight=1,
+        num_requests=60,
+        warmup_requests=0,
+        output_tokens=3,
+        model="stall_capped",
+        objectives=[Objective(metric="ttft", stat="p90", max=100)],
+    )
     rep = run_slo(slo, server.grpc_url)
     assert rep.summary.succeeded == 60
     assert rep.dist("ttft_sent").p50 < 50 and rep.dist("ttft_sent").p90 < 150
@@ -156,8 +210,15 @@ def test_stall_with_capped_client_shows_only_in_schedule_relative_latency(server
 
 
 def test_stall_without_cap_queues_in_the_server_and_shows_in_server_stamps(server):
-    slo = _slo(request_rate=25, arrival="constant", num_requests=60, warmup_requests=0, output_tokens=3, model="stall_open",
-               objectives=[Objective(metric="ttft", stat="p90", max=100)])
+    slo = _slo(
+        request_rate=25,
+        arrival="constant",
+        num_requests=60,
+        warmup_requests=0,
+        output_tokens=3,
+        model="stall_open",
+        objectives=[Objective(metric="ttft", stat="p90", max=100)],
+    )
     rep = run_slo(slo, server.grpc_url)
     assert rep.summary.succeeded == 60
     assert rep.dist("schedule_lag").p90 < 50  # the client kept sending on time (the stall is 1000 ms)
@@ -169,8 +230,13 @@ def test_stall_without_cap_queues_in_the_server_and_shows_in_server_stamps(serve
 def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
     # One request at a time, 60 ms each: E2E ≈ concurrency × 60 ms in a closed loop.  The bound
     # leaves 50 ms for a busy host at concurrency 2; concurrency 3 (≈180 ms) can only miss it.
-    slo = _slo(model="serial60", output_tokens=1, num_requests=12, warmup_requests=2,
-               objectives=[Objective(metric="e2e", stat="p50", max=170)])
+    slo = _slo(
+        model="serial60",
+        output_tokens=1,
+        num_requests=12,
+        warmup_requests=2,
+        objectives=[Objective(metric="e2e", stat="p50", max=170)],
+    )
     rep = search_slo(slo, server.grpc_url, kind="concurrency", start=1, limit=8)
     assert rep.best == 2, [(p.plan.value, p.dist("e2e").p50) for p in rep.points]
     assert [p.plan.value for p in rep.points] == [1, 2, 3, 4]
@@ -181,7 +247,12 @@ def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
 def test_sweep_over_rates_writes_the_throughput_latency_plot(server, tmp_path):
     from toolkit.slo.report import write_sweep
 
-    slo = _slo(num_requests=10, warmup_requests=1, arrival="constant", objectives=[Objective(metric="ttft", stat="p50", max=200)])
+    slo = _slo(
+        num_requests=10,
+        warmup_requests=1,
+        arrival="constant",
+        objectives=[Objective(metric="ttft", stat="p50", max=200)],
+    )
     sweep = sweep_slo(slo, server.grpc_url, kind="rate", values=[5, 20])
     assert [p.plan.rate for p in sweep.points] == [5, 20]
     tput = [p.summary.aggregates["request_throughput"] for p in sweep.points]
@@ -193,20 +264,35 @@ def test_sweep_over_rates_writes_the_throughput_latency_plot(server, tmp_path):
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_failed_requests_are_counted_and_fail_the_gate(server, transport):
-    slo = _slo(transport=transport, model="flaky", concurrency=2, num_requests=20, warmup_requests=0,
-               objectives=[Objective(metric="ttft", stat="p50", max=200)])
+    slo = _slo(
+        transport=transport,
+        model="flaky",
+        concurrency=2,
+        num_requests=20,
+        warmup_requests=0,
+        objectives=[Objective(metric="ttft", stat="p50", max=200)],
+    )
     rep = run_slo(slo, _url(server, transport))
     assert rep.summary.failed == 5 and rep.summary.aggregates["error_rate"] == pytest.approx(0.25)
     assert all("fails on purpose" in r.error for r in rep.records if not r.ok)
     assert rep.verdict.status == "FAIL"  # implied error_rate ≤ 0
-    allowed = run_slo(slo.model_copy(update={"objectives": [*slo.objectives, Objective(metric="error_rate", max=0.3)]}),
-                      _url(server, transport))
+    allowed = run_slo(
+        slo.model_copy(update={"objectives": [*slo.objectives, Objective(metric="error_rate", max=0.3)]}),
+        _url(server, transport),
+    )
     assert allowed.verdict.status == "PASS"
 
 
 def test_open_loop_duration_and_gamma_arrivals_keep_the_schedule(server):
-    slo = _slo(request_rate=40, arrival="gamma", burstiness=0.5, num_requests=None, duration_s=1.0, warmup_requests=0,
-               output_tokens=2)
+    slo = _slo(
+        request_rate=40,
+        arrival="gamma",
+        burstiness=0.5,
+        num_requests=None,
+        duration_s=1.0,
+        warmup_requests=0,
+        output_tokens=2,
+    )
     rep = run_slo(slo, server.grpc_url)
     meas = [r for r in rep.records if r.measured]
     t0 = min(r.scheduled_ns for r in meas)
@@ -219,7 +305,12 @@ def test_open_loop_duration_and_gamma_arrivals_keep_the_schedule(server):
 
     ok, msg, lag = schedule_check(rep.records, max_lag_ms=1e-4)
     assert not ok and lag > 1e-4 and "slo.max_schedule_lag_ms" in msg
-    assert evaluate([Objective(metric="ttft", stat="p50", max=1e6)], rep.summary, schedule_ok=ok, schedule_message=msg).status == "INCONCLUSIVE"
+    assert (
+        evaluate(
+            [Objective(metric="ttft", stat="p50", max=1e6)], rep.summary, schedule_ok=ok, schedule_message=msg
+        ).status
+        == "INCONCLUSIVE"
+    )
 
 
 def test_unreachable_server_and_wrong_interface_are_clear_errors(server):
@@ -228,8 +319,20 @@ def test_unreachable_server_and_wrong_interface_are_clear_errors(server):
         run_slo(_slo(concurrency=1, num_requests=1), f"127.0.0.1:{port}")
     with pytest.raises(ServerError, match="cannot reach tritonserver over HTTP"):
         run_slo(_slo(transport="http", concurrency=1, num_requests=1), f"http://127.0.0.1:{port}")
-    res = CliRunner().invoke(cli, ["slo", "--url", f"127.0.0.1:{port}", "--concurrency", "1", "--num-requests", "1",
-                                   "--objective", "ttft:p50<=1"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "slo",
+            "--url",
+            f"127.0.0.1:{port}",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "1",
+            "--objective",
+            "ttft:p50<=1",
+        ],
+    )
     assert res.exit_code == 4, res.output
     with pytest.raises(UsageError, match="does not have the tensorrt_llm interface"):
         run_slo(_slo(endpoint="tensorrt_llm", model="ensemble", concurrency=1, num_requests=1), server.grpc_url)

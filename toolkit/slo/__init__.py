@@ -8,7 +8,17 @@ the runner (or the spec) in turn.
 
 from __future__ import annotations
 
-__all__ = ["EXIT_CODES", "FAIL", "INCONCLUSIVE", "PASS", "SLOReport", "SweepReport", "run_slo", "search_slo", "sweep_slo"]
+__all__ = [
+    "EXIT_CODES",
+    "FAIL",
+    "INCONCLUSIVE",
+    "PASS",
+    "SLOReport",
+    "SweepReport",
+    "run_slo",
+    "search_slo",
+    "sweep_slo",
+]
 
 
 def __getattr__(name):

@@ -51,11 +51,18 @@ def make_workload(job: ClientJob):
     want_ids = job.endpoint == "tensorrt_llm"
     tokenizer = load_tokenizer(slo["tokenizer"], job.repository)
     if slo["dataset"]:
-        workload = JsonlWorkload(slo["dataset"], output_tokens=slo["output_tokens"], tokenizer=tokenizer, want_ids=want_ids)
+        workload = JsonlWorkload(
+            slo["dataset"], output_tokens=slo["output_tokens"], tokenizer=tokenizer, want_ids=want_ids
+        )
     else:
         workload = SyntheticWorkload(
-            input_tokens=slo["input_tokens"], input_std=slo["input_tokens_stddev"], output_tokens=slo["output_tokens"],
-            output_std=slo["output_tokens_stddev"], turns=slo["turns"], seed=slo["seed"], tokenizer=tokenizer,
+            input_tokens=slo["input_tokens"],
+            input_std=slo["input_tokens_stddev"],
+            output_tokens=slo["output_tokens"],
+            output_std=slo["output_tokens_stddev"],
+            turns=slo["turns"],
+            seed=slo["seed"],
+            tokenizer=tokenizer,
             want_ids=want_ids,
         )
     return workload, (workload.tokenizer.name if workload.tokenizer else "none"), tokenizer is not None
@@ -69,9 +76,14 @@ def connect(job: ClientJob):
 
 def plan_of(slo: dict) -> LoadPlan:
     return LoadPlan(
-        concurrency=slo["concurrency"] if slo["request_rate"] is None else None, rate=slo["request_rate"],
-        arrival=slo["arrival"], burstiness=slo["burstiness"], max_inflight=slo["max_inflight"],
-        num_requests=slo["num_requests"], duration_s=slo["duration_s"], seed=slo["seed"],
+        concurrency=slo["concurrency"] if slo["request_rate"] is None else None,
+        rate=slo["request_rate"],
+        arrival=slo["arrival"],
+        burstiness=slo["burstiness"],
+        max_inflight=slo["max_inflight"],
+        num_requests=slo["num_requests"],
+        duration_s=slo["duration_s"],
+        seed=slo["seed"],
     )
 
 
@@ -79,7 +91,9 @@ def warmup_plan(slo: dict) -> LoadPlan | None:
     n = slo["warmup_requests"]
     if not n:
         return None
-    return LoadPlan(concurrency=max(1, min(n, slo["concurrency"] or slo["max_inflight"] or 4)), num_requests=n, seed=slo["seed"])
+    return LoadPlan(
+        concurrency=max(1, min(n, slo["concurrency"] or slo["max_inflight"] or 4)), num_requests=n, seed=slo["seed"]
+    )
 
 
 class Client:
@@ -90,7 +104,9 @@ class Client:
         self.workload, self.tokenizer_name, self.has_tokenizer = make_workload(job)
         self.transport, self.info = connect(job)
         slo = job.slo
-        self.gen = LoadGenerator(self.transport, self.workload, request_timeout_s=slo["request_timeout_s"], progress=progress)
+        self.gen = LoadGenerator(
+            self.transport, self.workload, request_timeout_s=slo["request_timeout_s"], progress=progress
+        )
         self.records: list[RequestRecord] = []
         self._switch = sys.getswitchinterval()
         self._cpu0 = time.process_time()
@@ -125,8 +141,9 @@ class Client:
             r.worker = k
             r.index = r.index * n + k  # unique across workers
         urls = self.transport.urls if isinstance(self.transport, Replicas) else [self.transport.url]
-        return ClientResult(self.records, self.gen.last_t0 or 0, time.process_time() - self._cpu0,
-                            list(self.gen.unmatched_errors), urls)
+        return ClientResult(
+            self.records, self.gen.last_t0 or 0, time.process_time() - self._cpu0, list(self.gen.unmatched_errors), urls
+        )
 
 
 def worker_main(job: ClientJob, conn) -> None:
@@ -155,7 +172,9 @@ def start_time(start_at: float | None, margin_ns: int = 2_000_000) -> int:
     if ahead < 0:
         from ..errors import UsageError
 
-        raise UsageError(f"--start-at {start_at:.3f} is {-ahead:.1f} s in the past; give a Unix time ahead of every host's start")
+        raise UsageError(
+            f"--start-at {start_at:.3f} is {-ahead:.1f} s in the past; give a Unix time ahead of every host's start"
+        )
     return now_ns() + int(ahead * 1e9)
 
 
@@ -163,8 +182,13 @@ def model_info_note(info: ModelInfo, transport: str) -> list[str]:
     notes = []
     if transport != "openai":
         if not info.stamps:
-            notes.append(f"model '{info.name}' does not return server timestamps (return_perf_metrics); server-side columns are empty")
+            notes.append(
+                f"model '{info.name}' does not return server timestamps (return_perf_metrics); "
+                "server-side columns are empty"
+            )
         if "min_tokens" not in info.inputs:
-            notes.append(f"model '{info.name}' does not take min_tokens: output length is not enforced, and responses "
-                         "shorter than requested are counted in short_output_rate")
+            notes.append(
+                f"model '{info.name}' does not take min_tokens: output length is not enforced, and responses "
+                "shorter than requested are counted in short_output_rate"
+            )
     return notes

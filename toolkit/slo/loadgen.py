@@ -93,8 +93,14 @@ class _SessionState:
 
 
 class LoadGenerator:
-    def __init__(self, transport: Transport, workload, *, request_timeout_s: float = 120.0,
-                 progress: Callable[[int, int | None], None] | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        workload,
+        *,
+        request_timeout_s: float = 120.0,
+        progress: Callable[[int, int | None], None] | None = None,
+    ):
         self.transport = transport
         self.workload = workload
         self.request_timeout_ns = int(request_timeout_s * 1e9)
@@ -136,9 +142,15 @@ class LoadGenerator:
     # -- building requests -----------------------------------------------------------------------
     def _make(self, state: _SessionState, phase: str, due: int, seq: int) -> _Due:
         turn = state.session.turns[state.turn]
-        rec = RequestRecord(index=self._next_index, phase=phase, session=state.session.index, turn=state.turn,
-                            scheduled_ns=due, requested_output_tokens=turn.output_tokens,
-                            input_tokens=state.tokens + turn.input_tokens)
+        rec = RequestRecord(
+            index=self._next_index,
+            phase=phase,
+            session=state.session.index,
+            turn=state.turn,
+            scheduled_ns=due,
+            requested_output_tokens=turn.output_tokens,
+            input_tokens=state.tokens + turn.input_tokens,
+        )
         self._next_index += 1
         if turn.ids is not None:
             payload = Payload(ids=state.ids + turn.ids, output_tokens=turn.output_tokens)
@@ -163,8 +175,9 @@ class LoadGenerator:
         return st
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, plan: LoadPlan, phase: str = "measure", *, t0: int | None = None,
-            partition: tuple[int, int] = (0, 1)) -> list[RequestRecord]:
+    def run(
+        self, plan: LoadPlan, phase: str = "measure", *, t0: int | None = None, partition: tuple[int, int] = (0, 1)
+    ) -> list[RequestRecord]:
         """Send the plan's requests; returns their records (raw responses still to decode).
 
         ``t0``: the schedule's start (``now_ns`` clock; default: now).  ``partition = (k, n)``: this
@@ -188,8 +201,9 @@ class LoadGenerator:
 class _Run:
     """The state of one :meth:`LoadGenerator.run`."""
 
-    def __init__(self, gen: LoadGenerator, plan: LoadPlan, phase: str, t0: int | None = None,
-                 partition: tuple[int, int] = (0, 1)):
+    def __init__(
+        self, gen: LoadGenerator, plan: LoadPlan, phase: str, t0: int | None = None, partition: tuple[int, int] = (0, 1)
+    ):
         self.gen, self.plan, self.phase = gen, plan, phase
         k, n = self.k, self.n = partition
         self.records: list[RequestRecord] = []
@@ -208,13 +222,18 @@ class _Run:
         self.t0 = t0 if t0 is not None else now_ns() + 2_000_000  # ahead, so the first requests are prepared in time
         self.end_ns = self.t0 + int(plan.duration_s * 1e9) if plan.duration_s else None
         self.arrivals = (
-            arrival_offsets(plan.arrival, plan.rate, burstiness=plan.burstiness, seed=plan.seed) if plan.kind == "rate" else None
+            arrival_offsets(plan.arrival, plan.rate, burstiness=plan.burstiness, seed=plan.seed)
+            if plan.kind == "rate"
+            else None
         )
         self.arrival_item: _Due | None = None  # the latest arrival; the next is prepared when it goes
 
     def may_create(self, due: int) -> bool:
-        return (self.quota is None or self.created < self.quota) and (self.end_ns is None or due < self.end_ns) \
+        return (
+            (self.quota is None or self.created < self.quota)
+            and (self.end_ns is None or due < self.end_ns)
             and self.gen._broken is None
+        )
 
     def push(self, state: _SessionState, due: int) -> _Due:
         item = self.gen._make(state, self.phase, due, next(self.seq))

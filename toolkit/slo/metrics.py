@@ -101,8 +101,9 @@ class RequestMetric:
     def value(self, rec: RequestRecord) -> float | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def distribution(self, records: list[RequestRecord], failure_ms: float | None = None,
-                     outcomes: list[str] | None = None) -> Distribution:
+    def distribution(
+        self, records: list[RequestRecord], failure_ms: float | None = None, outcomes: list[str] | None = None
+    ) -> Distribution:
         """Over ``records`` (measured ones); ``failure_ms`` is what a failed or timed-out request counts as;
         ``outcomes``: each record's outcome, when the caller has them already."""
         vals, contributing = [], 0
@@ -121,16 +122,41 @@ class RequestMetric:
 
 
 def _metric(tag: str, header: str, fn: Callable[[RequestRecord], float | None], *, unit: str = "ms", **flags) -> None:
-    register(type(f"Metric_{tag}", (RequestMetric,), {
-        "tag": tag, "header": header, "unit": unit, **flags, "value": lambda self, r: fn(r), "__doc__": header,
-    }))
+    register(
+        type(
+            f"Metric_{tag}",
+            (RequestMetric,),
+            {
+                "tag": tag,
+                "header": header,
+                "unit": unit,
+                **flags,
+                "value": lambda self, r: fn(r),
+                "__doc__": header,
+            },
+        )
+    )
 
 
-_metric("ttft", "time to first token", lambda r: r.ttft_ms(), per_request_slo=True, headline=True, objective=True,
-        failures_at_timeout=True)
+_metric(
+    "ttft",
+    "time to first token",
+    lambda r: r.ttft_ms(),
+    per_request_slo=True,
+    headline=True,
+    objective=True,
+    failures_at_timeout=True,
+)
 _metric("tpot", "time per output token", lambda r: r.tpot_ms(), per_request_slo=True, headline=True, objective=True)
-_metric("e2e", "end-to-end latency", lambda r: r.e2e_ms(), per_request_slo=True, headline=True, objective=True,
-        failures_at_timeout=True)
+_metric(
+    "e2e",
+    "end-to-end latency",
+    lambda r: r.e2e_ms(),
+    per_request_slo=True,
+    headline=True,
+    objective=True,
+    failures_at_timeout=True,
+)
 _metric("schedule_lag", "schedule lag (sent − scheduled)", lambda r: r.schedule_lag_ms(), headline=True, objective=True)
 _metric("client_lag", "client send lag (sent − released)", lambda r: r.client_lag_ms())
 _metric("ttft_sent", "TTFT from the send", lambda r: r.ttft_ms(from_sent=True))
@@ -138,8 +164,13 @@ _metric("e2e_sent", "E2E from the send", lambda r: r.e2e_ms(from_sent=True))
 _metric("server_queue", "server: first scheduled − arrival", lambda r: r.server_ms(ARRIVAL, FIRST_SCHEDULED))
 _metric("server_ttft", "server: first token − arrival", lambda r: r.server_ms(ARRIVAL, FIRST_TOKEN))
 _metric("server_e2e", "server: last token − arrival", lambda r: r.server_ms(ARRIVAL, LAST_TOKEN))
-_metric("refusal_latency", "refused (429/503): scheduled → refusal", lambda r: r.refusal_ms(), objective=True,
-        outcomes=(O.SHED,))
+_metric(
+    "refusal_latency",
+    "refused (429/503): scheduled → refusal",
+    lambda r: r.refusal_ms(),
+    objective=True,
+    outcomes=(O.SHED,),
+)
 
 
 def _outside_server(r: RequestRecord) -> float | None:
@@ -167,6 +198,7 @@ class InterTokenLatency(RequestMetric):
 
 
 # -- aggregates -------------------------------------------------------------------------------
+
 
 @dataclass
 class RunWindow:
@@ -292,6 +324,7 @@ DEFAULT_FAILURE_MS = 120_000.0  # slo.request_timeout_s's default, in ms
 
 # -- summary ----------------------------------------------------------------------------------
 
+
 def is_good(rec: RequestRecord, bounds: dict[str, float]) -> bool:
     """A served request whose TTFT / TPOT / E2E are within ``bounds`` (ms); any other outcome misses."""
     if not rec.ok:
@@ -320,16 +353,27 @@ class Summary:
 
     def to_dict(self) -> dict:
         return {
-            "measured": self.measured, "succeeded": self.succeeded, "failed": self.failed, "good": self.good,
-            "outcomes": self.outcomes, "tiers": self.tiers, "short_outputs": self.short,
+            "measured": self.measured,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "good": self.good,
+            "outcomes": self.outcomes,
+            "tiers": self.tiers,
+            "short_outputs": self.short,
             "failures_counted_in_ttft_e2e_as_ms": self.failure_ms,
-            "goodput_bounds_ms": self.goodput_bounds, "errors": self.errors, "aggregates": self.aggregates,
+            "goodput_bounds_ms": self.goodput_bounds,
+            "errors": self.errors,
+            "aggregates": self.aggregates,
             "distributions": {k: v.to_dict() for k, v in self.distributions.items()},
         }
 
 
-def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | None = None, *,
-              failure_ms: float = DEFAULT_FAILURE_MS) -> Summary:
+def summarize(
+    records: list[RequestRecord],
+    goodput_bounds: dict[str, float] | None = None,
+    *,
+    failure_ms: float = DEFAULT_FAILURE_MS,
+) -> Summary:
     """Metrics over the measured records (warm-up excluded).
 
     ``failure_ms``: the value a failed or timed-out request takes in TTFT and E2E (the request timeout).
@@ -340,7 +384,7 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
             raise ValueError(f"'{tag}' cannot bound a single request; use one of ttft, tpot, e2e")
     measured = [r for r in records if r.measured]
     outs = [r.outcome for r in measured]
-    ok = [r for r, o in zip(measured, outs) if o == O.SERVED]
+    ok = [r for r, o in zip(measured, outs, strict=True) if o == O.SERVED]
     dists = {tag: m.distribution(measured, failure_ms, outs) for tag, m in REQUEST_METRICS.items()}
     times_start = [r.scheduled_ns for r in measured]
     times_end = [t for r in measured for t in (r.final_ns, r.last_token_ns) if t is not None]
@@ -352,7 +396,7 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
     errors: dict[str, int] = {}
     outcomes = {o: 0 for o in O.OUTCOMES}
     tiers: dict[str, int] = {}
-    for r, o in zip(measured, outs):
+    for r, o in zip(measured, outs, strict=True):
         outcomes[o] += 1
         if r.tier is not None:
             tiers[r.tier] = tiers.get(r.tier, 0) + 1
@@ -360,5 +404,17 @@ def summarize(records: list[RequestRecord], goodput_bounds: dict[str, float] | N
             key = r.error.splitlines()[0][:200]
             errors[key] = errors.get(key, 0) + 1
     short = sum(r.output_tokens < r.requested_output_tokens for r in ok)
-    return Summary(dists, aggs, len(measured), len(ok), outcomes[O.FAILED] + outcomes[O.TIMED_OUT], good, bounds,
-                   errors, outcomes, tiers, short, failure_ms)
+    return Summary(
+        dists,
+        aggs,
+        len(measured),
+        len(ok),
+        outcomes[O.FAILED] + outcomes[O.TIMED_OUT],
+        good,
+        bounds,
+        errors,
+        outcomes,
+        tiers,
+        short,
+        failure_ms,
+    )

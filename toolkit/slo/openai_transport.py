@@ -61,7 +61,9 @@ class OpenAITransport(HttpTransport):
 
     def model_info(self) -> ModelInfo:
         if self.interface not in PATHS:
-            raise UsageError(f"endpoint '{self.interface}' is not an OpenAI endpoint; use chat or completions (slo.endpoint)")
+            raise UsageError(
+                f"endpoint '{self.interface}' is not an OpenAI endpoint; use chat or completions (slo.endpoint)"
+            )
         req = urllib.request.Request(self.url + "/v1/models", headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
@@ -70,8 +72,10 @@ class OpenAITransport(HttpTransport):
             hint = "; set OPENAI_API_KEY" if exc.code in (401, 403) else ""
             raise ServerError(f"{self.url}/v1/models answered HTTP {exc.code}{hint}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ServerError(f"cannot reach an OpenAI-compatible server at {self.url}: {getattr(exc, 'reason', exc)}. "
-                              "Is it running (rtk serve starts rtk's front door)?") from None
+            raise ServerError(
+                f"cannot reach an OpenAI-compatible server at {self.url}: {getattr(exc, 'reason', exc)}. "
+                "Is it running (rtk serve starts rtk's front door)?"
+            ) from None
         names = [m.get("id") for m in body.get("data") or [] if isinstance(m, dict)]
         if not self.model:
             if not names:
@@ -79,13 +83,18 @@ class OpenAITransport(HttpTransport):
             self.model = names[0]
         elif names and self.model not in names:
             raise UsageError(f"model '{self.model}' is not served at {self.url}; it serves {names} (slo.model)")
-        self.info = ModelInfo(name=self.model, interface=self.interface, max_batch_size=0, inputs=set(), outputs=set(),
-                              decoupled=True)
+        self.info = ModelInfo(
+            name=self.model, interface=self.interface, max_batch_size=0, inputs=set(), outputs=set(), decoupled=True
+        )
         return self.info
 
     def prepare(self, rid: str, p: Payload) -> tuple[str, bytes]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": p.output_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": p.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.interface == "chat":
             body["messages"] = [{"role": "user", "content": p.text}]
         else:

@@ -24,7 +24,9 @@ def parse_objective(text: str) -> Objective:
     """``'ttft:p99<=300'``, ``'error_rate<=0.001'``, ``'attainment>=0.99'`` → Objective."""
     m = _SHORTHAND.match(text)
     if not m:
-        raise UsageError(f"--objective '{text}' is not METRIC[:STAT]<=VALUE or >=VALUE, e.g. 'ttft:p99<=300' or 'attainment>=0.99'")
+        raise UsageError(
+            f"--objective '{text}' is not METRIC[:STAT]<=VALUE or >=VALUE, e.g. 'ttft:p99<=300' or 'attainment>=0.99'"
+        )
     metric, stat, op, value = m.groups()
     try:
         bound = float(value)

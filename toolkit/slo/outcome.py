@@ -26,8 +26,9 @@ TIER_FIELD = "rtk_tier"
 PRIMARY_TIER = "primary"
 
 
-def classify(*, finished: bool, error: str | None, status: int | None = None, tier: str | None = None,
-             timed_out: bool = False) -> str:
+def classify(
+    *, finished: bool, error: str | None, status: int | None = None, tier: str | None = None, timed_out: bool = False
+) -> str:
     """The outcome of a request from what the client saw.
 
     ``status`` is the HTTP status of a refusal (None on gRPC, whose stream errors carry no code),

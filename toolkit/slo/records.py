@@ -55,8 +55,13 @@ class RequestRecord:
 
     @property
     def outcome(self) -> str:
-        return _outcome.classify(finished=self.final_ns is not None, error=self.error, status=self.status,
-                                 tier=self.tier, timed_out=self.timed_out)
+        return _outcome.classify(
+            finished=self.final_ns is not None,
+            error=self.error,
+            status=self.status,
+            tier=self.tier,
+            timed_out=self.timed_out,
+        )
 
     @property
     def measured(self) -> bool:
@@ -95,7 +100,7 @@ class RequestRecord:
     def itl_ms(self) -> list[float]:
         """Gaps between consecutive token-carrying responses."""
         c = self.chunk_ns
-        return [(b - a) / 1e6 for a, b in zip(c, c[1:])]
+        return [(b - a) / 1e6 for a, b in zip(c, c[1:], strict=False)]
 
     def schedule_lag_ms(self) -> float | None:
         """sent − scheduled: everything that delayed the send, slot waits included."""

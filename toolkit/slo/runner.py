@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +47,14 @@ class Target:
     urls: list[str] = field(default_factory=list)  # every server loaded (several: replicas)
 
     @classmethod
-    def from_spec(cls, spec: Spec | None, slo: SLOSpec, url: str | None = None, metrics_url: str | None = None,
-                  repository: str | os.PathLike | None = None) -> Target:
+    def from_spec(
+        cls,
+        spec: Spec | None,
+        slo: SLOSpec,
+        url: str | None = None,
+        metrics_url: str | None = None,
+        repository: str | os.PathLike | None = None,
+    ) -> Target:
         s = spec.serving if spec is not None else None
         host = s.host if s else "127.0.0.1"
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -58,7 +63,9 @@ class Target:
                 raise UsageError("no server to load: pass --url (gRPC host:port or http://host:port) or a spec")
             if slo.transport == "openai":
                 if not s.frontend.enabled:
-                    raise UsageError("serving.frontend is off: pass --url http://HOST:PORT of an OpenAI-compatible server")
+                    raise UsageError(
+                        "serving.frontend is off: pass --url http://HOST:PORT of an OpenAI-compatible server"
+                    )
                 fhost = "127.0.0.1" if s.frontend.host in ("0.0.0.0", "") else s.frontend.host
                 url = f"http://{fhost}:{s.frontend.port}"
             else:
@@ -68,8 +75,14 @@ class Target:
         if repository is None and spec is not None:
             repository = spec.repository_dir()
         model = slo.model or ("" if slo.transport == "openai" else slo.endpoint)  # openai: the server's first model
-        return cls(url=url, transport=slo.transport, model=model, endpoint=slo.endpoint,
-                   metrics_url=metrics_url, repository=str(repository) if repository else None)
+        return cls(
+            url=url,
+            transport=slo.transport,
+            model=model,
+            endpoint=slo.endpoint,
+            metrics_url=metrics_url,
+            repository=str(repository) if repository else None,
+        )
 
 
 @dataclass
@@ -195,9 +208,17 @@ def run_slo(
             raise UsageError(f"--check-metric {exc}") from None
     if watch and not target.metrics_url:
         raise UsageError("--check-metric needs the server's /metrics: pass --metrics-url or a spec")
-    job = ClientJob(slo=slo.model_dump(), urls=urls, transport=target.transport, model=target.model,
-                    endpoint=target.endpoint, repository=target.repository, balance=balance, keep_output=keep_output,
-                    workers=workers)
+    job = ClientJob(
+        slo=slo.model_dump(),
+        urls=urls,
+        transport=target.transport,
+        model=target.model,
+        endpoint=target.endpoint,
+        repository=target.repository,
+        balance=balance,
+        keep_output=keep_output,
+        workers=workers,
+    )
     notes: list[str] = []
     before = server_metrics.scrape(target.metrics_url)
     if target.metrics_url and before is None:
@@ -223,8 +244,12 @@ def run_slo(
     target.model = info.name
     notes += model_info_note(info, target.transport)
     if not has_tok:
-        notes.append("no model tokenizer (slo.tokenizer or the repository's preprocessing): synthetic input lengths are in words")
-    records = sorted((r for res in results for r in res.records), key=lambda r: (r.phase != "warmup", r.scheduled_ns, r.index))
+        notes.append(
+            "no model tokenizer (slo.tokenizer or the repository's preprocessing): synthetic input lengths are in words"
+        )
+    records = sorted(
+        (r for res in results for r in res.records), key=lambda r: (r.phase != "warmup", r.scheduled_ns, r.index)
+    )
     unmatched = [m for res in results for m in res.unmatched_errors]
     if unmatched:
         notes.append(f"{len(unmatched)} error response(s) named no request sent: {unmatched[0][:200]}")
@@ -234,47 +259,79 @@ def run_slo(
     t0 = min(r.t0 for r in results)
     summary, verdict, more = judge(records, slo, objectives, checks)
     notes += more
-    client_info = {"rtk": __version__, "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                   "schedule": verdict.schedule_message, "workers": workers, "cpu_s": sum(r.cpu_s for r in results),
-                   "t0_ns": t0, "t0_unix": started + (t0 - int(t_wall * 1e9)) / 1e9}  # perf_counter is now_ns's clock
+    client_info = {
+        "rtk": __version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "schedule": verdict.schedule_message,
+        "workers": workers,
+        "cpu_s": sum(r.cpu_s for r in results),
+        "t0_ns": t0,
+        "t0_unix": started + (t0 - int(t_wall * 1e9)) / 1e9,
+    }  # perf_counter is now_ns's clock
     if len(urls) > 1:
         client_info["replicas"] = {u: sum(r.replica == i for r in records if r.measured) for i, u in enumerate(urls)}
         client_info["balance"] = balance
     return SLOReport(
-        target=target, plan=plan, slo=slo, workload=workload_info(slo, tok_name),
-        summary=summary, verdict=verdict, records=records,
-        server_metrics={**delta, "per_model": server_metrics.per_model(delta), "url": target.metrics_url,
-                        "checked": {m: watcher.peak[m] for m in watch}},
-        client=client_info, started_unix=started, wall_s=wall, notes=notes,
+        target=target,
+        plan=plan,
+        slo=slo,
+        workload=workload_info(slo, tok_name),
+        summary=summary,
+        verdict=verdict,
+        records=records,
+        server_metrics={
+            **delta,
+            "per_model": server_metrics.per_model(delta),
+            "url": target.metrics_url,
+            "checked": {m: watcher.peak[m] for m in watch},
+        },
+        client=client_info,
+        started_unix=started,
+        wall_s=wall,
+        notes=notes,
     )
 
 
 def workload_info(slo: SLOSpec, tokenizer_name: str) -> dict:
     return {
-        "kind": "dataset" if slo.dataset else "synthetic", "dataset": slo.dataset, "tokenizer": tokenizer_name,
-        "input_tokens": slo.input_tokens, "input_tokens_stddev": slo.input_tokens_stddev,
-        "output_tokens": slo.output_tokens, "output_tokens_stddev": slo.output_tokens_stddev,
-        "turns": slo.turns, "seed": slo.seed, "warmup_requests": slo.warmup_requests,
+        "kind": "dataset" if slo.dataset else "synthetic",
+        "dataset": slo.dataset,
+        "tokenizer": tokenizer_name,
+        "input_tokens": slo.input_tokens,
+        "input_tokens_stddev": slo.input_tokens_stddev,
+        "output_tokens": slo.output_tokens,
+        "output_tokens_stddev": slo.output_tokens_stddev,
+        "turns": slo.turns,
+        "seed": slo.seed,
+        "warmup_requests": slo.warmup_requests,
     }
 
 
-def judge(records: list[RequestRecord], slo: SLOSpec, objectives: list[Objective],
-          checks: list | None = None) -> tuple[Summary, Verdict, list[str]]:
+def judge(
+    records: list[RequestRecord], slo: SLOSpec, objectives: list[Objective], checks: list | None = None
+) -> tuple[Summary, Verdict, list[str]]:
     """Summary, verdict and the notes they call for, from raw records (one run, or merged ones)."""
     notes = []
     summary = summarize(records, goodput_bounds(objectives), failure_ms=slo.request_timeout_s * 1000)
     if summary.failed:
-        notes.append(f"{summary.failed} failed or timed-out request(s) count as {slo.request_timeout_s:g} s "
-                     "(slo.request_timeout_s) in the TTFT and E2E distributions")
+        notes.append(
+            f"{summary.failed} failed or timed-out request(s) count as {slo.request_timeout_s:g} s "
+            "(slo.request_timeout_s) in the TTFT and E2E distributions"
+        )
     if summary.short:
-        notes.append(f"{summary.short} served request(s) had fewer output tokens than requested (short_output_rate); "
-                     "their latencies describe a shorter workload than the one asked for")
+        notes.append(
+            f"{summary.short} served request(s) had fewer output tokens than requested (short_output_rate); "
+            "their latencies describe a shorter workload than the one asked for"
+        )
     ok, msg, _ = schedule_check(records, slo.max_schedule_lag_ms)
     verdict = evaluate(objectives, summary, schedule_ok=ok, schedule_message=msg, checks=checks or [])
     return summary, verdict, notes
 
 
 # -- several loads ------------------------------------------------------------------------------
+
 
 @dataclass
 class SweepReport:
@@ -301,13 +358,25 @@ class SweepReport:
 
     def to_dict(self, records: bool = True) -> dict:
         return {
-            "kind": self.kind, "search": self.search, "best": self.best, "status": self.status, "exit_code": self.exit_code,
-            "notes": self.notes, "points": [{"load": p.plan.value, **p.to_dict(records)} for p in self.points],
+            "kind": self.kind,
+            "search": self.search,
+            "best": self.best,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "notes": self.notes,
+            "points": [{"load": p.plan.value, **p.to_dict(records)} for p in self.points],
         }
 
 
-def sweep_slo(config: Spec | SLOSpec | dict, url: str | None = None, *, kind: Literal["rate", "concurrency"],
-              values: list[float], on_point: Callable[[SLOReport], None] | None = None, **kwargs) -> SweepReport:
+def sweep_slo(
+    config: Spec | SLOSpec | dict,
+    url: str | None = None,
+    *,
+    kind: Literal["rate", "concurrency"],
+    values: list[float],
+    on_point: Callable[[SLOReport], None] | None = None,
+    **kwargs,
+) -> SweepReport:
     """Run the SLO at each load in ``values`` (request rates or concurrencies), in order."""
     if not values:
         raise UsageError("a sweep needs at least one load value")
@@ -321,9 +390,18 @@ def sweep_slo(config: Spec | SLOSpec | dict, url: str | None = None, *, kind: Li
     return SweepReport(kind=kind, points=points)
 
 
-def search_slo(config: Spec | SLOSpec | dict, url: str | None = None, *, kind: Literal["rate", "concurrency"],
-               start: float, limit: float, precision: float = 0.1, max_steps: int = 10,
-               on_point: Callable[[SLOReport], None] | None = None, **kwargs) -> SweepReport:
+def search_slo(
+    config: Spec | SLOSpec | dict,
+    url: str | None = None,
+    *,
+    kind: Literal["rate", "concurrency"],
+    start: float,
+    limit: float,
+    precision: float = 0.1,
+    max_steps: int = 10,
+    on_point: Callable[[SLOReport], None] | None = None,
+    **kwargs,
+) -> SweepReport:
     """The highest load (up to ``limit``) at which every objective passes.
 
     Doubles from ``start`` while the verdict is PASS, then bisects between the last pass and the
@@ -406,7 +484,9 @@ def merge_reports(paths: list[str | os.PathLike], objectives: list[Objective] | 
         except (OSError, ValueError) as exc:
             raise UsageError(f"cannot read report '{path}': {exc}") from None
         if "records" not in data or "points" in data:
-            raise UsageError(f"'{path}' is not the report.json of a single rtk slo run with its records (sweeps cannot be merged)")
+            raise UsageError(
+                f"'{path}' is not the report.json of a single rtk slo run with its records (sweeps cannot be merged)"
+            )
         if "t0_unix" not in data.get("client", {}):
             raise UsageError(f"'{path}' has no schedule start (client.t0_unix); it was written by an older rtk")
         reports.append(data)
@@ -431,21 +511,38 @@ def merge_reports(paths: list[str | os.PathLike], objectives: list[Objective] | 
     slo = slo.model_copy(update={"objectives": objectives})
     summary, verdict, notes = judge(records, slo, objectives)
     spread = max(d["client"]["t0_unix"] for d in reports) - base_unix
-    notes = [f"merged from {len(reports)} runs: {', '.join(str(p) for p in paths)}; their schedules started within "
-             f"{spread * 1e3:.1f} ms of each other (Unix clocks)", *notes]
+    notes = [
+        f"merged from {len(reports)} runs: {', '.join(str(p) for p in paths)}; their schedules started within "
+        f"{spread * 1e3:.1f} ms of each other (Unix clocks)",
+        *notes,
+    ]
     seeds = {d["slo"]["seed"] for d in reports}
     if len(seeds) < len(reports):
-        notes.append("several runs used the same seed, so they sent the same prompts: a server that reuses KV cache "
-                     "answers the repeats faster than it would answer distinct users")
+        notes.append(
+            "several runs used the same seed, so they sent the same prompts: a server that reuses KV cache "
+            "answers the repeats faster than it would answer distinct users"
+        )
     load = {k: v for k, v in first["load"].items() if k in LoadPlan.__dataclass_fields__}
     t = first["target"]
     target = Target(**{k: v for k, v in t.items() if k in Target.__dataclass_fields__})
     return SLOReport(
-        target=target, plan=LoadPlan(**load), slo=slo, workload=first["workload"], summary=summary, verdict=verdict,
-        records=records, server_metrics={}, started_unix=min(d["started_unix"] for d in reports),
+        target=target,
+        plan=LoadPlan(**load),
+        slo=slo,
+        workload=first["workload"],
+        summary=summary,
+        verdict=verdict,
+        records=records,
+        server_metrics={},
+        started_unix=min(d["started_unix"] for d in reports),
         wall_s=max(d["wall_s"] for d in reports),
-        client={"merged": [str(p) for p in paths], "hosts": [d["client"].get("host") for d in reports],
-                "schedule": verdict.schedule_message, "t0_unix": base_unix, "t0_ns": 0,
-                "cpu_s": sum(d["client"].get("cpu_s", 0.0) for d in reports)},
+        client={
+            "merged": [str(p) for p in paths],
+            "hosts": [d["client"].get("host") for d in reports],
+            "schedule": verdict.schedule_message,
+            "t0_unix": base_unix,
+            "t0_ns": 0,
+            "cpu_s": sum(d["client"].get("cpu_s", 0.0) for d in reports),
+        },
         notes=notes,
     )

@@ -11,7 +11,7 @@ import re
 import urllib.error
 import urllib.request
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+([^\s]+)')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+([^\s]+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -34,7 +34,9 @@ def parse_prometheus(text: str) -> tuple[dict[str, float], dict[str, str]]:
             v = float(value)
         except ValueError:
             continue
-        key = name + ("{" + ",".join(f'{k}="{val}"' for k, val in sorted(_LABEL.findall(labels))) + "}" if labels else "")
+        key = name + (
+            "{" + ",".join(f'{k}="{val}"' for k, val in sorted(_LABEL.findall(labels))) + "}" if labels else ""
+        )
         samples[key] = v
     return samples, types
 
@@ -54,7 +56,7 @@ def family(key: str) -> str:
 
 
 def label(key: str, name: str) -> str | None:
-    m = re.search(r'[{,]' + re.escape(name) + r'="([^"]*)"', key)
+    m = re.search(r"[{,]" + re.escape(name) + r'="([^"]*)"', key)
     return m.group(1) if m else None
 
 
@@ -84,8 +86,17 @@ def per_model(delta: dict) -> dict[str, dict[str, float]]:
             continue
         fam = family(key).removeprefix("nv_inference_")
         row = out.setdefault(model, {})
-        if fam in ("request_success", "request_failure", "count", "exec_count", "request_duration_us", "queue_duration_us",
-                   "compute_input_duration_us", "compute_infer_duration_us", "compute_output_duration_us"):
+        if fam in (
+            "request_success",
+            "request_failure",
+            "count",
+            "exec_count",
+            "request_duration_us",
+            "queue_duration_us",
+            "compute_input_duration_us",
+            "compute_infer_duration_us",
+            "compute_output_duration_us",
+        ):
             row[fam] = row.get(fam, 0.0) + v
     for row in out.values():
         n = row.get("request_success", 0.0) + row.get("request_failure", 0.0)
@@ -98,7 +109,7 @@ def per_model(delta: dict) -> dict[str, dict[str, float]]:
 
 # -- checking that a metric moves under load (``rtk slo --check-metric``) ------------------------
 
-_SELECTOR = re.compile(r'^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$')
+_SELECTOR = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$")
 
 
 def parse_selector(text: str) -> tuple[str, dict[str, str]]:
@@ -139,7 +150,7 @@ class MetricWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rtk-slo-metrics", daemon=True)
 
-    def __enter__(self) -> "MetricWatcher":
+    def __enter__(self) -> MetricWatcher:
         if self.url and self.parsed:
             self._read()
             self._thread.start()

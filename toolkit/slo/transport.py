@@ -49,7 +49,11 @@ now_ns = time.perf_counter_ns
 # What each interface needs and returns.
 INTERFACES = {
     "ensemble": {"required": ("text_input", "max_tokens"), "output": "text_output", "stream": "stream"},
-    "tensorrt_llm": {"required": ("input_ids", "input_lengths", "request_output_len"), "output": "output_ids", "stream": "streaming"},
+    "tensorrt_llm": {
+        "required": ("input_ids", "input_lengths", "request_output_len"),
+        "output": "output_ids",
+        "stream": "streaming",
+    },
 }
 
 
@@ -76,11 +80,14 @@ class ModelInfo:
             want = ", ".join(spec["required"]) + f" → {spec['output']}"
             raise UsageError(
                 f"model '{self.name}' does not have the {self.interface} interface ({want}); it takes "
-                f"{sorted(self.inputs)} and returns {sorted(self.outputs)}. Set slo.endpoint (ensemble or tensorrt_llm) "
+                f"{sorted(self.inputs)} and returns {sorted(self.outputs)}. "
+                "Set slo.endpoint (ensemble or tensorrt_llm) "
                 "or slo.model to the right model"
             )
         if self.decoupled is False:
-            raise UsageError(f"model '{self.name}' is not decoupled, so it cannot stream; serve it with serving.decoupled: true")
+            raise UsageError(
+                f"model '{self.name}' is not decoupled, so it cannot stream; serve it with serving.decoupled: true"
+            )
 
 
 @dataclass
@@ -95,13 +102,17 @@ class Payload:
 def _info_from_config(cfg: dict, model: str, interface: str) -> ModelInfo:
     decoupled = (cfg.get("model_transaction_policy") or {}).get("decoupled")
     return ModelInfo(
-        name=model, interface=interface, max_batch_size=int(cfg.get("max_batch_size") or 0),
-        inputs={i["name"] for i in cfg.get("input", [])}, outputs={o["name"] for o in cfg.get("output", [])},
+        name=model,
+        interface=interface,
+        max_batch_size=int(cfg.get("max_batch_size") or 0),
+        inputs={i["name"] for i in cfg.get("input", [])},
+        outputs={o["name"] for o in cfg.get("output", [])},
         decoupled=bool(decoupled) if decoupled is not None else None,
     )
 
 
 # -- decoding (after the run) ---------------------------------------------------------------
+
 
 @dataclass
 class Decoded:
@@ -119,7 +130,11 @@ def decode_grpc(info: ModelInfo, resp, *, content: bool = True, stamps: bool = T
     name = INTERFACES[info.interface]["output"]
     index = {o.name: i for i, o in enumerate(resp.outputs)}
     raws = resp.raw_output_contents
-    st = {s: int(np.frombuffer(raws[index[s]], dtype=np.int64)[0]) for s in SERVER_STAMPS if s in index} if stamps else {}
+    st = (
+        {s: int(np.frombuffer(raws[index[s]], dtype=np.int64)[0]) for s in SERVER_STAMPS if s in index}
+        if stamps
+        else {}
+    )
     if name not in index:
         return Decoded(0, stamps=st)
     if info.interface == "ensemble":
@@ -144,7 +159,9 @@ def _first_beam(arr: np.ndarray) -> list[int]:
 def decode_http(info: ModelInfo, body: bytes, *, content: bool = True, stamps: bool = True) -> Decoded:
     """One SSE ``data:`` payload → tokens, and when asked text/ids and server stamps."""
     obj = json.loads(body)
-    st = {s: int(obj[s][0] if isinstance(obj[s], list) else obj[s]) for s in SERVER_STAMPS if s in obj} if stamps else {}
+    st = (
+        {s: int(obj[s][0] if isinstance(obj[s], list) else obj[s]) for s in SERVER_STAMPS if s in obj} if stamps else {}
+    )
     name = INTERFACES[info.interface]["output"]
     if name not in obj:
         return Decoded(0, stamps=st)
@@ -252,12 +269,20 @@ class GrpcTransport(Transport):
         stub = self._stub()
         try:
             if not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=self.timeout_s).ready:
-                raise ServerError(f"tritonserver at {self.url} is up but not ready; wait for it (rtk serve waits) and retry")
+                raise ServerError(
+                    f"tritonserver at {self.url} is up but not ready; wait for it (rtk serve waits) and retry"
+                )
             if not stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=self.timeout_s).ready:
-                raise UsageError(f"model '{self.model}' is not ready on {self.url}; check slo.model / slo.endpoint and the server log")
+                raise UsageError(
+                    f"model '{self.model}' is not ready on {self.url}; "
+                    "check slo.model / slo.endpoint and the server log"
+                )
             cfg = stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model), timeout=self.timeout_s).config
         except grpc.RpcError as exc:
-            raise ServerError(f"cannot reach tritonserver over gRPC at {self.url}: {exc.code().name} {exc.details()}. Is it running (rtk serve)?") from None
+            raise ServerError(
+                f"cannot reach tritonserver over gRPC at {self.url}: {exc.code().name} {exc.details()}. "
+                "Is it running (rtk serve)?"
+            ) from None
         d = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
         self.info = _info_from_config(d, self.model, self.interface)
         self.info.check()
@@ -301,7 +326,9 @@ class GrpcTransport(Transport):
     def open(self, on_response: OnResponse, on_error: OnError) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._call = self._stub().ModelStreamInfer(iter(self._queue.get, None))
-        self._reader = threading.Thread(target=self._read, args=(on_response, on_error), name="rtk-slo-grpc", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, args=(on_response, on_error), name="rtk-slo-grpc", daemon=True
+        )
         self._reader.start()
 
     def _read(self, on_response: OnResponse, on_error: OnError) -> None:
@@ -351,14 +378,19 @@ class HttpTransport(Transport):
             except urllib.error.HTTPError as exc:
                 return exc.code, exc.read()
             except (urllib.error.URLError, OSError) as exc:
-                raise ServerError(f"cannot reach tritonserver over HTTP at {self.url}: {getattr(exc, 'reason', exc)}. Is it running (rtk serve)?") from None
+                raise ServerError(
+                    f"cannot reach tritonserver over HTTP at {self.url}: {getattr(exc, 'reason', exc)}. "
+                    "Is it running (rtk serve)?"
+                ) from None
 
         status, _ = get("/v2/health/ready")
         if status != 200:
             raise ServerError(f"tritonserver at {self.url} is not ready (HTTP {status}); wait for it and retry")
         status, _ = get(f"/v2/models/{self.model}/ready")
         if status != 200:
-            raise UsageError(f"model '{self.model}' is not ready on {self.url} (HTTP {status}); check slo.model / slo.endpoint")
+            raise UsageError(
+                f"model '{self.model}' is not ready on {self.url} (HTTP {status}); check slo.model / slo.endpoint"
+            )
         status, body = get(f"/v2/models/{self.model}/config")
         self.info = _info_from_config(json.loads(body), self.model, self.interface)
         self.info.check()
@@ -480,10 +512,12 @@ class Replicas(Transport):
 
     def model_info(self) -> ModelInfo:
         infos = [p.model_info() for p in self.parts]
-        for p, info in zip(self.parts[1:], infos[1:]):
+        for p, info in zip(self.parts[1:], infos[1:], strict=True):
             if info.interface != infos[0].interface or info.inputs != infos[0].inputs:
-                raise UsageError(f"{p.url} serves '{info.name}' with another interface than {self.parts[0].url}; "
-                                 "every --url must serve the same model")
+                raise UsageError(
+                    f"{p.url} serves '{info.name}' with another interface than {self.parts[0].url}; "
+                    "every --url must serve the same model"
+                )
         self.info = infos[0]
         self.model = self.info.name
         return self.info
@@ -509,6 +543,7 @@ class Replicas(Transport):
                     on_error(r, t, f"{self.urls[i]}: {message}")
                 if everything:
                     on_error(None, t, message)
+
             return error
 
         for i, p in enumerate(self.parts):
@@ -545,7 +580,9 @@ class Replicas(Transport):
             p.close()
 
 
-def make_transport(kind: str, url: str | list[str], model: str, interface: str, balance: str = "round_robin") -> Transport:
+def make_transport(
+    kind: str, url: str | list[str], model: str, interface: str, balance: str = "round_robin"
+) -> Transport:
     """A transport to one server, or to several (a list of URLs) through :class:`Replicas`."""
     if isinstance(url, (list, tuple)):
         if len(url) > 1:

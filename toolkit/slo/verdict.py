@@ -75,7 +75,9 @@ def _check(obj: Objective, summary: Summary, implicit: bool = False) -> Objectiv
         observed = summary.aggregates.get(obj.metric)
         samples = summary.succeeded if AGGREGATES[obj.metric].samples == "served" else summary.measured
     need = required_samples(obj)
-    base = dict(objective=obj.model_dump(), label=label, observed=observed, samples=samples, required=need, implicit=implicit)
+    base = dict(
+        objective=obj.model_dump(), label=label, observed=observed, samples=samples, required=need, implicit=implicit
+    )
     if observed is None or samples < need:
         why = f"{samples} measured request(s); {obj.stat if obj.stat != 'value' else obj.metric} needs at least {need}"
         if observed is None and summary.measured and not summary.succeeded:
@@ -93,19 +95,32 @@ def lag_immune(metric: str) -> bool:
 
 def metric_check(selector: str, peak: float | None, scrapes: int) -> ObjectiveResult:
     """``--check-metric``: the server metric must rise above zero while the load runs."""
-    base = dict(objective={"metric": selector, "check": "rises above 0 under load"}, label=f"{selector} > 0 under load",
-                observed=peak, samples=scrapes, required=1)
+    base = dict(
+        objective={"metric": selector, "check": "rises above 0 under load"},
+        label=f"{selector} > 0 under load",
+        observed=peak,
+        samples=scrapes,
+        required=1,
+    )
     if not scrapes:
         return ObjectiveResult(**base, status=INCONCLUSIVE, message="the server's /metrics could not be read")
     if peak is None:
         return ObjectiveResult(**base, status=FAIL, message=f"not exported by the server ({scrapes} reads of /metrics)")
     if peak <= 0:
-        return ObjectiveResult(**base, status=FAIL, message=f"stayed at {peak:g} in {scrapes} reads under load: no scaling signal")
+        return ObjectiveResult(
+            **base, status=FAIL, message=f"stayed at {peak:g} in {scrapes} reads under load: no scaling signal"
+        )
     return ObjectiveResult(**base, status=PASS, message=f"peaked at {peak:g}")
 
 
-def evaluate(objectives: list[Objective], summary: Summary, *, schedule_ok: bool = True, schedule_message: str = "",
-             checks: list[ObjectiveResult] = ()) -> Verdict:
+def evaluate(
+    objectives: list[Objective],
+    summary: Summary,
+    *,
+    schedule_ok: bool = True,
+    schedule_message: str = "",
+    checks: list[ObjectiveResult] = (),
+) -> Verdict:
     """The verdict over ``objectives`` (plus the implied ``error_rate ≤ 0``) and extra ``checks``."""
     wanted = [(o, False) for o in objectives]
     if not any(o.metric == "error_rate" for o in objectives):

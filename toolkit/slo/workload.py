@@ -78,7 +78,9 @@ def find_tokenizer_dir(repository: str | Path | None) -> Path | None:
         m = re.search(r'key:\s*"tokenizer_dir"\s*value:\s*{\s*string_value:\s*"([^"]*)"', cfg.read_text())
         if m and m.group(1) and "${" not in m.group(1):
             p = Path(m.group(1))
-            p = p if p.is_absolute() else Path(repository) / p  # relative to the repository root (toolkit/triton/emit.py)
+            p = (
+                p if p.is_absolute() else Path(repository) / p
+            )  # relative to the repository root (toolkit/triton/emit.py)
             if p.is_dir():
                 return p
     for cand in (pre / "1" / "tokenizer", pre / "tokenizer"):
@@ -92,7 +94,10 @@ def load_tokenizer(path: str | Path | None, repository: str | Path | None = None
     if path:
         p = Path(path).expanduser()
         if not p.is_dir():
-            raise UsageError(f"tokenizer '{path}' is not a directory; pass a directory with tokenizer.json / tokenizer_config.json (slo.tokenizer)")
+            raise UsageError(
+                f"tokenizer '{path}' is not a directory; "
+                "pass a directory with tokenizer.json / tokenizer_config.json (slo.tokenizer)"
+            )
         return HFTokenizer(p)
     found = find_tokenizer_dir(repository)
     return HFTokenizer(found) if found else None
@@ -119,8 +124,18 @@ def _lengths(rng: np.random.Generator, mean: int, std: float, n: int) -> list[in
 
 
 class SyntheticWorkload:
-    def __init__(self, *, input_tokens: int, input_std: float, output_tokens: int, output_std: float,
-                 turns: int = 1, seed: int = 0, tokenizer: Tokenizer | None = None, want_ids: bool = False):
+    def __init__(
+        self,
+        *,
+        input_tokens: int,
+        input_std: float,
+        output_tokens: int,
+        output_std: float,
+        turns: int = 1,
+        seed: int = 0,
+        tokenizer: Tokenizer | None = None,
+        want_ids: bool = False,
+    ):
         texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
         corpus = "\n".join(texts)
         self.tokenizer = tokenizer or WordTokenizer(corpus.split())
@@ -151,7 +166,9 @@ class SyntheticWorkload:
 
 
 class JsonlWorkload:
-    def __init__(self, path: str | Path, *, output_tokens: int, tokenizer: Tokenizer | None = None, want_ids: bool = False):
+    def __init__(
+        self, path: str | Path, *, output_tokens: int, tokenizer: Tokenizer | None = None, want_ids: bool = False
+    ):
         self.path = Path(path)
         if not self.path.is_file():
             raise UsageError(f"dataset '{path}' does not exist; pass a JSONL file (slo.dataset)")
@@ -185,7 +202,13 @@ class JsonlWorkload:
                 if isinstance(t, str):
                     turns.append({"text": t, "ids": None, "out": out_n})
                 elif isinstance(t, dict) and ("text" in t or "input_ids" in t):
-                    turns.append({"text": t.get("text"), "ids": t.get("input_ids"), "out": int(t.get("output_tokens", t.get("max_tokens", out_n)))})
+                    turns.append(
+                        {
+                            "text": t.get("text"),
+                            "ids": t.get("input_ids"),
+                            "out": int(t.get("output_tokens", t.get("max_tokens", out_n))),
+                        }
+                    )
                 else:
                     raise UsageError(f"{where}: each turn is a string or an object with 'text' or 'input_ids'")
             if not turns:
@@ -208,7 +231,10 @@ class JsonlWorkload:
             else:
                 if text is None:
                     if self.tokenizer is None:
-                        raise UsageError(f"dataset '{self.path}' gives input_ids but the ensemble endpoint takes text; pass a tokenizer")
+                        raise UsageError(
+                            f"dataset '{self.path}' gives input_ids but the ensemble endpoint takes text; "
+                            "pass a tokenizer"
+                        )
                     text = self.tokenizer.decode(ids)
                 n = len(self.tokenizer.encode(text)) if self.tokenizer else len(text.split())
                 turns.append(Turn(text, None, n, t["out"]))
