@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
+from .net import grpc_address, http_url
 from .targets import TARGET_NAMES, TARGETS
 from .slo.metrics import FRACTION_METRICS, LATENCY_OBJECTIVES, OBJECTIVE_METRICS, OBJECTIVE_STATS
 
@@ -153,6 +154,10 @@ class FrontendSpec(Section):
     @classmethod
     def _keys_source(cls, v: str | None) -> str | None:
         return _secret_source(v)
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
 
 
 class FallbackTier(Section):
@@ -305,6 +310,18 @@ class JobsSpec(Section):
 
 
 class ServingSpec(Section):
+    @property
+    def http_url(self) -> str:
+        return http_url(self.host, self.http_port)
+
+    @property
+    def grpc_url(self) -> str:
+        return grpc_address(self.host, self.grpc_port)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{http_url(self.host, self.metrics_port)}/metrics"
+
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:

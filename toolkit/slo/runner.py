@@ -56,8 +56,6 @@ class Target:
         repository: str | os.PathLike | None = None,
     ) -> Target:
         s = spec.serving if spec is not None else None
-        host = s.host if s else "127.0.0.1"
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if url is None:
             if s is None:
                 raise UsageError("no server to load: pass --url (gRPC host:port or http://host:port) or a spec")
@@ -66,12 +64,11 @@ class Target:
                     raise UsageError(
                         "serving.frontend is off: pass --url http://HOST:PORT of an OpenAI-compatible server"
                     )
-                fhost = "127.0.0.1" if s.frontend.host in ("0.0.0.0", "") else s.frontend.host
-                url = f"http://{fhost}:{s.frontend.port}"
+                url = s.frontend.url
             else:
-                url = f"{host}:{s.grpc_port}" if slo.transport == "grpc" else f"http://{host}:{s.http_port}"
+                url = s.grpc_url if slo.transport == "grpc" else s.http_url
         if metrics_url is None and s is not None:
-            metrics_url = f"http://{host}:{s.metrics_port}/metrics"
+            metrics_url = s.metrics_url
         if repository is None and spec is not None:
             repository = spec.repository_dir()
         model = slo.model or ("" if slo.transport == "openai" else slo.endpoint)  # openai: the server's first model
