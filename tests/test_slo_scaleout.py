@@ -1,16 +1,18 @@
 """rtk slo beyond one connection, against real tritonservers serving the deterministic fake LLM
-(tests/triton_helpers.py): the OpenAI-compatible transport (through tests/openai_adapter.py),
-several URLs, several worker processes under one schedule, reports merged from several clients,
-and ``--check-metric``.  Tolerances as in test_slo_triton.py: medians only, on a shared 2-core host.
+(tests/triton_helpers.py): the OpenAI-compatible transport through rtk's real front door
+(toolkit/frontdoor), several URLs, several worker processes under one schedule, reports merged
+from several clients, and ``--check-metric``.  Tolerances as in test_slo_triton.py: medians only,
+on a shared 2-core host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 
 import pytest
-from openai_adapter import openai_adapter
 from triton_helpers import running_server, write_fake_llm
 
 from toolkit.slo.metrics import Distribution
@@ -26,8 +28,32 @@ TTFT, ITL = 30.0, 10.0
 def fast(tmp_path_factory):
     repo = tmp_path_factory.mktemp("scaleout-a") / "repo"
     write_fake_llm(repo, "ensemble", ttft_ms=TTFT, itl_ms=ITL, max_batch_size=16)
+    # One request at a time, 50 ms a token: the front door's admission refuses what would queue too long.
+    write_fake_llm(repo, "slow", ttft_ms=50, itl_ms=50, serial=True, max_batch_size=1)
     with running_server(repo) as srv:
         yield srv
+
+
+@contextlib.contextmanager
+def front_door(triton, *, model="ensemble", max_batch_size=16, guard=None):
+    """rtk's front door (toolkit/frontdoor) over ``triton``, on a free loopback port."""
+    from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
+    from toolkit.spec import FrontendSpec, GuardSpec
+
+    cfg = FrontDoorConfig(
+        model_name="fake",
+        frontend=FrontendSpec(),
+        guard=GuardSpec(**(guard or {})),
+        triton_model=model,
+        max_batch_size=max_batch_size,
+        max_seq_len=256,
+        default_max_tokens=8,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with FrontDoorServer(create_app(cfg, triton.grpc_url, metrics_url=triton.metrics_url), "127.0.0.1", port) as fd:
+        yield fd.url
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +71,18 @@ def _slo(**kw) -> SLOSpec:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_openai_transport_measures_the_model_timing_and_names_the_tier(fast, endpoint):
-    with openai_adapter(fast.http_url) as url:
-        rep = run_slo(_slo(transport="openai", endpoint=endpoint, concurrency=2, num_requests=30,
-                           objectives=[Objective(metric="ttft", stat="p50", max=TTFT + 20)]), url)
-    assert rep.target.model == "fake-llm" and rep.summary.outcomes == {"served": 30, "shed": 0, "failed": 0, "timed_out": 0}
+    with front_door(fast) as url:
+        rep = run_slo(
+            _slo(
+                transport="openai",
+                endpoint=endpoint,
+                concurrency=2,
+                num_requests=30,
+                objectives=[Objective(metric="ttft", stat="p50", max=TTFT + 20)],
+            ),
+            url,
+        )
+    assert rep.target.model == "fake" and rep.summary.outcomes == {"served": 30, "shed": 0, "failed": 0, "timed_out": 0}
     assert TTFT - 0.5 <= rep.dist("ttft").p50 <= TTFT + 15, rep.dist("ttft")
     assert ITL - 1 <= rep.dist("itl").p50 <= ITL + 3, rep.dist("itl")
     assert all(r.output_tokens == 6 and r.text.count("tok") == 6 for r in rep.records if r.measured)
@@ -57,19 +91,52 @@ def test_openai_transport_measures_the_model_timing_and_names_the_tier(fast, end
 
 
 def test_openai_refusals_are_shed_not_errors_and_fast(fast):
-    with openai_adapter(fast.http_url, capacity=2) as url:
-        slo = _slo(transport="openai", request_rate=40, arrival="constant", num_requests=40, warmup_requests=0,
-                   output_tokens=10, objectives=[Objective(metric="refusal_latency", stat="p90", max=100),
-                                                 Objective(metric="shed_rate", max=0.05)])
+    # 20 requests/s at a model that serves 5/s: the front door refuses what cannot start within 300 ms.
+    with front_door(fast, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300}) as url:
+        slo = _slo(
+            transport="openai",
+            request_rate=20,
+            arrival="constant",
+            num_requests=40,
+            warmup_requests=0,
+            output_tokens=4,
+            objectives=[
+                Objective(metric="refusal_latency", stat="p90", max=100),
+                Objective(metric="shed_rate", max=0.05),
+            ],
+        )
         rep = run_slo(slo, url)
     out = rep.summary.outcomes
-    assert out["shed"] >= 10 and out["served"] >= 2 and out["failed"] == out["timed_out"] == 0, out
+    assert out["shed"] >= 10 and out["served"] >= 2 and out["failed"] == out["timed_out"] == 0, (
+        out,
+        rep.summary.errors,
+    )
     assert all(r.status == 429 for r in rep.records if r.outcome == "shed")
     assert rep.summary.aggregates["error_rate"] == 0 and rep.dist("ttft").requests == out["served"]
     assert rep.dist("refusal_latency").count == out["shed"] and rep.dist("refusal_latency").p50 < 50
     by = {r.objective["metric"]: r.status for r in rep.verdict.results}
     assert by == {"refusal_latency": "PASS", "shed_rate": "FAIL", "error_rate": "PASS"}
     assert rep.verdict.status == "FAIL"
+
+
+def test_openai_answers_from_a_fallback_tier_are_counted_per_tier(fast):
+    guard = {"ttft_deadline_ms": 300, "fallbacks": [{"kind": "rule", "name": "busy", "template": "busy, try later"}]}
+    with front_door(fast, model="slow", max_batch_size=1, guard=guard) as url:
+        slo = _slo(
+            transport="openai",
+            request_rate=20,
+            arrival="constant",
+            num_requests=40,
+            warmup_requests=0,
+            output_tokens=4,
+            objectives=[Objective(metric="fallback_rate", max=0.05)],
+        )
+        rep = run_slo(slo, url)
+    tiers, out = rep.summary.tiers, rep.summary.outcomes
+    assert set(tiers) == {"primary", "busy"} and tiers["busy"] >= 10, tiers
+    assert out["served"] == tiers["primary"] and out["shed"] == tiers["busy"] and out["failed"] == 0
+    assert rep.summary.aggregates["fallback_rate"] == pytest.approx(tiers["busy"] / 40)
+    assert rep.verdict.status == "FAIL"  # fallback_rate ≤ 5 % missed
 
 
 def test_several_urls_round_robin_and_least_loaded(fast, serial):
@@ -80,7 +147,9 @@ def test_several_urls_round_robin_and_least_loaded(fast, serial):
     assert abs(counts[0] - counts[1]) <= 1, counts  # every other request
     ll = run_slo(slo, [fast.grpc_url, serial.grpc_url], balance="least_loaded")
     counts = list(ll.client["replicas"].values())
-    assert ll.summary.succeeded == 60 and counts[0] > 2 * counts[1], counts  # the serial replica queues, so it gets fewer
+    assert ll.summary.succeeded == 60 and counts[0] > 2 * counts[1], (
+        counts
+    )  # the serial replica queues, so it gets fewer
     assert ll.dist("e2e").p50 < rr.dist("e2e").p50
 
 
@@ -124,7 +193,11 @@ def test_reports_of_two_clients_with_a_shared_start_merge(fast, tmp_path):
     pooled = [r.ttft_ms() for n in ("a", "b") for r in reports[n].records if r.measured]
     assert merged.dist("ttft").p90 == pytest.approx(Distribution.of(pooled).p90)
     assert merged.summary.aggregates["request_throughput"] == pytest.approx(40 / merged.summary.aggregates["duration"])
-    assert 1.6 <= merged.summary.aggregates["request_throughput"] / reports["a"].summary.aggregates["request_throughput"] <= 2.4
+    assert (
+        1.6
+        <= merged.summary.aggregates["request_throughput"] / reports["a"].summary.aggregates["request_throughput"]
+        <= 2.4
+    )
 
 
 def test_check_metric_fails_on_a_signal_that_stays_at_zero(fast):
@@ -132,7 +205,9 @@ def test_check_metric_fails_on_a_signal_that_stays_at_zero(fast):
     # its execution counter rises with the load.
     pending = 'nv_inference_pending_request_count{model="ensemble"}'
     execs = 'nv_inference_exec_count{model="ensemble"}'
-    slo = _slo(concurrency=4, num_requests=40, output_tokens=4, objectives=[Objective(metric="ttft", stat="p50", max=1000)])
+    slo = _slo(
+        concurrency=4, num_requests=40, output_tokens=4, objectives=[Objective(metric="ttft", stat="p50", max=1000)]
+    )
     rep = run_slo(slo, fast.grpc_url, metrics_url=fast.metrics_url, check_metrics=[pending, execs])
     by = {r.objective["metric"]: r for r in rep.verdict.results}
     assert by[pending].status == "FAIL" and "stayed at 0" in by[pending].message

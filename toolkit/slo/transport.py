@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import struct
 import threading
 import time
 import urllib.error
@@ -36,10 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tritonclient.utils import (  # numpy only; light
-    deserialize_bytes_tensor,
-    serialize_byte_tensor,
-)
+from tritonclient.utils import deserialize_bytes_tensor  # numpy only; light
 
 from ..errors import ServerError, UsageError
 from .records import SERVER_STAMPS, RequestRecord
@@ -288,39 +286,64 @@ class GrpcTransport(Transport):
         self.info.check()
         return self.info
 
-    def prepare(self, rid: str, p: Payload):
+    def _template(self):
+        """The parts of every request that do not change (model, fixed inputs, outputs, parameters),
+        built once: each request copies it (one C-level merge) and fills in its own values."""
         from tritonclient.grpc import service_pb2
 
         info = self.info
-        batched = info.max_batch_size > 0
-        req = service_pb2.ModelInferRequest(model_name=self.model, id=rid)
+        lead = [1] if info.max_batch_size > 0 else []  # the batch dimension of a batched model
+        req = service_pb2.ModelInferRequest(model_name=self.model)
+        slots = {}  # input name -> index of its raw content
+        one_int = struct.pack("<i", 0)
 
-        def add(name, datatype, arr):
-            if batched:
-                arr = arr[np.newaxis, ...]
-            req.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-            raw = serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes()
+        def add(name, datatype, raw, shape=(1,)):
+            slots[name] = len(req.raw_input_contents)
+            req.inputs.add(name=name, datatype=datatype, shape=[*lead, *shape])
             req.raw_input_contents.append(raw)
 
-        n = np.array([p.output_tokens], dtype=np.int32)
         if info.interface == "ensemble":
-            add("text_input", "BYTES", np.array([p.text.encode()], dtype=np.object_))
-            add("max_tokens", "INT32", n)
+            add("text_input", "BYTES", b"")
+            add("max_tokens", "INT32", one_int)
             if "stream" in info.inputs:
-                add("stream", "BOOL", np.array([True]))
+                add("stream", "BOOL", b"\x01")
         else:
-            add("input_ids", "INT32", np.asarray(p.ids, dtype=np.int32))
-            add("input_lengths", "INT32", np.array([len(p.ids)], dtype=np.int32))
-            add("request_output_len", "INT32", n)
+            add("input_ids", "INT32", b"", shape=(0,))
+            add("input_lengths", "INT32", one_int)
+            add("request_output_len", "INT32", one_int)
             if "streaming" in info.inputs:
-                add("streaming", "BOOL", np.array([True]))
+                add("streaming", "BOOL", b"\x01")
         if "min_tokens" in info.inputs:
-            add("min_tokens", "INT32", n)
+            add("min_tokens", "INT32", one_int)
         if info.stamps:
-            add("return_perf_metrics", "BOOL", np.array([True]))
+            add("return_perf_metrics", "BOOL", b"\x01")
         for out in [INTERFACES[info.interface]["output"], *info.stamps]:
             req.outputs.add(name=out)
         req.parameters["triton_enable_empty_final_response"].bool_param = True
+        self._tmpl = (req, slots, len(lead))
+        return self._tmpl
+
+    def prepare(self, rid: str, p: Payload):
+        from tritonclient.grpc import service_pb2
+
+        template, slots, batched = getattr(self, "_tmpl", None) or self._template()
+        req = service_pb2.ModelInferRequest()
+        req.CopyFrom(template)
+        req.id = rid
+        raw = req.raw_input_contents
+        n = struct.pack("<i", p.output_tokens)
+        if "text_input" in slots:
+            text = p.text.encode()
+            raw[slots["text_input"]] = struct.pack("<I", len(text)) + text  # Triton's BYTES: length, then bytes
+            raw[slots["max_tokens"]] = n
+        else:
+            i = slots["input_ids"]
+            raw[i] = np.asarray(p.ids, dtype="<i4").tobytes()
+            req.inputs[i].shape[batched] = len(p.ids)
+            raw[slots["input_lengths"]] = struct.pack("<i", len(p.ids))
+            raw[slots["request_output_len"]] = n
+        if "min_tokens" in slots:
+            raw[slots["min_tokens"]] = n
         return req
 
     def open(self, on_response: OnResponse, on_error: OnError) -> None:
