@@ -17,20 +17,26 @@ from . import set_option
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready; stop with --stop.")
 @click.option("--stop", "stop_", is_flag=True, help="Stop the background server of SPEC|REPOSITORY.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the models to be ready and warm.")
-def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout):
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="cpu target: this many tritonservers of the repository, each on its own free ports; "
+                   "they start, are recorded and stop together.")
+def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout, replicas):
     """Serve an emitted repository with tritonserver until Ctrl-C (or in the background with --detach)."""
     from ..triton import launch
 
     if stop_:
-        state = launch.stop(source, overrides)
-        click.echo(f"stopped tritonserver (pid {state.pid})" if state else "no background tritonserver was running")
+        states = launch.stop_all(source, overrides)
+        pids = ", ".join(str(st.pid) for st in states)
+        click.echo(f"stopped tritonserver (pid {pids})" if states else "no background tritonserver was running")
         return
     ports = dict(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout)
 
     def ready(server):
         click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  (Ctrl-C stops)")
 
-    state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, **ports)
+    state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, replicas=replicas, **ports)
     if detach:
-        click.echo(f"ready in the background (pid {state.pid}): HTTP {state.http_url}  gRPC {state.grpc_url}; "
-                   f"log {state.log_path}; stop with: rtk serve --stop {source}")
+        for st in state if isinstance(state, list) else [state]:
+            click.echo(f"ready in the background (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
+                       f"metrics {st.metrics_url}; log {st.log_path}")
+        click.echo(f"stop with: rtk serve --stop {source}")

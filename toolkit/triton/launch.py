@@ -12,6 +12,9 @@ all go through :func:`resolve` then :func:`make_server`:
 * :func:`make_server` builds the :class:`~toolkit.triton.server.TritonServer` with the target's
   :class:`~toolkit.triton.server.Launch`.  Triton runs each model's ``model_warmup`` before it marks
   the model ready, so "ready" means warm.
+* :func:`make_replicas` (``rtk serve --replicas N``, cpu target): N servers of one repository on
+  this host, each on its own free ports and python-backend shared-memory prefix; they start, are
+  recorded in one state file and stop together.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from ..errors import ServerError, UsageError
 from ..spec import BuildSpec, ServingSpec, load_spec
 from ..targets import TARGETS, Target
 from .emit import REPOSITORY_FORMAT, SERVER_ONLY_FIELDS
-from .server import Launch, ServerState, TritonServer, stop_detached
+from .server import (
+    Launch,
+    ServerState,
+    TritonServer,
+    free_ports,
+    start_detached_group,
+    stop_detached,
+    stop_detached_all,
+)
 
 
 @dataclass
@@ -116,32 +127,72 @@ def make_server(t: ServeTarget, *, host: str | None = None, http_port: int | Non
     )
 
 
-def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=None, **server_kwargs) -> ServerState | None:
-    """Serve ``source`` until interrupted (or, with ``detach``, start it in the background and return its state).
+def make_replicas(t: ServeTarget, replicas: int, *, host: str | None = None, http_port: int | None = None,
+                  grpc_port: int | None = None, metrics_port: int | None = None, free_ports: bool = False,
+                  ready_timeout_s: float = 600.0) -> list[TritonServer]:
+    """``replicas`` servers of ``t`` on one host (one: :func:`make_server` as asked)."""
+    kwargs = {"host": host, "ready_timeout_s": ready_timeout_s}
+    if replicas == 1:
+        return [make_server(t, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                            free_ports=free_ports, **kwargs)]
+    if replicas < 1:
+        raise UsageError(f"--replicas {replicas}: give 1 or more")
+    if t.target.name != "cpu":
+        raise UsageError(f"--replicas runs several servers of the cpu target on one host; a {t.target.name} server "
+                         "owns its GPUs (use serving.instance_count, or replicas on Kubernetes: rtk deploy k8s)")
+    if any(p is not None for p in (http_port, grpc_port, metrics_port)):
+        raise UsageError("with --replicas every replica gets its own free ports (listed when ready); "
+                         "drop --http-port / --grpc-port / --metrics-port")
+    # All ports picked at once so no two replicas are handed the same one.
+    ports = _free(3 * replicas, (host or t.serving.host).strip("[]"))
+    servers = []
+    for i in range(replicas):
+        server = make_server(t, http_port=ports[3 * i], grpc_port=ports[3 * i + 1], metrics_port=ports[3 * i + 2],
+                             **kwargs)
+        # Triton's python backend needs its own shared-memory prefix per server on one host.
+        server.extra_args.append(f"--backend-config=python,shm-region-prefix-name=rtk_replica{i}_")
+        servers.append(server)
+    return servers
 
-    ``on_ready(server)`` is called once every model is ready and warm.
+
+def _free(n: int, host: str) -> list[int]:
+    return free_ports(n, "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host)
+
+
+def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=None, replicas: int = 1,
+          **server_kwargs) -> ServerState | list[ServerState] | None:
+    """Serve ``source`` until interrupted (or, with ``detach``, start it in the background and return its state:
+    one :class:`ServerState`, or a list of them with ``replicas`` > 1).
+
+    ``on_ready(server)`` is called for each server once every model is ready and warm.
     """
     t = resolve(source, overrides)
     check_host(t)
-    server = make_server(t, **server_kwargs)
+    servers = make_replicas(t, replicas, **server_kwargs)
     if detach:
-        return server.start_detached(models=t.models)
+        states = start_detached_group(servers, models=t.models)
+        return states if replicas > 1 else states[0]
     stop_event = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     try:
-        server.start()
         try:
-            server.wait_ready(models=t.models)
+            for server in servers:
+                server.start()
+            for server in servers:
+                server.wait_ready(models=t.models)
             if on_ready:
-                on_ready(server)
+                for server in servers:
+                    on_ready(server)
             while not stop_event.wait(0.5):
-                code = server.process.poll()
-                if code is not None:
-                    raise ServerError(f"tritonserver exited with code {code}.\n{server.log_tail()}")
+                for server in servers:
+                    code = server.process.poll()
+                    if code is not None:
+                        raise ServerError(f"tritonserver exited with code {code}.\n{server.log_tail()}")
         except KeyboardInterrupt:
             pass
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
     finally:
         signal.signal(signal.SIGTERM, previous)
     return None
@@ -162,7 +213,15 @@ def running(source: str | Path, *, overrides=(), **server_kwargs):
 
 
 def stop(source: str | Path, overrides=()) -> ServerState | None:
-    """Stop the detached server of ``source``; returns its state, or None when none was running."""
+    """Stop the detached server(s) of ``source``; returns the (first) state, or None when none was running."""
+    return stop_detached(_repository(source, overrides))
+
+
+def stop_all(source: str | Path, overrides=()) -> list[ServerState]:
+    """Stop every detached server (all replicas) of ``source`` together; returns those that were running."""
+    return stop_detached_all(_repository(source, overrides))
+
+
+def _repository(source: str | Path, overrides=()) -> Path:
     source = Path(source)
-    repo = source if source.is_dir() else load_spec(source, list(overrides)).repository_dir()
-    return stop_detached(repo)
+    return source if source.is_dir() else load_spec(source, list(overrides)).repository_dir()

@@ -14,7 +14,9 @@
   ``GET /v2/health/ready`` (failing fast with the log's tail if the process exits), checks model
   readiness, and stops it with SIGTERM, then SIGKILL.  It is a context manager.
 * Detached servers (``rtk serve --detach``) write a small JSON state file beside the repository
-  (``<repo parent>/.rtk-triton/<repo name>.json``); :func:`stop_detached` reads it back.
+  (``<repo parent>/.rtk-triton/<repo name>.json``); :func:`stop_detached` reads it back.  Several
+  servers of one repository (``rtk serve --replicas N``) share that file (``{"replicas": [...]}``),
+  start together (:func:`start_detached_group`) and stop together.
 
 Everything tritonserver prints goes to a log file beside the repository; errors quote its tail.
 """
@@ -480,28 +482,44 @@ class TritonServer(_Endpoints):
 
     def start_detached(self, timeout: float | None = None, models: Iterable[str] = ()) -> ServerState:
         """Start a server that outlives this process, wait until ready, write its state file."""
-        path = state_path(self.repository)
-        old = read_state(self.repository)
-        if old is not None and _is_our_server(old):
-            raise ServerError(
-                f"a detached tritonserver (pid {old.pid}) already serves {self.repository}; "
-                f"stop it first (rtk serve --stop) or remove {path} if it is stale"
-            )
-        self.start(detach=True)
-        try:
-            self.wait_ready(timeout, models)
-        except BaseException:
-            self.stop()
-            raise
-        st = self.state()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(st), indent=2) + "\n")
-        tmp.replace(path)
-        if self._log_file is not None:  # the child keeps its own descriptor
-            self._log_file.close()
-            self._log_file = None
-        return st
+        return start_detached_group([self], timeout, models)[0]
+
+
+def start_detached_group(servers: list[TritonServer], timeout: float | None = None,
+                         models: Iterable[str] = ()) -> list[ServerState]:
+    """Start servers of one repository that outlive this process, wait until all are ready, then write
+    their one state file.  If any fails, every one started is stopped and nothing is recorded."""
+    repository = servers[0].repository
+    path = state_path(repository)
+    old = [st for st in read_states(repository) if _is_our_server(st)]
+    if old:
+        raise ServerError(
+            f"a detached tritonserver (pid {', '.join(str(st.pid) for st in old)}) already serves {repository}; "
+            f"stop it first (rtk serve --stop) or remove {path} if it is stale"
+        )
+    models = list(models)
+    started = []
+    try:
+        for server in servers:
+            server.start(detach=True)
+            started.append(server)
+        for server in servers:
+            server.wait_ready(timeout, models)
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    states = [server.state() for server in servers]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = asdict(states[0]) if len(states) == 1 else {"replicas": [asdict(st) for st in states]}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    for server in servers:
+        if server._log_file is not None:  # the child keeps its own descriptor
+            server._log_file.close()
+            server._log_file = None
+    return states
 
 
 def _http_status(url: str, timeout: float = 1.0) -> int:
@@ -531,11 +549,20 @@ def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(kept[-lines:]) or "(log is empty)"
 
 
-def read_state(repository: str | os.PathLike) -> ServerState | None:
+def read_states(repository: str | os.PathLike) -> list[ServerState]:
+    """Every detached server recorded for ``repository``: one, or one per replica."""
     try:
-        return ServerState(**json.loads(state_path(repository).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
+        data = json.loads(state_path(repository).read_text())
+        items = data["replicas"] if isinstance(data, dict) and "replicas" in data else [data]
+        return [ServerState(**item) for item in items]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+
+
+def read_state(repository: str | os.PathLike) -> ServerState | None:
+    """The detached server of ``repository`` (with replicas: the first)."""
+    states = read_states(repository)
+    return states[0] if states else None
 
 
 def _is_our_server(st: ServerState) -> bool:
@@ -564,17 +591,21 @@ def _wait_pid_gone(pid: int, timeout: float) -> bool:
 
 
 def stop_detached(repository: str | os.PathLike, timeout: float = 30.0) -> ServerState | None:
-    """Stop the detached server of ``repository`` (SIGTERM, then SIGKILL).
+    """Stop the detached server(s) of ``repository`` (SIGTERM, then SIGKILL).
 
-    Returns its state, or None when none was running (a stale state file is removed).
+    Returns the (first) stopped state, or None when none was running (a stale state file is removed).
     """
-    st = read_state(repository)
-    if st is None:
-        return None
-    running = _is_our_server(st)
-    if running:
+    stopped = stop_detached_all(repository, timeout)
+    return stopped[0] if stopped else None
+
+
+def stop_detached_all(repository: str | os.PathLike, timeout: float = 30.0) -> list[ServerState]:
+    """Stop every detached server of ``repository`` together; returns those that were running."""
+    running = [st for st in read_states(repository) if _is_our_server(st)]
+    for st in running:  # all get SIGTERM first: the replicas drain in parallel
         with contextlib.suppress(ProcessLookupError):
             os.kill(st.pid, signal.SIGTERM)
+    for st in running:
         if not _wait_pid_gone(st.pid, timeout):
             log.warning("tritonserver (pid %d) did not exit %.0f s after SIGTERM; killing it", st.pid, timeout)
             with contextlib.suppress(ProcessLookupError):
@@ -582,4 +613,4 @@ def stop_detached(repository: str | os.PathLike, timeout: float = 30.0) -> Serve
             _wait_pid_gone(st.pid, 10)
     with contextlib.suppress(OSError):
         state_path(repository).unlink()
-    return st if running else None
+    return running

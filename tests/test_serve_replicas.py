@@ -1,0 +1,84 @@
+"""``rtk serve --replicas N``: N real tritonservers of one cpu repository on one host, each on its own
+ports, recorded in one state file and stopped together (the tiny Llama, the bundled tritonserver)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+from conftest import spec_for
+
+from toolkit.cli import cli
+from toolkit.targets import build
+from toolkit.triton.emit import emit
+from toolkit.triton.server import read_state, read_states, state_path
+
+BUILD = {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 64, "tokens_per_block": 16}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("replicas")
+    spec = spec_for("tiny", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
+                    serving={"repository": str(root / "repo"), "default_max_tokens": 4})
+    shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
+    engine = build(spec, root / "quantized", root / "engine").path
+    return emit(spec, engine).path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _generate(http_url: str) -> str:
+    body = json.dumps({"text_input": "hello", "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(f"{http_url}/v2/models/ensemble/generate_stream", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def test_replicas_need_their_own_ports(repo):
+    result = CliRunner().invoke(cli, ["serve", str(repo), "--replicas", "2", "--http-port", "8000", "--detach"])
+    assert result.exit_code == 2, result.output
+    assert "--http-port" in result.output
+    assert read_state(repo) is None
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_replicas_serve_and_stop_together(repo):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["serve", str(repo), "--replicas", "2", "--detach", "--timeout", "300"])
+    try:
+        assert result.exit_code == 0, result.output
+        states = read_states(repo)
+        assert len(states) == 2
+        assert len({st.pid for st in states}) == 2
+        ports = [p for st in states for p in (st.http_port, st.grpc_port, st.metrics_port)]
+        assert len(set(ports)) == 6
+        assert json.loads(state_path(repo).read_text())["replicas"][1]["pid"] == states[1].pid
+        for st in states:
+            assert f"pid {st.pid}" in result.output and st.http_url in result.output
+            assert _alive(st.pid)
+            assert '"text_output"' in _generate(st.http_url)
+            metrics = urllib.request.urlopen(st.metrics_url, timeout=10).read().decode()
+            assert 'nv_trt_llm_request_metrics{' in metrics  # each replica exports the autoscaling signal
+        # A second start is refused while the replicas run.
+        again = runner.invoke(cli, ["serve", str(repo), "--detach", "--timeout", "60"])
+        assert again.exit_code == 4 and "already serves" in again.output
+    finally:
+        stopped = runner.invoke(cli, ["serve", str(repo), "--stop"])
+    assert stopped.exit_code == 0, stopped.output
+    assert all(str(st.pid) in stopped.output for st in states)
+    assert not any(_alive(st.pid) for st in states)
+    assert read_states(repo) == [] and not state_path(repo).exists()
