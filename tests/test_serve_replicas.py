@@ -54,6 +54,27 @@ def test_replicas_need_their_own_ports(repo):
     assert read_state(repo) is None
 
 
+def test_replicas_are_for_the_cpu_target(repo):
+    """A GPU target's server owns its GPUs: several on one host are refused (before anything starts)."""
+    from pathlib import Path
+
+    from toolkit.errors import UsageError
+    from toolkit.spec import BuildSpec, ServingSpec
+    from toolkit.targets import TARGETS
+    from toolkit.triton import launch
+
+    t = launch.ServeTarget(repository=Path(repo), target=TARGETS["trt-engine"], build=BuildSpec(target="trt-engine"),
+                           serving=ServingSpec(), engine_dir=None, models=[])
+    with pytest.raises(UsageError, match="instance_count"):
+        launch.make_replicas(t, 2)
+    cpu = launch.resolve(repo)
+    servers = launch.make_replicas(cpu, 3)
+    ports = [p for s in servers for p in (s.http_port, s.grpc_port, s.metrics_port)]
+    assert len(set(ports)) == 9
+    prefixes = [a for s in servers for a in s.extra_args if "shm-region-prefix-name" in a]
+    assert len(set(prefixes)) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_two_replicas_serve_and_stop_together(repo):
