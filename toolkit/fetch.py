@@ -10,7 +10,8 @@ Sources:
   recorded.
 * a local directory — hard-linked (or copied) so the artifact does not change under our feet.
 
-Every output is made readable by TensorRT-LLM 1.2.1's transformers 4.57 (see hfcompat.py).
+Every output is in ``model.dtype`` (floating tensors other than scales are cast where the source
+differs; config.json says so) and readable by TensorRT-LLM 1.2.1's transformers 4.57 (hfcompat.py).
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> Sta
             with out.timed("copy"), step(f"Linking checkpoint files from {src}"):
                 out.manifest["source"] = _copy_local(Path(src).expanduser(), out.tmp)
         _check_config(spec, out.tmp / "config.json")
+        from .quantize import set_checkpoint_dtype
+
+        set_checkpoint_dtype(out.tmp, spec.model.dtype)  # one rule: model.dtype is every written checkpoint's dtype
         out.manifest["compat_fixes"] = make_compatible(out.tmp)
 
     return run_stage("fetch", output, section=spec.model.model_dump(), inputs=inputs,

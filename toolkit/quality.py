@@ -3,8 +3,10 @@
 The forward is transformers' reference implementation of the architecture, with every projection
 replaced by the loader's dequantized :class:`~toolkit.runtime.checkpoint.Linear` (which emulates
 pre-quant scales and activation quantization) and, where the checkpoint quantizes the KV cache,
-k/v projections' outputs fake-quantized with their scales.  Used for the quantize stage's report
-and as the reference the CPU engine is tested against.
+keys and values fake-quantized with their scales *after* RoPE, inside the attention function, where
+ModelOpt's ``k_bmm_quantizer`` / ``v_bmm_quantizer``, TensorRT-LLM's KV cache and rtk's engine all
+quantize them.  Used for the quantize stage's report and as the reference the CPU engine is tested
+against.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .runtime.checkpoint import Checkpoint, Linear, fake_quant, load_checkpoint
+from .runtime.checkpoint import Checkpoint, Linear, fake_quant, load_checkpoint, load_trtllm_checkpoint
 
 DATA = Path(__file__).parent / "data" / "text.jsonl"
 
@@ -27,29 +29,52 @@ def builtin_texts(split: str) -> list[str]:
 
 
 class _EmulatedLinear(torch.nn.Module):
-    def __init__(self, linear: Linear, out_kind: str | None = None, out_scale: torch.Tensor | None = None):
+    def __init__(self, linear: Linear):
         super().__init__()
         self.linear = linear
-        self.out_kind, self.out_scale = out_kind, out_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        if self.out_kind is not None:
-            y = fake_quant(y, self.out_kind, self.out_scale)
-        return y
+        return self.linear(x)
 
 
-def reference_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A transformers model carrying the checkpoint's dequantized weights and quantization emulation."""
+KV_QUANT_ATTENTION = "rtk_sdpa_quantized_kv"
+
+
+def _sdpa_quantized_kv(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention on keys and values quantize-dequantized after RoPE.
+
+    ``module.kv_quant`` is ``(kind, k_scale, v_scale)`` or None (no KV quantization in that layer).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kv = getattr(module, "kv_quant", None)
+    if kv is not None:
+        kind, k_scale, v_scale = kv
+        key, value = fake_quant(key, kind, k_scale), fake_quant(value, kind, v_scale)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(KV_QUANT_ATTENTION, _sdpa_quantized_kv)
+
+
+def reference_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, config_dir: Path | None = None) -> torch.nn.Module:
+    """A transformers model carrying the checkpoint's dequantized weights and quantization emulation.
+
+    ``config_dir`` holds the HF config.json (default: the checkpoint's own; a TensorRT-LLM
+    checkpoint's config is not one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = json.loads((ckpt.path / "config.json").read_text())
+    hf_cfg = json.loads((Path(config_dir or ckpt.path) / "config.json").read_text())
     hf_cfg.pop("quantization_config", None)
     model_type = hf_cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **hf_cfg)
     config.tie_word_embeddings = ckpt.config.tie_word_embeddings
+    _register_attention()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=KV_QUANT_ATTENTION)
     sd = {k: v.to(dtype) for k, v in ckpt.state_dict().items()}
     model.load_state_dict(sd, strict=False, assign=True)
     if ckpt.config.tie_word_embeddings:
@@ -57,11 +82,11 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> tor
     kv_kind = {"FP8": "fp8", "INT8": "int8"}.get(ckpt.kv_cache_quant_algo or "")
     for i, layer in enumerate(ckpt.layers):
         block = model.model.layers[i]
+        # TensorRT-LLM uses 1.0 where a layer has no calibrated KV scale; so does rtk's engine
+        scales = [torch.tensor(1.0) if layer[f"{kv}_scale"] is None else layer[f"{kv}_scale"] for kv in "kv"]
+        block.self_attn.kv_quant = (kv_kind, *scales) if kv_kind else None
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            kind = scale = None
-            if kv_kind and name in ("k_proj", "v_proj") and layer[f"{name[0]}_scale"] is not None:
-                kind, scale = kv_kind, layer[f"{name[0]}_scale"]
-            setattr(block.self_attn, name, _EmulatedLinear(layer[name], kind, scale))
+            setattr(block.self_attn, name, _EmulatedLinear(layer[name]))
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(block.mlp, name, _EmulatedLinear(layer[name]))
     # Rotary buffers were created on the meta device; rebuild them on the CPU.
@@ -101,6 +126,9 @@ def eval_token_lists(tokenizer, num_samples: int, max_length: int = 256) -> list
     return out
 
 
-def checkpoint_perplexity(path: Path | str, token_lists: list[list[int]], on_text=None, dtype=torch.float32) -> float:
-    model = reference_model(load_checkpoint(path), dtype=dtype)
+def checkpoint_perplexity(path: Path | str, token_lists: list[list[int]], on_text=None, dtype=torch.float32,
+                          hf_config_dir: Path | None = None) -> float:
+    """Perplexity of an HF checkpoint, or of a TensorRT-LLM one when ``hf_config_dir`` gives its HF config."""
+    ckpt = load_checkpoint(path) if hf_config_dir is None else load_trtllm_checkpoint(path, hf_config_dir)
+    model = reference_model(ckpt, dtype=dtype, config_dir=hf_config_dir)
     return perplexity(lambda x: model(input_ids=x).logits, token_lists, on_text)

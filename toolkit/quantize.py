@@ -36,8 +36,9 @@ from .spec import Spec, check_against_model, resolve_group_size
 
 log = logging.getLogger(__name__)
 
-# Formats whose fake-quantized forward ModelOpt can run without CUDA (dynamic-block formats cannot).
-CPU_FAKE_QUANT = {"fp8", "int8_sq", "int4_awq", "w4a8_awq"}
+# Formats whose fake-quantized forward ModelOpt can run without CUDA (dynamic-block formats cannot);
+# "none" with a quantized KV cache fake-quantizes keys and values only.
+CPU_FAKE_QUANT = {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq"}
 
 
 def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:
@@ -45,6 +46,7 @@ def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:
     import modelopt.torch.quantization as mtq
 
     base = {
+        "none": {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"},  # KV cache alone
         "fp8": mtq.FP8_DEFAULT_CFG,
         "int8_sq": mtq.INT8_SMOOTHQUANT_CFG,
         "int4_awq": mtq.INT4_AWQ_CFG,
@@ -130,7 +132,8 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
         if not report["passed"]:
             write_json_atomic(rejected, report)
             raise QualityGateError(
-                f"perplexity rose {report['increase'] * 100:.1f} % ({report['baseline_ppl']:.2f} → {report['quantized_ppl']:.2f}), "
+                f"perplexity rose {_worst_increase(report) * 100:.1f} % ({report['baseline_ppl']:.2f} → "
+                f"{report['quantized_ppl']:.2f} hf/, {report.get('trtllm_ppl') or float('nan'):.2f} trtllm/), "
                 f"above quantization.max_perplexity_increase = {spec.quantization.max_perplexity_increase * 100:.1f} %. "
                 f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
             )
@@ -210,10 +213,14 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
 
     hf_dir, trt_dir = out.tmp / "hf", out.tmp / "trtllm"
     source_config = json.loads((checkpoint / "config.json").read_text())
-    if q.format == "none":
+    # format none with a quantized KV cache: calibrate and export the KV-cache scales alone
+    unquantized = q.format == "none" and q.kv_cache == "none"
+    if unquantized:
         link_or_copy(checkpoint, hf_dir)
+        set_checkpoint_dtype(hf_dir, spec.model.dtype)  # replaces files: the source's links stay untouched
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-            _export_trtllm(load_model(checkpoint, spec), trt_dir, source_config, spec.build.tp_size, spec.build.pp_size)
+            _export_trtllm(load_model(checkpoint, spec), trt_dir, source_config, spec.build.tp_size, spec.build.pp_size,
+                           spec.model.dtype)
         report["fake_quant_ppl"] = None
     else:
         import modelopt.torch.opt as mto
@@ -236,44 +243,64 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
             state = Path(scratch) / "modelopt_state.pth"
             mto.save(model, str(state))
             with out.timed("export_hf"), step("Exporting the unified HF checkpoint"):
-                export_hf(model, hf_dir, checkpoint)
+                export_hf(model, hf_dir, checkpoint, spec.model.dtype)
             del model
             with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
                 fresh = load_model(checkpoint, spec)
                 mto.restore(fresh, str(state))
-                _export_trtllm(fresh, trt_dir, source_config, spec.build.tp_size, spec.build.pp_size)
+                _export_trtllm(fresh, trt_dir, source_config, spec.build.tp_size, spec.build.pp_size, spec.model.dtype)
                 del fresh
     make_compatible(hf_dir)
     for sub in (hf_dir, trt_dir):
         (sub / "rtk-manifest.json").write_text(json.dumps({"files": hash_tree(sub), "complete": True}, indent=2) + "\n")
 
-    if q.format == "none":
+    # The gate reads both exports: trt-engine builds from trtllm/, which comes from a separate restore
+    # with TensorRT-LLM's own scales (one weight scale per fused q|k|v and gate|up group; FP8 KV-cache
+    # scales clamped to at least 1.0), so its numbers are not hf/'s.
+    report["trtllm_ppl"] = report["trtllm_increase"] = None
+    if unquantized:
         report["quantized_ppl"] = report["baseline_ppl"]
     else:
         with progress() as bar, out.timed("export_eval"):
-            task = bar.add_task("Perplexity of the exported checkpoint (rtk loader)", total=len(eval_ids))
+            task = bar.add_task("Perplexity of the exported HF checkpoint (rtk loader)", total=len(eval_ids))
             report["quantized_ppl"] = checkpoint_perplexity(hf_dir, eval_ids, lambda: bar.advance(task))
+        if spec.build.world_size == 1:
+            with progress() as bar, out.timed("export_eval_trtllm"):
+                task = bar.add_task("Perplexity of the TensorRT-LLM checkpoint (rtk loader)", total=len(eval_ids))
+                report["trtllm_ppl"] = checkpoint_perplexity(trt_dir, eval_ids, lambda: bar.advance(task),
+                                                             hf_config_dir=hf_dir)
+            report["trtllm_increase"] = report["trtllm_ppl"] / report["baseline_ppl"] - 1.0
+        else:
+            report["note"] = (report.get("note", "") + "; " if report.get("note") else "") + (
+                "trtllm/ has several ranks; rtk's loader reads single-rank checkpoints, so only hf/ is gated")
     report["increase"] = report["quantized_ppl"] / report["baseline_ppl"] - 1.0
     report["max_increase"] = q.max_perplexity_increase
-    report["passed"] = report["increase"] <= q.max_perplexity_increase
+    report["passed"] = _worst_increase(report) <= q.max_perplexity_increase
     return report
 
 
-def export_hf(model, dest: Path, checkpoint: Path) -> None:
-    """ModelOpt's unified HF export plus the tokenizer files it does not write."""
+def _worst_increase(report: dict) -> float:
+    """The larger perplexity increase of the two exports (hf/ and, where evaluated, trtllm/)."""
+    return max(x for x in (report["increase"], report.get("trtllm_increase")) if x is not None)
+
+
+def export_hf(model, dest: Path, checkpoint: Path, dtype: str = "bfloat16") -> None:
+    """ModelOpt's unified HF export in ``dtype`` plus the tokenizer files it does not write."""
     import torch
     from modelopt.torch.export import export_hf_checkpoint
 
     dest.mkdir(parents=True)
     with torch.inference_mode(False), torch.no_grad():
-        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(dest))
-    cast_unquantized_tensors(dest)
+        export_hf_checkpoint(model, dtype=getattr(torch, dtype), export_dir=str(dest))
+    set_checkpoint_dtype(dest, dtype)
     for name in TOKENIZER_FILES:  # the export writes weights and config only
         if (checkpoint / name).is_file() and not (dest / name).exists():
             shutil.copy2(checkpoint / name, dest / name)
 
 
-def _export_trtllm(model, dest: Path, source_config: dict, tp_size: int = 1, pp_size: int = 1) -> None:
+def _export_trtllm(
+    model, dest: Path, source_config: dict, tp_size: int = 1, pp_size: int = 1, dtype: str = "bfloat16"
+) -> None:
     """ModelOpt's TensorRT-LLM checkpoint export, sharded for the spec's tensor/pipeline parallelism.
 
     ``source_config`` is the checkpoint's config.json, the HF config TensorRT-LLM would convert.
@@ -287,9 +314,9 @@ def _export_trtllm(model, dest: Path, source_config: dict, tp_size: int = 1, pp_
     # and writes config.json itself; that is expected on a host without TensorRT-LLM.
     logging.getLogger("modelopt").setLevel(logging.ERROR)
     with torch.no_grad():
-        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(dest),
+        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=getattr(torch, dtype), export_dir=str(dest),
                                        inference_tensor_parallel=tp_size, inference_pipeline_parallel=pp_size)
-    cast_unquantized_tensors(dest)
+    cast_unquantized_tensors(dest, dtype)
     cfg_path = dest / "config.json"
     if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
         raise StageError(f"ModelOpt's TensorRT-LLM export wrote no config.json/rank*.safetensors into {dest}")
@@ -301,22 +328,45 @@ def _export_trtllm(model, dest: Path, source_config: dict, tp_size: int = 1, pp_
     write_json_atomic(cfg_path, cfg)
 
 
+def set_checkpoint_dtype(directory: Path, dtype: str) -> None:
+    """Make ``model.dtype`` the dtype of a written HF checkpoint: its unquantized tensors and config.json.
+
+    The one rule for dtype: ``model.dtype`` is the dtype of every checkpoint rtk writes (fetch, both
+    exports) and of the engines' tensors (the trt-engine's Triton types follow it).  ModelOpt 0.47
+    writes the in-memory model's dtype (float32 here: rtk calibrates in float32) into config.json
+    whatever ``dtype=`` it exported in.  ``torch_dtype`` is the spelling transformers 4.x reads.
+    """
+    cast_unquantized_tensors(directory, dtype)
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("dtype") != dtype or cfg.get("torch_dtype") != dtype:
+        cfg["dtype"] = cfg["torch_dtype"] = dtype
+        write_json_atomic(cfg_path, cfg)
+
+
 def cast_unquantized_tensors(directory: Path, dtype: str = "bfloat16") -> None:
-    """Cast float32 tensors that are not scales (embeddings, norms, lm_head) to ``dtype``.
+    """Cast floating tensors that are not scales (embeddings, norms, lm_head) to ``dtype``.
 
     ModelOpt 0.47's exports keep the model's own dtype for unquantized tensors even when given
-    ``dtype=bfloat16``; rtk calibrates in float32, so without this the embedding would ship in fp32.
-    Scales (``*scale*``, ``*scaling_factor*``) stay float32 as TensorRT-LLM expects.
+    ``dtype=``; rtk calibrates in float32, so without this the embedding would ship in fp32.
+    Scales (``*scale*``, ``*scaling_factor*``) stay as written (float32 where TensorRT-LLM expects it);
+    quantized codes (fp8, integers) are not floating tensors of these dtypes.  Files are replaced,
+    never written through, so a hard-linked source stays untouched.
     """
     import torch
     from safetensors.torch import load_file, save_file
 
     target = getattr(torch, dtype)
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+
+    def recast(k: str, t) -> bool:
+        return t.dtype in floats and t.dtype != target and "scal" not in k
+
     for f in directory.glob("*.safetensors"):
         tensors = load_file(str(f))
-        if not any(t.dtype == torch.float32 and "scal" not in k for k, t in tensors.items()):
+        if not any(recast(k, t) for k, t in tensors.items()):
             continue
-        cast = {k: (t.to(target) if t.dtype == torch.float32 and "scal" not in k else t) for k, t in tensors.items()}
+        cast = {k: (t.to(target) if recast(k, t) else t) for k, t in tensors.items()}
         tmp = f.with_name(f".{f.name}.tmp")
         save_file(cast, str(tmp), metadata={"format": "pt"})
         tmp.replace(f)
@@ -331,10 +381,12 @@ def print_report(report: dict) -> None:
     t.add_row("unquantized (baseline)", f"{report['baseline_ppl']:.3f}")
     if report.get("fake_quant_ppl") is not None:
         t.add_row("fake-quantized (ModelOpt, in memory)", f"{report['fake_quant_ppl']:.3f}")
-    t.add_row("exported (rtk loader)", f"{report['quantized_ppl']:.3f}")
+    t.add_row("exported hf/ (rtk loader)", f"{report['quantized_ppl']:.3f}")
+    if report.get("trtllm_ppl") is not None:
+        t.add_row("exported trtllm/ (rtk loader)", f"{report['trtllm_ppl']:.3f}")
     err.print(t)
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
-    err.print(f"increase {report['increase'] * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
+    err.print(f"increase {_worst_increase(report) * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
               f"{report['eval_tokens']} held-out tokens: {verdict}")
     if report.get("note"):
         err.print(f"[dim]{report['note']}[/]")

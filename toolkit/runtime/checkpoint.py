@@ -327,3 +327,95 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         group_size=q.get("group_size"),
         path=path,
     )
+
+
+TRTLLM_PROJECTIONS = {"attention.dense": "o_proj", "mlp.gate": "up_proj", "mlp.fc": "gate_proj", "mlp.proj": "down_proj"}
+
+
+def _trtllm_weight(t: _Tensors, prefix: str, algo: str | None, path: Path) -> torch.Tensor:
+    """A TensorRT-LLM checkpoint's (possibly fused) weight, dequantized to float32 ``[out, in]``.
+
+    ModelOpt writes the same codes as in its HF export, under TensorRT-LLM's scale names:
+    ``weights_scaling_factor`` (FP8 ``[1]``, SmoothQuant ``[out]``, AWQ ``[out, in/group]``,
+    NVFP4 fp8 ``[out, in/16]`` with ``weights_scaling_factor_2``).
+    """
+    w = t.require(prefix + ".weight", path)
+    s = t.get(prefix + ".weights_scaling_factor")
+    if algo is None or s is None:
+        return w.to(torch.float32)
+    s = s.to(torch.float32)
+    if algo == "FP8":
+        return w.to(torch.float32) * s.reshape(())
+    if algo.startswith("W8A8_SQ"):
+        return w.to(torch.float32) * s.reshape(-1, 1)
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        q = unpack_int4_rows(w.view(torch.uint8)).to(torch.float32)
+        return q * s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+    if algo == "NVFP4":
+        s2 = t.require(prefix + ".weights_scaling_factor_2", path).to(torch.float32).reshape(())
+        return unpack_fp4_cols(w.view(torch.uint8)) * s.repeat_interleave(16, dim=1) * s2
+    raise SourceError(f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4")
+
+
+def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Checkpoint:
+    """Read a single-rank TensorRT-LLM checkpoint written by ModelOpt into the same dense form.
+
+    Fused projections are split back (``attention.qkv`` rows are q|k|v; ``mlp.fc`` is the gated
+    projection, ``mlp.gate`` the up projection); the KV cache uses ``kv_cache_scaling_factor`` for
+    keys and values, as TensorRT-LLM does.  ``hf_config_dir`` gives the model's HF config.json.
+    """
+    path = Path(path)
+    trt_cfg = json.loads((path / "config.json").read_text())
+    mapping = trt_cfg.get("mapping") or {}
+    if int(mapping.get("world_size", 1)) != 1:
+        raise SourceError(f"{path}: rtk reads single-rank TensorRT-LLM checkpoints; this one has world_size {mapping['world_size']}")
+    config = ModelConfig.from_dir(Path(hf_config_dir))
+    q = trt_cfg.get("quantization") or {}
+    algo, kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+    t = _Tensors(path)
+    embed = t.require("transformer.vocab_embedding.weight", path).to(torch.float32)
+    lm_head = t.get("lm_head.weight")
+    lm_head = embed if lm_head is None else lm_head.to(torch.float32)
+    act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo or "", "int8" if (algo or "").startswith("W8A8") else None)
+    H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def linear(prefix: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        pqs = t.get(prefix + ".prequant_scaling_factor")
+        act = t.get(prefix + ".activation_scaling_factor")
+        return Linear(
+            weight=weight,
+            bias=bias,
+            pre_quant_scale=None if pqs is None else pqs.to(torch.float32).reshape(-1),
+            act_quant=None if act is None or act_kind is None else ActQuant(act_kind, act.to(torch.float32).reshape(())),
+        )
+
+    layers = []
+    for i in range(config.num_layers):
+        pre = f"transformer.layers.{i}."
+        layer: dict = {
+            "input_layernorm": t.require(pre + "input_layernorm.weight", path).to(torch.float32),
+            "post_attention_layernorm": t.require(pre + "post_layernorm.weight", path).to(torch.float32),
+        }
+        qkv_w = _trtllm_weight(t, pre + "attention.qkv", algo, path)
+        qkv_b = t.get(pre + "attention.qkv.bias")
+        bounds = {"q_proj": (0, H * D), "k_proj": (H * D, (H + KVH) * D), "v_proj": ((H + KVH) * D, (H + 2 * KVH) * D)}
+        for name, (a, b) in bounds.items():
+            layer[name] = linear(pre + "attention.qkv", qkv_w[a:b], None if qkv_b is None else qkv_b[a:b].to(torch.float32))
+        for trt_name, name in TRTLLM_PROJECTIONS.items():
+            bias = t.get(pre + trt_name + ".bias")
+            layer[name] = linear(pre + trt_name, _trtllm_weight(t, pre + trt_name, algo, path),
+                                 None if bias is None else bias.to(torch.float32))
+        kv = t.get(pre + "attention.kv_cache_scaling_factor")
+        layer["k_scale"] = layer["v_scale"] = None if kv is None else kv.to(torch.float32).reshape(())
+        layers.append(layer)
+    return Checkpoint(
+        config=config,
+        quant_algo=algo,
+        kv_cache_quant_algo=kv_algo,
+        embed_tokens=embed,
+        lm_head=lm_head,
+        final_norm=t.require("transformer.ln_f.weight", path).to(torch.float32),
+        layers=layers,
+        group_size=q.get("group_size"),
+        path=path,
+    )
