@@ -289,6 +289,10 @@ def test_cpu_pod_serves_the_spec_from_its_configmap(bundles):
     assert served.serving.frontend.host == "127.0.0.1"  # not exposed without its keys from a Secret
     (c,) = _pod_templates(bundle)[0][1]["spec"]["containers"]
     assert c["command"][:3] == ["rtk", "serve", "/etc/rtk/spec.yaml"]
+    # rtk serve writes its log and state to a writable emptyDir, not beside the (read-only) repository.
+    assert {"name": "RTK_RUN_DIR", "value": "/var/run/rtk"} in c["env"]
+    assert {"name": "rtk-run", "mountPath": "/var/run/rtk"} in c["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert "frontend" not in {p["name"] for p in c["ports"]}
     assert "Dockerfile" in bundle.extra_files and "FROM python:3.11" in bundle.extra_files["Dockerfile"]
 

@@ -103,3 +103,17 @@ def test_two_replicas_serve_and_stop_together(repo):
     assert all(str(st.pid) in stopped.output for st in states)
     assert not any(_alive(st.pid) for st in states)
     assert read_states(repo) == [] and not state_path(repo).exists()
+
+
+def test_run_dir_moves_state_and_logs_off_the_repository(tmp_path, monkeypatch):
+    """In a pod the repository's volume is read-only: RTK_RUN_DIR takes the state file and the logs."""
+    from toolkit.triton.server import TritonServer
+
+    repo = tmp_path / "models" / "triton_repo" / "tiny"
+    repo.mkdir(parents=True)
+    monkeypatch.delenv("RTK_RUN_DIR", raising=False)
+    assert state_path(repo) == repo.parent / ".rtk-triton" / "tiny.json"
+    monkeypatch.setenv("RTK_RUN_DIR", str(tmp_path / "run"))
+    assert state_path(repo) == tmp_path / "run" / "tiny.json"
+    server = TritonServer(repo, http_port=18000, grpc_port=18001, metrics_port=18002)
+    assert server.log_path == tmp_path / "run" / "tiny-18000.log"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..spec import Spec
+from ..triton.server import RUN_DIR_ENV
 from .image import default_image
 from .launch import SPEC_FILE, SPEC_MOUNT, SSH_SECRET_MOUNT, server_command, spec_yaml, worker_command
 from .layout import LWS_API, SSH_PORT, Layout, frontend_exposed, frontend_key_variable, ports
@@ -13,6 +14,8 @@ MODELS_VOLUME = "models"
 SHM_VOLUME = "dshm"
 SPEC_VOLUME = "rtk-spec"
 SSH_VOLUME = "mpi-ssh"
+RUN_VOLUME = "rtk-run"
+RUN_MOUNT = "/var/run/rtk"  # rtk serve's log and state (RTK_RUN_DIR): the repository's volume may be read-only
 STARTUP_PERIOD_S = 10
 COPY_TOOLS = {  # object storage scheme -> (default image, copy command)
     "s3": ("amazon/aws-cli:2.27.0", ["aws", "s3", "sync", "--only-show-errors"]),
@@ -103,6 +106,8 @@ def _pod(spec: Spec, layout: Layout, *, leader: bool) -> dict:
 
 def _server_container(spec: Spec, layout: Layout) -> dict:
     command, env = server_command(spec, layout)
+    if layout.target == "cpu":
+        env = {**env, RUN_DIR_ENV: RUN_MOUNT}
     exposed = frontend_exposed(spec)
     c = {
         "name": "server",
@@ -186,6 +191,7 @@ def _volumes(spec: Spec, layout: Layout) -> list[dict]:
     vols = [models, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}]
     if layout.target == "cpu":
         vols.append({"name": SPEC_VOLUME, "configMap": {"name": f"{layout.name}-spec"}})
+        vols.append({"name": RUN_VOLUME, "emptyDir": {}})
     if layout.multi_node:
         vols.append({"name": SSH_VOLUME, "secret": {"secretName": spec.deploy.secrets.ssh, "defaultMode": 0o400}})
     return vols
@@ -197,6 +203,7 @@ def _mounts(spec: Spec, layout: Layout) -> list[dict]:
          {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     if layout.target == "cpu":
         m.append({"name": SPEC_VOLUME, "mountPath": SPEC_MOUNT, "readOnly": True})
+        m.append({"name": RUN_VOLUME, "mountPath": RUN_MOUNT})
     if layout.multi_node:
         m.append({"name": SSH_VOLUME, "mountPath": SSH_SECRET_MOUNT, "readOnly": True})
     return m

@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 
 NGC_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 STATE_DIR = ".rtk-triton"
+RUN_DIR_ENV = "RTK_RUN_DIR"  # where state files and logs go instead (a read-only repository: a pod's volume)
+
+
+def run_dir(repository: Path) -> Path:
+    """``<repo parent>/.rtk-triton``, or ``$RTK_RUN_DIR`` when set."""
+    return Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else repository.parent / STATE_DIR
 LOG_TAIL_LINES = 30
 # Lines the bundled server prints on a host without a GPU; harmless (it probes for CUDA and finds none).
 _NOISE = ("CudaDriverHelper has not been initialized",)
@@ -243,7 +249,7 @@ class ServerState(_Endpoints):
 
 def state_path(repository: str | os.PathLike) -> Path:
     repo = Path(repository).resolve()
-    return repo.parent / STATE_DIR / f"{repo.name}.json"
+    return run_dir(repo) / f"{repo.name}.json"
 
 
 def _connect_host(host: str) -> str:
@@ -325,7 +331,7 @@ class TritonServer(_Endpoints):
         self.load_models = list(load_models)
         self.exit_timeout_s = int(exit_timeout_s)
         self.cache_config = cache_config
-        self.log_path = Path(log_path) if log_path else self.repository.parent / STATE_DIR / f"{self.repository.name}-{self.http_port}.log"
+        self.log_path = Path(log_path) if log_path else run_dir(self.repository) / f"{self.repository.name}-{self.http_port}.log"
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
