@@ -227,19 +227,22 @@ def test_quality_gate_fails_with_exit_3_and_keeps_only_the_report(tmp_path, smol
     ],
 )
 def test_other_formats_export_and_read_back(tmp_path, tiny_llama_dir, fmt, target, algo, check):
-    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "group_size": 64, **FAST_CALIB,
-                                                                  "max_perplexity_increase": 100.0},
-                    build={"target": target})
+    """Layout and the shipped gate.  The numerical bounds against ModelOpt's own numbers live in
+    test_quantize_fidelity.py (logits vs its fake-quant model; NVFP4 weights vs its NVFP4QTensor):
+    the tiny random model's perplexity hardly reacts to its weights."""
+    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "group_size": 64, **FAST_CALIB},
+                    build={"target": target})  # the default gate, +10 %, on both exports
     result = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q")
     assert check(tensors(result.path / "hf"))
     ckpt = load_checkpoint(result.path / "hf")
     assert ckpt.quant_algo == algo
     q = json.loads((result.path / "quality.json").read_text())
     assert q["quantized_ppl"] > 1 and q["quantized_ppl"] == pytest.approx(q["baseline_ppl"] * (1 + q["increase"]))
+    assert q["passed"] and q["trtllm_ppl"] is not None
     if fmt == "nvfp4":  # ModelOpt cannot run NVFP4 fake-quant without CUDA: said, not hidden
         assert q["fake_quant_ppl"] is None and "CUDA" in q["note"]
     else:
-        assert q["fake_quant_ppl"] is not None
+        assert q["quantized_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=0.1)
 
 
 @pytest.mark.slow

@@ -183,3 +183,35 @@ def test_gate_fails_when_only_the_trtllm_export_is_bad(tmp_path, tiny_llama_dir,
     report = json.loads((tmp_path / "quantized.rejected-quality.json").read_text())
     assert report["increase"] <= 0.5 < report["trtllm_increase"]  # hf/ alone would have passed
     assert not (tmp_path / "quantized").exists()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq", "w4a8_awq"])
+def test_export_is_as_close_to_the_model_as_modelopts_fake_quant(tmp_path, tiny_llama_dir, fmt):
+    """The export read back by rtk's loader vs ModelOpt's in-memory fake-quant model, on logits (the tiny
+    random model's perplexity hardly reacts to its weights; its logits do).  A dequantization bug
+    (wrong scale axis, nibble order, lost pre-quant scale) gives garbage, far outside this bound."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from transformers import AutoTokenizer
+
+    from toolkit.quality import reference_model
+
+    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "group_size": 64, **FAST_CALIB})
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = torch.tensor([tok("The assignment statement binds names to objects. A function is defined with def.")["input_ids"]])
+    with torch.no_grad():
+        base = load_model(tiny_llama_dir, spec)(input_ids=ids).logits
+        model = calibrate(load_model(tiny_llama_dir, spec), spec, tok, 64 if "awq" in fmt else None)
+        folded = copy.deepcopy(model)
+        mtq.fold_weight(folded)
+        fake = folded(input_ids=ids).logits
+    export_hf(model, tmp_path / "hf", tiny_llama_dir)
+    with torch.no_grad():
+        exported = reference_model(load_checkpoint(tmp_path / "hf"))(input_ids=ids).logits
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    # measured: export/fake-quant distance ratio 0.97 (fp8), 1.01 (int8_sq), 1.07 (w4a8_awq; hf/ re-smooths q|k|v)
+    assert rel(exported, base) <= 1.2 * rel(fake, base), f"{fmt}: the export is much further from the model than ModelOpt's"
