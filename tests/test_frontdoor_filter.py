@@ -5,8 +5,10 @@ Triton python model)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
+import httpx
 import pytest
 
 from toolkit.frontdoor.filter import FilterHit, Rules, normalise
@@ -145,3 +147,120 @@ def test_the_classifier_gates_release():
 
 
 # -- through the front door ---------------------------------------------------------------------------------
+
+CLASSIFIER_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            text = pb_utils.get_input_tensor_by_name(r, "text_input").as_numpy().reshape(-1)[0].decode()
+            score = 1.0 if "tok1010" in text else 0.0
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("score", np.array([[score]], dtype=np.float32))]))
+        return out
+"""
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory):
+    from triton_helpers import model_config_text, running_server, write_fake_llm, write_python_model
+
+    repo = tmp_path_factory.mktemp("filter_repo")
+    write_fake_llm(repo, "ensemble", ttft_ms=5, itl_ms=2)
+    cfg = model_config_text("classifier", [("text_input", "STRING", [1])], [("score", "FP32", [1])], max_batch_size=4)
+    write_python_model(repo, "classifier", CLASSIFIER_PY, cfg)
+    with running_server(repo) as server:
+        yield server
+
+
+def front_door(triton, flt: dict, **guard):
+    import socket
+
+    from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
+    from toolkit.spec import GuardSpec
+
+    cfg = FrontDoorConfig(model_name="fake", filter=FilterSpec(**flt), guard=GuardSpec(**guard), max_seq_len=256)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return FrontDoorServer(create_app(cfg, triton.grpc_url, metrics_url=triton.metrics_url), "127.0.0.1", port)
+
+
+# The fake LLM answers a prompt of w words with " tok{1000+w}", " tok{1001+w}", ... one token per response;
+# the chat below is sent as a JSON list of 5 words.
+PROMPT = "hello there"
+ANSWER = [f" tok{1005 + i}" for i in range(12)]
+
+
+def ask(fd, *, stream: bool, content: str = PROMPT, max_tokens: int = 12):
+    body = {"model": "fake", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": stream}
+    if not stream:
+        r = httpx.post(fd.url + "/v1/chat/completions", json=body, timeout=30)
+        return r, r.json()
+    with httpx.Client(timeout=30) as c, c.stream("POST", fd.url + "/v1/chat/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return r, events
+
+
+def streamed_text(events) -> tuple[str, str | None]:
+    chunks = [e for e in events if e.get("choices")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+    return text, chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.integration
+def test_front_door_stops_a_phrase_split_across_tokens(triton):
+    with front_door(triton, {"keywords": ["TOK1007  Tok1008"]}) as fd:
+        r, events = ask(fd, stream=True)
+        text, reason = streamed_text(events)
+        assert r.status_code == 200 and reason == "content_filter"
+        assert "tok1007" not in text and "tok1008" not in text and "".join(ANSWER).startswith(text)
+        r, body = ask(fd, stream=False)
+        assert body["choices"][0]["finish_reason"] == "content_filter"
+        assert "tok1007" not in body["choices"][0]["message"]["content"]
+        m = httpx.get(fd.url + "/metrics").text
+        assert 'rtk_frontdoor_filtered_total{where="output",rule="keywords"} 2' in m
+        assert "rtk_frontdoor_inflight 0" in m  # the Triton requests were ended
+
+
+@pytest.mark.integration
+def test_front_door_refuses_filtered_input_before_it_reaches_the_model(triton):
+    with front_door(triton, {"patterns": [r"\bdrop\s+table\b"]}) as fd:
+        r, body = ask(fd, stream=True, content="please ＤＲＯＰ\u200b   TABLE users")
+        assert r.status_code == 400
+        r, body = ask(fd, stream=False, content="please ＤＲＯＰ\u200b   TABLE users")
+        assert r.status_code == 400
+        err = body["error"]
+        assert err["code"] == "content_filter" and err["param"] == "messages[0].content"
+        m = httpx.get(fd.url + "/metrics").text
+        assert 'rtk_frontdoor_filtered_total{where="input",rule="patterns[0]"} 2' in m
+        assert "\nrtk_frontdoor_requests_total{" not in m  # nothing was answered: no compute spent
+        assert ask(fd, stream=False, content="drop tables")[0].status_code == 200
+
+
+@pytest.mark.integration
+def test_a_filter_that_never_matches_leaves_the_streamed_text_byte_identical(triton):
+    with front_door(triton, {}) as plain, front_door(triton, {"keywords": ["never said"], "hold_back_chars": 20}) as fd:
+        _, ref = ask(plain, stream=True)
+        _, got = ask(fd, stream=True)
+        ref_text, ref_reason = streamed_text(ref)
+        text, reason = streamed_text(got)
+        assert text.encode() == ref_text.encode() == "".join(ANSWER).encode() and reason == ref_reason == "length"
+        # Held back: fewer, later chunks, same bytes.
+        assert len([e for e in got if e.get("choices")]) < len([e for e in ref if e.get("choices")])
+
+
+@pytest.mark.integration
+def test_a_classifier_model_in_the_repository_stops_the_stream(triton):
+    flt = {"classifier": {"model": "classifier", "threshold": 0.5, "every_chars": 8}, "hold_back_chars": 8}
+    with front_door(triton, flt) as fd:
+        r, events = ask(fd, stream=True)
+        text, reason = streamed_text(events)
+        assert reason == "content_filter" and "tok1010" not in text and text.startswith(" tok1005")
+        r, events = ask(fd, stream=True, max_tokens=5)  # tok1004..tok1008: the classifier passes it
+        assert streamed_text(events) == ("".join(ANSWER[:5]), "length")
+        r, body = ask(fd, stream=False, content="say tok1010 please")
+        assert r.status_code == 400 and body["error"]["code"] == "content_filter"

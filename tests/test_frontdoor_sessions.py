@@ -191,6 +191,16 @@ def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, 
     asyncio.run(go())
 
 
+def test_a_reply_that_breaks_the_content_filter_is_not_stored(tmp_path, tokens):
+    from toolkit.frontdoor.filter import Rules
+    from toolkit.spec import FilterSpec
+
+    m = SessionManager(SessionsSpec(), SQLiteSessions(tmp_path / "f.sqlite", 60), tokens, window=400,
+                       max_seq_len=512, rules=Rules.from_spec(FilterSpec(keywords=["open sesame"])))
+    assert asyncio.run(m.allowed("the door opens"))
+    assert not asyncio.run(m.allowed("say OPEN\u200b Sesame"))
+
+
 # -- whole turns through the front door and the real engine ------------------------------------------------
 
 BUILD = {"max_batch_size": 2, "max_input_len": 256, "max_seq_len": 320, "max_num_tokens": 128, "tokens_per_block": 8}

@@ -34,7 +34,10 @@ from starlette.routing import Route
 
 from .admission import Estimator
 from .config import FrontDoorConfig, config_from
+from .filter import Rules, TritonClassifier, check_request, filtered
+from .jobs import JobService
 from .protocol import APIError, GenRequest, chunk, full_response, parse_request, usage, usage_chunk
+from .sessions import SessionService
 from .tiers import Answer, DeploymentTier, RuleTier, make_cache, read_secret
 from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 
@@ -60,6 +63,10 @@ class FrontDoor:
         self.tiers: list = []
         self.tokenizer = None
         self._tasks: list[asyncio.Task] = []
+        clf = config.filter.classifier
+        self.filter = Rules.from_spec(config.filter, TritonClassifier(self.backend, clf.model) if clf else None)
+        self.sessions = SessionService(config, triton_grpc_url, self.filter)
+        self.jobs = JobService(config)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -76,6 +83,7 @@ class FrontDoor:
                 url = t.url or (lambda spec=t.spec: _frontdoor_of_spec(spec))
                 key = (read_secret(t.api_key) or [None])[0]
                 self.tiers.append(DeploymentTier(t.label, url, t.model, key, self.http))
+        await self.sessions.start()
         await self.backend.open()
         await self.backend.read_gauges(self.http)
         self._tasks.append(asyncio.create_task(self._poll()))
@@ -85,6 +93,7 @@ class FrontDoor:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backend.close()
+        await self.sessions.stop()
         if self.cache is not None:
             await self.cache.close()
         await self.http.aclose()
@@ -193,10 +202,33 @@ class FrontDoor:
                 max_seq_len=self.config.max_seq_len,
                 default_max_tokens=self.config.default_max_tokens,
             )
+            await self._check_input(req)
             deadline_ms = self._deadline(request, req)
             return await self._route(request, req, body, deadline_ms, arrival)
         except APIError as exc:
             return self._error(exc)
+
+    async def _check_input(self, req: GenRequest) -> None:
+        try:
+            await check_request(self.filter, req)
+        except APIError as exc:
+            rule = exc.headers["x-rtk-filter"]
+            self.counters[("rtk_frontdoor_filtered_total", (("where", "input"), ("rule", rule)))] += 1
+            raise
+
+    def _output_filter(self):
+        return self.filter.stream() if self.filter is not None and self.filter.check_output else None
+
+    def _filtered(self, pieces, flt):
+        """``pieces`` through the output filter; a hit is counted and named by ``flt.hit``."""
+
+        async def gen():
+            async for p in filtered(pieces, flt):
+                yield p
+            if flt is not None and flt.hit:
+                self.counters[("rtk_frontdoor_filtered_total", (("where", "output"), ("rule", flt.hit)))] += 1
+
+        return gen()
 
     def _deadline(self, request: Request, req: GenRequest) -> float | None:
         h = request.headers.get(DEADLINE_HEADER)
@@ -250,7 +282,8 @@ class FrontDoor:
                 f"{p.tokens_ahead} prompt tokens ahead), over the {deadline_ms:.0f} ms deadline; retry later",
             )
         # Admitted.
-        stream = self.backend.stream(req)  # an input the model lacks is a 400 here, before anything is sent
+        # An input the model lacks is a 400 here, before anything is sent.
+        stream = await self.sessions.stream(req, request) if req.session_id else self.backend.stream(req)
         self.estimator.admit(req.id, n_prompt, req.max_tokens, p)
         try:
             first = await self._first(stream, left_s() if self.tiers or self.cache else None)
@@ -350,12 +383,18 @@ class FrontDoor:
         def final_usage():
             return usage(int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0)))
 
+        flt = self._output_filter()
+        pieces = self._filtered(pieces, flt)
+
+        def reason():
+            return "content_filter" if flt is not None and flt.hit else meta.get("finish_reason", "stop")
+
         if not req.stream:
 
             async def collect():
                 text = "".join([p async for p in pieces])
                 return JSONResponse(
-                    full_response(req, text, meta.get("finish_reason", "stop"), final_usage(), {"rtk_tier": tier}),
+                    full_response(req, text, reason(), final_usage(), {"rtk_tier": tier}),
                     headers=headers,
                 )
 
@@ -366,7 +405,7 @@ class FrontDoor:
             async for p in pieces:
                 yield sse(chunk(req, p, first=first))
                 first = False
-            yield sse(chunk(req, None, meta.get("finish_reason", "stop"), first=first, extra={"rtk_tier": tier}))
+            yield sse(chunk(req, None, reason(), first=first, extra={"rtk_tier": tier}))
             if req.include_usage:
                 yield sse(usage_chunk(req, final_usage()))
             yield b"data: [DONE]\n\n"
@@ -379,6 +418,7 @@ class FrontDoor:
         est.first_token(req.id)
         state = {"text": [first.text], "piece": first, "done": first.final, "responses": int(bool(first.text))}
         headers = {TIER_HEADER: PRIMARY}
+        flt = self._output_filter()
 
         async def rest() -> AsyncIterator[str]:
             while not state["done"]:
@@ -400,16 +440,22 @@ class FrontDoor:
             n_out = piece.completion_tokens if piece.completion_tokens is not None else state["responses"]
             reason = "length" if n_out >= req.max_tokens else "stop"
             u = usage(piece.prompt_tokens if piece.prompt_tokens is not None else n_prompt, n_out)
-            if state["done"] and self.cache is not None and req.deterministic:
+            if flt is not None and flt.hit:
+                state["done"], reason = True, "content_filter"  # the Triton request was cancelled above
+            elif state["done"] and self.cache is not None and req.deterministic:
                 await self.cache.put(req.cache_key(), Answer("".join(state["text"]), reason, u["prompt_tokens"], n_out))
             return reason, u
+
+        async def pieces() -> AsyncIterator[str]:
+            yield first.text
+            async for text in rest():
+                yield text
 
         if not req.stream:
 
             async def collect():
                 try:
-                    async for _ in rest():
-                        pass
+                    text = "".join([p async for p in self._filtered(pieces(), flt)])
                     reason, u = await finish(False)
                 except TritonRefused as exc:
                     await finish(False)
@@ -419,18 +465,17 @@ class FrontDoor:
                 except BaseException:
                     await finish(True)
                     raise
-                return JSONResponse(
-                    full_response(req, "".join(state["text"]), reason, u, {"rtk_tier": PRIMARY}), headers=headers
-                )
+                return JSONResponse(full_response(req, text, reason, u, {"rtk_tier": PRIMARY}), headers=headers)
 
             return _Deferred(collect)
 
         async def gen():
             try:
-                yield sse(chunk(req, first.text, first=True))
+                first_chunk = True
                 try:
-                    async for text in rest():
-                        yield sse(chunk(req, text))
+                    async for text in self._filtered(pieces(), flt):
+                        yield sse(chunk(req, text, first=first_chunk))
+                        first_chunk = False
                 except TritonRefused as exc:  # after the first byte there is no status left to change
                     yield sse(
                         {
@@ -444,7 +489,7 @@ class FrontDoor:
                     )
                     return
                 reason, u = await finish(False)
-                yield sse(chunk(req, None, reason, extra={"rtk_tier": PRIMARY}))
+                yield sse(chunk(req, None, reason, first=first_chunk, extra={"rtk_tier": PRIMARY}))
                 if req.include_usage:
                     yield sse(usage_chunk(req, u))
                 yield b"data: [DONE]\n\n"
@@ -463,6 +508,7 @@ class FrontDoor:
             "rtk_frontdoor_errors_total": "error responses by status",
             "rtk_frontdoor_deadline_misses_total": "admitted requests whose first token missed the deadline",
             "rtk_frontdoor_cancelled_total": "primary requests cancelled because the client went away",
+            "rtk_frontdoor_filtered_total": "inputs refused and outputs stopped by the content filter, by rule",
         }
         for name, text in helps.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
@@ -545,9 +591,11 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await fd.start()
+        await fd.jobs.start(fd, app)
         try:
             yield
         finally:
+            await fd.jobs.stop()
             await fd.stop()
 
     routes = [
@@ -559,6 +607,7 @@ def create_app(
         Route("/health/live", fd.live, methods=["GET"]),
         Route("/metrics", fd.metrics, methods=["GET"]),
     ]
+    routes += fd.sessions.routes(fd) + fd.jobs.routes(fd)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.frontdoor = fd
     return app

@@ -259,3 +259,23 @@ class TritonClassifier:
         msg.outputs.add(name="score")
         r = await stub.ModelInfer(msg, timeout=self.timeout_s)
         return float(np.frombuffer(r.raw_output_contents[0], dtype=np.float32).reshape(-1)[0])
+
+
+async def check_request(rules: Rules | None, req) -> str | None:
+    """The input side: None when the request passes, else raise a 400 naming the message (or prompt)."""
+    from .protocol import APIError
+
+    if rules is None or not rules.check_input:
+        return None
+    texts = [("prompt", req.prompt)] if req.kind == "completion" else [
+        (f"messages[{i}].content", m["content"]) for i, m in enumerate(req.messages)
+    ]
+    for param, text in texts:
+        try:
+            await rules.check_text(text)
+        except FilterHit as hit:
+            raise APIError(
+                400, f"'{param}' was refused by the content filter (serving.filter {hit.rule}); change the text",
+                param=param, code="content_filter", headers={"x-rtk-filter": hit.rule},
+            ) from None
+    return None

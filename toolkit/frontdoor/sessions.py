@@ -223,9 +223,21 @@ class Turn:
 
 
 class SessionManager:
-    def __init__(self, spec, store, tokens: ChatTokens, *, window: int, max_seq_len: int):
+    def __init__(self, spec, store, tokens: ChatTokens, *, window: int, max_seq_len: int, rules=None):
         self.spec, self.store, self.tokens = spec, store, tokens
         self.window, self.max_seq_len = window, max_seq_len
+        self.rules = rules  # the content filter: a reply that breaks it is not stored
+
+    async def allowed(self, reply: str) -> bool:
+        from .filter import FilterHit
+
+        if self.rules is None or not self.rules.check_output:
+            return True
+        try:
+            await self.rules.check_text(reply)
+        except FilterHit:
+            return False
+        return True
 
     async def load(self, sid: str, owner: str, *, create: bool) -> Session | None:
         s = await self.store.get(sid)
@@ -410,7 +422,13 @@ class SessionStream:
             stats = {"prompt_tokens": len(self.turn.prompt_ids), "reused_ids": self.turn.reused_ids,
                      "completion_tokens": len(self.generated), "kv_reused_blocks": self.reused_blocks,
                      "dropped_turns": self.turn.dropped}
-            await self.manager.commit(self.turn, self.generated, "".join(self.text), stats)
+            reply = "".join(self.text)
+            if await self.manager.allowed(reply):
+                try:
+                    await self.manager.commit(self.turn, self.generated, reply, stats)
+                except Exception as exc:  # noqa: BLE001 — the answer still reaches the client
+                    log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1,
+                                exc)
         return piece
 
     async def _raw(self):
@@ -456,10 +474,10 @@ class SessionService:
     """The store (opened with the front door), the tokenizer and the ``tensorrt_llm`` stream (opened at the
     first session turn), and the admin key."""
 
-    def __init__(self, config, grpc_url: str):
+    def __init__(self, config, grpc_url: str, rules=None):
         from .tiers import read_secret
 
-        self.config, self.spec, self.grpc_url = config, config.sessions, grpc_url
+        self.config, self.spec, self.grpc_url, self.rules = config, config.sessions, grpc_url, rules
         self.admin_keys = read_secret(self.spec.admin_key) if self.spec.admin_key else []
         self.store = None
         self.manager: SessionManager | None = None
@@ -514,8 +532,8 @@ class SessionService:
                 backend = TritonBackend(self.grpc_url, LLM_MODEL)
                 await backend.open()
                 self.backend = backend
-                self.manager = SessionManager(self.spec, self.store, tokens,
-                                              window=self.config.max_input_len, max_seq_len=self.config.max_seq_len)
+                self.manager = SessionManager(self.spec, self.store, tokens, window=self.config.max_input_len,
+                                              max_seq_len=self.config.max_seq_len, rules=self.rules)
         if not self.backend.ready and not await self.backend.check_health():
             raise APIError(503, f"sessions are served by the '{LLM_MODEL}' model, which is not available "
                            f"({self.backend.ready_reason}); retry later", kind="server_error", code="unavailable",

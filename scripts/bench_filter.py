@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""What the front door and its content filter add per token over Triton's gRPC stream.
+
+    flock /tmp/rtk/cpu.lock python scripts/bench_filter.py [--requests 60] [--tokens 64] [--concurrency 1 4]
+
+One tritonserver serves a paced decoupled model (tests/triton_helpers.py's fake LLM: a token every
+``--itl-ms``, the text " tok1234" per token), so the engine's own time is fixed and what differs
+between paths is the path.  The same closed-loop workload (each of ``--concurrency`` streams sends
+its next request when the previous one ends) runs three ways, taking turns ``--rounds`` times:
+
+* ``grpc``          — Triton's gRPC stream, straight from this process (grpc.aio, one call per request);
+* ``frontdoor``     — the OpenAI-compatible front door (its own process), SSE over HTTP, no filter;
+* ``front+filter``  — the same with a content filter: ``--keywords`` keywords, 8 regular expressions,
+  a 32-character hold-back window; nothing in the text matches, so the answer is unchanged.
+
+Per request: E2E (send → last byte).  Added per token = (E2E − the grpc path's median E2E at that
+concurrency) / tokens, p50 and p99 over requests; the target is p99 ≤ 0.8 ms for front+filter.
+ITL is every gap between consecutive chunks.  The hold-back window delays the first chunk (TTFT) by
+the time the window takes to fill; it is printed apart, as it is not a cost per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+PATTERNS = [r"\b\d{3}-\d{2}-\d{4}\b", r"\bpass(word)?\s*[:=]", r"(?:api|secret)[_-]?key", r"\bkill\s+all\b",
+            r"\b(?:drop|truncate)\s+table\b", r"bearer\s+[a-z0-9]{20,}", r"<script\b", r"\bcredit\s+card\b"]
+
+FRONT_DOOR = """
+import sys, time, json
+sys.path.insert(0, {root!r})
+from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
+from toolkit.spec import FilterSpec
+cfg = FrontDoorConfig(model_name="fake", filter=FilterSpec(**json.loads({flt!r})), max_seq_len=4096,
+                      default_max_tokens=16)
+cfg.sessions = cfg.sessions.model_copy(update={{"enabled": False}})
+cfg.jobs = cfg.jobs.model_copy(update={{"enabled": False}})
+fd = FrontDoorServer(create_app(cfg, {grpc!r}), "127.0.0.1", {port})
+fd.start()
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def start_front_door(grpc_url: str, flt: dict) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = FRONT_DOOR.format(root=str(ROOT), flt=json.dumps(flt), grpc=grpc_url, port=port)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if "ready" not in p.stdout.readline():
+        raise SystemExit("the front door did not start")
+    return p, f"http://127.0.0.1:{port}"
+
+
+async def grpc_request(backend, n_tokens: int) -> tuple[float, list[float], int]:
+    from toolkit.frontdoor.protocol import GenRequest
+
+    req = GenRequest(kind="chat", model="fake", messages=[{"role": "user", "content": "hello there"}],
+                     max_tokens=n_tokens, stream=True)
+    sent = time.perf_counter()
+    stream = backend.stream(req)
+    times, nbytes = [], 0
+    while True:
+        piece = await stream.next()
+        if piece.text:
+            times.append(time.perf_counter())
+            nbytes += len(piece.text.encode())
+        if piece.final:
+            break
+    return sent, times, nbytes
+
+
+async def http_request(client, url: str, n_tokens: int) -> tuple[float, list[float], int]:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": n_tokens,
+            "stream": True}
+    sent = time.perf_counter()
+    times, nbytes = [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                text = ev["choices"][0]["delta"].get("content") if ev.get("choices") else None
+                if text:
+                    times.append(time.perf_counter())
+                    nbytes += len(text.encode())
+    return sent, times, nbytes
+
+
+async def closed_loop(one, concurrency: int, count: int) -> list[tuple[float, list[float], int]]:
+    out = []
+    left = [count]
+
+    async def worker():
+        while left[0] > 0:
+            left[0] -= 1
+            out.append(await one())
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+async def run(args) -> int:
+    from triton_helpers import running_server, write_fake_llm
+
+    words = [f"forbidden phrase {i}" for i in range(args.keywords)]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_fake_llm(Path(tmp), "ensemble", ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, max_batch_size=16)
+        with running_server(Path(tmp)) as triton:
+            return await measure(args, triton, words)
+
+
+async def measure(args, triton, words) -> int:
+    import httpx
+
+    from toolkit.frontdoor.triton import TritonBackend
+
+    grpc_url = triton.grpc_url
+    backend = TritonBackend(grpc_url, "ensemble")
+    await backend.open()
+    doors = {
+        "frontdoor": start_front_door(grpc_url, {}),
+        "front+filter": start_front_door(grpc_url, {"keywords": words, "patterns": PATTERNS,
+                                                    "hold_back_chars": 32}),
+    }
+    client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64))
+    paths = {
+        "grpc": lambda: grpc_request(backend, args.tokens),
+        **{name: (lambda u=url: http_request(client, u, args.tokens)) for name, (_, url) in doors.items()},
+    }
+    expected = None
+    try:
+        rows = []
+        for c in args.concurrency:
+            res = {name: [] for name in paths}
+            for one in paths.values():  # warm-up
+                await closed_loop(one, c, args.warmup)
+            for _ in range(args.rounds):
+                for name, one in paths.items():
+                    got = await closed_loop(one, c, args.requests // args.rounds)
+                    res[name] += got
+                    sizes = {n for _, _, n in got}
+                    expected = expected or sizes
+                    if sizes != expected:
+                        raise SystemExit(f"{name}: answers of {sizes} bytes, expected {expected}")
+            base = float(np.median([t[-1] - s for s, t, _ in res["grpc"]]))
+            for name, reqs in res.items():
+                e2e = [t[-1] - s for s, t, _ in reqs]
+                ttft = [t[0] - s for s, t, _ in reqs]
+                itl = [b - a for _, t, _ in reqs for a, b in zip(t, t[1:], strict=False)]
+                added = [(x - base) / args.tokens * 1e3 for x in e2e]
+                rows.append((c, name, len(reqs), pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3, pct(itl, 50) * 1e3,
+                             pct(itl, 99) * 1e3, pct(e2e, 50) * 1e3, pct(added, 50), pct(added, 99)))
+    finally:
+        await client.aclose()
+        await backend.close()
+        for p, _ in doors.values():
+            p.terminate()
+            p.wait(10)
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
+          f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32")
+    print("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
+          "| added/token p50 ms | added/token p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | " + " | ".join(f"{v:.2f}" for v in r[3:]) + " |")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=60, help="measured requests per path and concurrency")
+    ap.add_argument("--rounds", type=int, default=3, help="the paths take turns this many times")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--itl-ms", type=float, default=5.0)
+    ap.add_argument("--ttft-ms", type=float, default=5.0)
+    ap.add_argument("--keywords", type=int, default=200)
+    return asyncio.run(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
