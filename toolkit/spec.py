@@ -269,6 +269,11 @@ class SessionsSpec(Section):
     exact_ids: bool = Field(
         True, description="send the stored token ids (hits the engine's KV reuse); false: re-tokenise the history"
     )
+    window_policy: Literal["truncate_oldest", "summarize"] = Field(
+        "truncate_oldest", description="turns that no longer fit the window are dropped, or (summarize) replaced "
+        "by a summary the served model writes after the response",
+    )
+    summary_max_tokens: int = Field(128, ge=8, le=1024, description="summarize: the longest summary")
 
     @field_validator("admin_key")
     @classmethod

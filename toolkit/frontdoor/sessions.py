@@ -37,6 +37,9 @@ from .protocol import APIError, GenRequest, bad
 log = logging.getLogger("rtk.frontdoor")
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 LLM_MODEL = "tensorrt_llm"
+SUMMARY_INSTRUCTION = ("Summarise the conversation below in a few sentences. Keep every name, number, fact and "
+                       "decision; write nothing else.")
+SUMMARY_PREFIX = "Summary of the earlier conversation: "
 REDIS_PREFIX = "rtk:session:"
 
 
@@ -57,6 +60,7 @@ class Session:
     turns: int = 0
     dropped_turns: int = 0
     stats: list[dict] = field(default_factory=list)  # per turn: prompt tokens, reused ids, engine's reused blocks
+    summary: str = ""  # window_policy summarize: what the dropped turns said, written by the served model
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"))
@@ -220,6 +224,7 @@ class Turn:
     history: list[dict]  # the messages the prompt holds (after dropping turns to fit)
     reused_ids: int  # how many leading prompt ids are the stored ones
     dropped: int = 0
+    dropped_messages: list[dict] = field(default_factory=list)
 
 
 class SessionManager:
@@ -263,7 +268,9 @@ class SessionManager:
                 raise bad("messages", f"the new messages (with the system prompt) have {len(ids)} tokens, more than "
                           f"the {window} that fit the context window; shorten them or lower max_tokens")
             history, dropped = shorter, dropped + 1
-        return Turn(s, new, ids, text, history, reused, dropped)
+        kept = {id(m) for m in history}
+        gone = [m for m in s.messages if id(m) not in kept and not m.get("summary")]
+        return Turn(s, new, ids, text, history, reused, dropped, gone)
 
     def _prompt(self, s: Session, history: list[dict], new: list[dict], *, exact: bool) -> tuple[list[int], str, int]:
         full = self.tokens.render(history + new, generation_prompt=True)
@@ -336,10 +343,11 @@ class SessionStream:
     """A turn sent as token ids to the ``tensorrt_llm`` model; answers like :class:`TritonStream` (text pieces)
     and stores the turn when its final response comes."""
 
-    def __init__(self, backend, manager: SessionManager, turn: Turn, req: GenRequest):
+    def __init__(self, backend, manager: SessionManager, turn: Turn, req: GenRequest, *, store: bool = True,
+                 on_stored=None):
         from .triton import TritonStream
 
-        self.manager, self.turn, self.req = manager, turn, req
+        self.manager, self.turn, self.req, self.store, self.on_stored = manager, turn, req, store, on_stored
         self.generated: list[int] = []
         self.text: list[str] = []
         self.reused_blocks: int | None = None
@@ -423,9 +431,11 @@ class SessionStream:
                      "completion_tokens": len(self.generated), "kv_reused_blocks": self.reused_blocks,
                      "dropped_turns": self.turn.dropped}
             reply = "".join(self.text)
-            if await self.manager.allowed(reply):
+            if self.store and await self.manager.allowed(reply):
                 try:
                     await self.manager.commit(self.turn, self.generated, reply, stats)
+                    if self.on_stored is not None:
+                        self.on_stored(self.turn)
                 except Exception as exc:  # noqa: BLE001 — the answer still reaches the client
                     log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1,
                                 exc)
@@ -484,6 +494,7 @@ class SessionService:
         self.backend = None
         self._opening = asyncio.Lock()
         self._purger: asyncio.Task | None = None
+        self._summaries: set[asyncio.Task] = set()
         self.unavailable = ""
 
     async def start(self) -> None:
@@ -507,9 +518,10 @@ class SessionService:
             await asyncio.sleep(max(1.0, min(300.0, self.spec.ttl_s / 4)))
 
     async def stop(self) -> None:
-        if self._purger is not None:
-            self._purger.cancel()
-            await asyncio.gather(self._purger, return_exceptions=True)
+        for t in [self._purger, *self._summaries]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*[t for t in [self._purger, *self._summaries] if t is not None], return_exceptions=True)
         if self.backend is not None:
             await self.backend.close()
         if self.store is not None:
@@ -543,7 +555,61 @@ class SessionService:
     async def stream(self, req: GenRequest, request) -> SessionStream:
         manager = await self._open_engine()
         turn = await manager.begin(req, req.session_id, owner_of(bearer(request) or None))
-        return SessionStream(self.backend, manager, turn, req)
+        on_stored = self._after_turn if self.spec.window_policy == "summarize" else None
+        return SessionStream(self.backend, manager, turn, req, on_stored=on_stored)
+
+    # -- window_policy: summarize ------------------------------------------------------------------------------
+    def _after_turn(self, turn: Turn) -> None:
+        """Off the request's critical path: summarise the turns this one dropped into the session."""
+        if turn.dropped_messages:
+            task = asyncio.create_task(self._summarize(turn.session.id, turn.session.owner, turn.dropped_messages))
+            self._summaries.add(task)
+            task.add_done_callback(self._summaries.discard)
+
+    async def _summarize(self, sid: str, owner: str, dropped: list[dict]) -> None:
+        try:
+            manager = self.manager
+            s = await manager.load(sid, owner, create=False)
+            if s is None:
+                return
+            transcript = "\n".join(f"{m['role']}: {m['content']}" for m in dropped)
+            budget = min(manager.window, manager.max_seq_len - self.spec.summary_max_tokens) - 96
+            ids = manager.tokens.encode(transcript)
+            if len(ids) > budget:  # keep the newest part of what was dropped
+                transcript = manager.tokens.tok.decode(ids[-max(budget, 16):])
+            earlier = f"Earlier summary: {s.summary}\n\n" if s.summary else ""
+            messages = [{"role": "system", "content": SUMMARY_INSTRUCTION},
+                        {"role": "user", "content": f"{earlier}Conversation:\n{transcript}"}]
+            summary = (await self._generate(messages, self.spec.summary_max_tokens)).strip()
+            if not summary or not await manager.allowed(summary):
+                return
+            s = await manager.load(sid, owner, create=False)  # a turn may have been stored meanwhile
+            if s is None:
+                return
+            s.summary = summary
+            rest = [m for m in s.messages if not m.get("summary")]
+            n_system = 0
+            while n_system < len(rest) and rest[n_system]["role"] == "system":
+                n_system += 1
+            note = {"role": "system", "content": f"{SUMMARY_PREFIX}{summary}",
+                    "tokens": len(manager.tokens.encode(summary)), "summary": True}
+            s.messages = rest[:n_system] + [note] + rest[n_system:]
+            await manager.store.put(s)  # the next turn re-renders (its stored text is no longer a prefix)
+        except Exception as exc:  # noqa: BLE001 — a session without a summary still works (truncated)
+            log.warning("front door: summarising a session failed: %r", exc)
+
+    async def _generate(self, messages: list[dict], max_tokens: int) -> str:
+        manager = self.manager
+        text = manager.tokens.render(messages, generation_prompt=True)
+        req = GenRequest(kind="chat", model="summary", messages=messages, max_tokens=max_tokens)
+        turn = Turn(Session(id="-"), messages, manager.tokens.encode(text), text, [], 0)
+        stream = SessionStream(self.backend, manager, turn, req, store=False)
+        out = []
+        while True:
+            piece = await stream.next()
+            out.append(piece.text)
+            if piece.final:
+                return "".join(out)
 
     # -- HTTP ---------------------------------------------------------------------------------------------
     def _is_admin(self, request) -> bool:
