@@ -61,6 +61,7 @@ class GenRequest:
     frequency_penalty: float = 0.0
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens (benchmarks)
     ttft_deadline_ms: float | None = None
     session_id: str | None = None  # the conversation the front door keeps (toolkit/frontdoor/sessions.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -90,6 +91,7 @@ class GenRequest:
             "seed": self.seed if self.temperature else None,
             "stop": sorted(self.stop),
             "presence_penalty": self.presence_penalty,
+            "ignore_eos": self.ignore_eos,
             "frequency_penalty": self.frequency_penalty,
         }
         return hashlib.sha256(json.dumps(norm, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
@@ -202,6 +204,10 @@ def parse_request(kind: str, body: Any, *, served_model: str, max_seq_len: int, 
     if not isinstance(stream, bool):
         raise bad("stream", "must be true or false")
     req.stream = stream
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", "must be true or false")
+    req.ignore_eos = ignore_eos
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):

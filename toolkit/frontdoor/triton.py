@@ -135,7 +135,9 @@ class TritonBackend:
         if not self.metrics_url:
             return
         try:
-            r = await client.get(f"{self.metrics_url}/metrics", timeout=self.timeout_s)
+            url = self.metrics_url.rstrip("/")
+            url = url if url.endswith("/metrics") else url + "/metrics"
+            r = await client.get(url, timeout=self.timeout_s)
             self.gauges = parse_gauges(r.text)
         except Exception:  # noqa: BLE001 — the next poll retries; until then the front door counts alone
             self.gauges = EngineGauges(read_at=time.monotonic())
@@ -182,6 +184,8 @@ class TritonBackend:
                 add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
         if optional("stop_words", "stop", bool(req.stop)):
             add("stop_words", "BYTES", np.array([s.encode() for s in req.stop], dtype=np.object_))
+        if optional("end_id", "ignore_eos", req.ignore_eos):
+            add("end_id", "INT32", np.array(-1, dtype=np.int32))  # no end token: exactly max_tokens tokens
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if optional(name, name, v != 0.0):
@@ -252,18 +256,22 @@ class TritonStream:
         self.close()
 
 
+# What rtk's preprocessing and cpu engine say when the request, not the server, is at fault (Triton's
+# stream carries only the message, not the status code), and the field it is about.
+CLIENT_FAULTS = (
+    ("context window", "{prompt}"), ("chat message", "messages"), ("text_input is empty", "{prompt}"),
+    ("max_tokens", "max_tokens"), ("request_output_len", "max_tokens"), ("is not supported by", None),
+    ("unexpected inference input", None), ("end_id", None), ("stop sequence", "stop"),
+)
+
+
 def classify_refusal(exc: TritonRefused, req: GenRequest) -> APIError:
-    """Triton's error before the first token → the front door's status (overload is handled by the caller)."""
+    """Triton's error before the first token → 400 naming the field when the request is at fault, else 502."""
     text = str(exc)
-    field_name = "messages" if req.kind == "chat" else "prompt"
-    if "max_tokens" in text or "request_output_len" in text:
-        field_name = "max_tokens"
-    if (
-        "INVALID_ARG" in text
-        or "invalid" in text.lower()
-        or "too long" in text
-        or "exceeds" in text.lower()
-        or "prompt" in text
-    ):
-        return APIError(400, f"'{field_name}': {text}", param=field_name, code="invalid_value")
+    for marker, field_name in CLIENT_FAULTS:
+        if marker in text:
+            if field_name == "{prompt}":
+                field_name = "messages" if req.kind == "chat" else "prompt"
+            where = f"'{field_name}': " if field_name else ""
+            return APIError(400, f"{where}{text}", param=field_name, code="invalid_value")
     return APIError(502, f"the model failed: {text}", kind="server_error", code="upstream_error")

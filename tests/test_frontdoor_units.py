@@ -1,0 +1,118 @@
+"""Front-door parts that need no server: request validation, the cache key, the TTFT prediction, gauges."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from toolkit.frontdoor.admission import Estimator
+from toolkit.frontdoor.protocol import APIError, parse_request
+from toolkit.frontdoor.tiers import Answer, MemoryCache, read_secret
+from toolkit.frontdoor.triton import parse_gauges
+
+
+def parse(body, kind="chat"):
+    return parse_request(kind, body, served_model="m", max_seq_len=256, default_max_tokens=16)
+
+
+def chat(**kw):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def test_defaults_and_text_parts():
+    r = parse(
+        chat(
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        )
+    )
+    assert r.max_tokens == 16 and r.temperature is None and r.deterministic
+    assert r.messages[-1] == {"role": "user", "content": "ab"}
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 256}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"stop": ["a"] * 5}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"ttft_deadline_ms": -1}, "ttft_deadline_ms"),
+        ({"tools": [{}]}, "tools"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"max_tokens": True}, "max_tokens"),
+    ],
+)
+def test_bad_values_name_the_field(kw, param):
+    with pytest.raises(APIError) as info:
+        parse(chat(**kw))
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_cache_key_is_exact_on_what_changes_the_answer():
+    base = parse(chat(temperature=0))
+    assert base.cache_key() == parse(chat()).cache_key()  # no temperature = greedy = temperature 0
+    assert base.cache_key() == parse(chat(temperature=0, top_p=0.5)).cache_key()  # top_p is unused when greedy
+    assert base.cache_key() != parse(chat(temperature=0, max_tokens=3)).cache_key()
+    assert base.cache_key() != parse(chat(messages=[{"role": "user", "content": "hi!"}])).cache_key()
+    seeded = parse(chat(temperature=0.8, seed=1))
+    assert seeded.deterministic and seeded.cache_key() != parse(chat(temperature=0.8, seed=2)).cache_key()
+    assert not parse(chat(temperature=0.8)).deterministic
+
+
+def test_memory_cache_ttl_and_size():
+    async def run():
+        c = MemoryCache(ttl_s=0.05, max_entries=2)
+        for k in "abc":
+            await c.put(k, Answer(k))
+        assert await c.get("a") is None and (await c.get("c")).text == "c"  # 'a' was the least recently used
+        time.sleep(0.06)
+        assert await c.get("c") is None
+
+    asyncio.run(run())
+
+
+def test_prediction_grows_with_the_work_ahead_and_waits_for_a_slot():
+    e = Estimator(max_batch=2, step_s=0.02, prefill_s_per_token=0.001)
+    idle = e.predict(100)
+    assert idle.ttft_s == pytest.approx(0.02 + 0.1)
+    e.admit("a", 400, 50, e.predict(400))  # waiting for its first token: its prompt is ahead
+    assert e.predict(100).tokens_ahead == 400 and e.predict(100).ttft_s > idle.ttft_s
+    e.first_token("a")
+    e.admit("b", 10, 50, e.predict(10))
+    e.first_token("b")
+    full = e.predict(100)  # both slots decode: wait for the one with the fewest tokens left
+    assert full.slot_wait_s == pytest.approx(50 * e.step_s)
+
+
+def test_estimates_follow_the_measurements():
+    e = Estimator(max_batch=8, step_s=0.05, prefill_s_per_token=0.002, alpha=1.0)
+    e.admit("a", 100, 10, e.predict(100))
+    e.inflight["a"].arrival -= 0.5  # the first token came 0.5 s after arrival
+    e.first_token("a")
+    assert e.prefill_s_per_token == pytest.approx((0.5 - 0.05) / 100, rel=0.05)
+
+
+def test_gauges_are_summed_over_instances():
+    text = """# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{instance="a",model="tensorrt_llm",request_type="active",version="1"} 3
+nv_trt_llm_request_metrics{instance="b",model="tensorrt_llm",request_type="active",version="1"} 2
+nv_trt_llm_request_metrics{instance="a",model="tensorrt_llm",request_type="max",version="1"} 8
+nv_trt_llm_kv_cache_block_metrics{instance="a",kv_cache_block_type="free",model="tensorrt_llm",version="1"} 40
+"""
+    g = parse_gauges(text)
+    assert g.present and g.active == 5 and g.max_batch == 8 and g.kv_free == 40
+
+
+def test_secrets_come_from_env_or_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("K", "a, b")
+    (tmp_path / "keys").write_text("c\n\nd\n")
+    assert read_secret("env:K") == ["a", "b"] and read_secret(f"file:{tmp_path / 'keys'}") == ["c", "d"]
