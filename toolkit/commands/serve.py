@@ -32,11 +32,14 @@ def command(source, overrides, host, http_port, grpc_port, metrics_port, detach,
     ports = dict(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout)
 
     def ready(server):
-        click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  (Ctrl-C stops)")
+        front = f"  OpenAI {server.frontdoor_url}/v1" if server.frontdoor_url else ""
+        click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}{front}"
+                   "  (Ctrl-C stops)")
 
     state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, replicas=replicas, **ports)
     if detach:
         for st in state if isinstance(state, list) else [state]:
+            front = f"  OpenAI {st.frontdoor_url}/v1" if st.frontdoor_url else ""
             click.echo(f"ready in the background (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
-                       f"metrics {st.metrics_url}; log {st.log_path}")
+                       f"metrics {st.metrics_url}{front}; log {st.log_path}")
         click.echo(f"stop with: rtk serve --stop {source}")

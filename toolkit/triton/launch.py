@@ -37,9 +37,11 @@ from .server import (
     ServerState,
     TritonServer,
     free_ports,
+    read_states,
     start_detached_group,
     stop_detached,
     stop_detached_all,
+    write_states,
 )
 
 
@@ -171,7 +173,10 @@ def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=No
     servers = make_replicas(t, replicas, **server_kwargs)
     if detach:
         states = start_detached_group(servers, models=t.models)
+        if replicas == 1:
+            _detach_frontdoor(t, states, free_port=server_kwargs.get("free_ports", False))
         return states if replicas > 1 else states[0]
+    frontdoor = None
     stop_event = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     try:
@@ -180,6 +185,8 @@ def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=No
                 server.start()
             for server in servers:
                 server.wait_ready(models=t.models)
+            if replicas == 1:
+                frontdoor = _start_frontdoor(t, servers[0], free_port=server_kwargs.get("free_ports", False))
             if on_ready:
                 for server in servers:
                     on_ready(server)
@@ -191,6 +198,8 @@ def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=No
         except KeyboardInterrupt:
             pass
         finally:
+            if frontdoor is not None:
+                frontdoor.stop()
             for server in servers:
                 server.stop()
     finally:
@@ -205,21 +214,68 @@ def running(source: str | Path, *, overrides=(), **server_kwargs):
     check_host(t)
     server = make_server(t, **server_kwargs)
     server.start()
+    frontdoor = None
     try:
         server.wait_ready(models=t.models)
+        frontdoor = _start_frontdoor(t, server, free_port=server_kwargs.get("free_ports", False))
         yield server
     finally:
+        if frontdoor is not None:
+            frontdoor.stop()
         server.stop()
+
+
+def _start_frontdoor(t: ServeTarget, server: TritonServer, *, free_port: bool):
+    """The repository's front door (toolkit/frontdoor) in this process, on ``server``; its URL is set on
+    ``server.frontdoor_url``.  None when ``serving.frontend.enabled`` is false or the target has no ensemble."""
+    from ..frontdoor.runner import start_for
+
+    if not t.target.ensemble:
+        return None  # llmapi: one model with its own inputs; the front door speaks the ensemble's
+    port = _free(1, t.serving.frontend.host)[0] if free_port else None
+    frontdoor = start_for(server, t.repository, t.serving, port=port)
+    server.frontdoor_url = frontdoor.url if frontdoor is not None else None
+    return frontdoor
+
+
+def _detach_frontdoor(t: ServeTarget, states: list[ServerState], *, free_port: bool) -> None:
+    """Start the front door of a detached server as its own process and record it in the state file;
+    if it cannot start, the server is stopped too (nothing half-started is left behind)."""
+    from ..frontdoor.runner import start_detached
+
+    if not t.target.ensemble or not t.serving.frontend.enabled:
+        return
+    st = states[0]
+    port = _free(1, t.serving.frontend.host)[0] if free_port else None
+    log_path = Path(st.log_path).with_name(Path(st.log_path).stem + "-frontdoor.log")
+    try:
+        st.frontdoor_pid, st.frontdoor_url = start_detached(st.grpc_url, st.metrics_url, t.repository, t.serving,
+                                                            log_path, port=port)
+    except BaseException:
+        stop_detached_all(t.repository)
+        raise
+    write_states(t.repository, states)
+
+
+def _stop_frontdoors(repository: Path) -> None:
+    from ..frontdoor.runner import stop_detached as stop_frontdoor
+
+    for st in read_states(repository):
+        stop_frontdoor(st.frontdoor_pid)
 
 
 def stop(source: str | Path, overrides=()) -> ServerState | None:
     """Stop the detached server(s) of ``source``; returns the (first) state, or None when none was running."""
-    return stop_detached(_repository(source, overrides))
+    repository = _repository(source, overrides)
+    _stop_frontdoors(repository)
+    return stop_detached(repository)
 
 
 def stop_all(source: str | Path, overrides=()) -> list[ServerState]:
     """Stop every detached server (all replicas) of ``source`` together; returns those that were running."""
-    return stop_detached_all(_repository(source, overrides))
+    repository = _repository(source, overrides)
+    _stop_frontdoors(repository)
+    return stop_detached_all(repository)
 
 
 def _repository(source: str | Path, overrides=()) -> Path:

@@ -245,6 +245,8 @@ class ServerState(_Endpoints):
     metrics_port: int
     log_path: str
     started_unix: float
+    frontdoor_url: str | None = None  # the OpenAI-compatible front door (toolkit/frontdoor), when started
+    frontdoor_pid: int | None = None
 
 
 def state_path(repository: str | os.PathLike) -> Path:
@@ -296,6 +298,8 @@ class TritonServer(_Endpoints):
     waits until it is ready (``ready_timeout_s``) and stops it on exit.  Ports default to free ones
     chosen here.  ``model_control_mode='explicit'`` loads only ``load_models`` (``['*']`` = all).
     """
+
+    frontdoor_url: str | None = None  # set by toolkit/triton/launch.py when it starts the front door
 
     def __init__(
         self,
@@ -516,16 +520,22 @@ def start_detached_group(servers: list[TritonServer], timeout: float | None = No
             server.stop()
         raise
     states = [server.state() for server in servers]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = asdict(states[0]) if len(states) == 1 else {"replicas": [asdict(st) for st in states]}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_states(repository, states)
     for server in servers:
         if server._log_file is not None:  # the child keeps its own descriptor
             server._log_file.close()
             server._log_file = None
     return states
+
+
+def write_states(repository: str | os.PathLike, states: list[ServerState]) -> None:
+    """Write the state file of ``repository`` (atomically: another process never reads half of it)."""
+    path = state_path(repository)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = asdict(states[0]) if len(states) == 1 else {"replicas": [asdict(st) for st in states]}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _http_status(url: str, timeout: float = 1.0) -> int:
