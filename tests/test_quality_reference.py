@@ -36,8 +36,17 @@ def test_kv_cache_is_quantized_after_rope_as_the_engine_does(tmp_path, tiny_llam
 
     path = _with_kv_scales(tiny_llama_dir, tmp_path / kind, kind, *scales)
     ids = torch.randint(3, 49152, (96,), generator=torch.Generator().manual_seed(7)).tolist()
-    eng = Engine(path, EngineConfig(max_batch_size=1, max_num_tokens=128, max_input_len=128, max_seq_len=160,
-                                    tokens_per_block=16, dtype="float32"))
+    eng = Engine(
+        path,
+        EngineConfig(
+            max_batch_size=1,
+            max_num_tokens=128,
+            max_input_len=128,
+            max_seq_len=160,
+            tokens_per_block=16,
+            dtype="float32",
+        ),
+    )
     assert eng.pool.quant.kind == kind.lower()
     with torch.inference_mode():
         want = eng.prompt_logits(ids)

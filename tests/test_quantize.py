@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import spec_for
 from safetensors import safe_open
 
-from conftest import spec_for
 from toolkit.artifacts import read_manifest
 from toolkit.cli import cli
 from toolkit.errors import QualityGateError
-from toolkit.quantize import calibrate, export_hf, load_model, quantize
 from toolkit.quality import reference_model
+from toolkit.quantize import calibrate, export_hf, load_model, quantize
 from toolkit.runtime.checkpoint import load_checkpoint, unpack_fp4_cols, unpack_int4_rows
 
 FAST_CALIB = {"calibration": {"num_samples": 8, "max_length": 64, "batch_size": 4}, "eval_samples": 4}
@@ -116,8 +116,14 @@ def test_int4_awq_export_packs_like_the_fake_quant_model(tmp_path, tiny_llama_di
     with torch.no_grad():
         ref = original(input_ids=ids).logits
         fake = model(input_ids=ids).logits
-        fq = {n: m.weight_quantizer(m.weight).clone() for n, m in
-              [("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down_proj), ("q_proj", layer.self_attn.q_proj)]}
+        fq = {
+            n: m.weight_quantizer(m.weight).clone()
+            for n, m in [
+                ("o_proj", layer.self_attn.o_proj),
+                ("down_proj", layer.mlp.down_proj),
+                ("q_proj", layer.self_attn.q_proj),
+            ]
+        }
     export_hf(model, tmp_path / "hf", tiny_llama_dir)  # mutates `model`; nothing of it is used after
     hf = tensors(tmp_path / "hf")
     w = hf["model.layers.0.mlp.gate_proj.weight"]
@@ -145,7 +151,9 @@ def test_int4_awq_export_packs_like_the_fake_quant_model(tmp_path, tiny_llama_di
 
 def test_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path, tiny_llama_dir, monkeypatch):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"name: g\nmodel: {{source: '{tiny_llama_dir}'}}\nquantization: {{format: int4_awq, group_size: 256}}\n")
+    spec.write_text(
+        f"name: g\nmodel: {{source: '{tiny_llama_dir}'}}\nquantization: {{format: int4_awq, group_size: 256}}\n"
+    )
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli, ["quantize", str(spec), "--checkpoint", str(tiny_llama_dir)])
     assert result.exit_code == 2, result.output
@@ -213,25 +221,47 @@ def test_quality_gate_fails_with_exit_3_and_keeps_only_the_report(tmp_path, smol
 @pytest.mark.parametrize(
     "fmt, target, algo, check",
     [
-        ("int8_sq", "cpu", "W8A8_SQ_PER_CHANNEL",
-         lambda t: t["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
-         and tuple(t["model.layers.0.mlp.up_proj.weight_scale"].shape) == (384,)
-         and "model.layers.0.mlp.up_proj.pre_quant_scale" in t),
-        ("w4a8_awq", "cpu", "W4A8_AWQ",
-         lambda t: t["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8
-         and t["model.layers.0.mlp.up_proj.input_scale"].shape == ()),
-        ("nvfp4", "trt-engine", "NVFP4",
-         lambda t: tuple(t["model.layers.0.mlp.up_proj.weight"].shape) == (384, 64)  # e2m1 pairs along in
-         and t["model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.float8_e4m3fn
-         and tuple(t["model.layers.0.mlp.up_proj.weight_scale"].shape) == (384, 128 // 16)),
+        (
+            "int8_sq",
+            "cpu",
+            "W8A8_SQ_PER_CHANNEL",
+            lambda t: (
+                t["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+                and tuple(t["model.layers.0.mlp.up_proj.weight_scale"].shape) == (384,)
+                and "model.layers.0.mlp.up_proj.pre_quant_scale" in t
+            ),
+        ),
+        (
+            "w4a8_awq",
+            "cpu",
+            "W4A8_AWQ",
+            lambda t: (
+                t["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8
+                and t["model.layers.0.mlp.up_proj.input_scale"].shape == ()
+            ),
+        ),
+        (
+            "nvfp4",
+            "trt-engine",
+            "NVFP4",
+            lambda t: (
+                tuple(t["model.layers.0.mlp.up_proj.weight"].shape) == (384, 64)  # e2m1 pairs along in
+                and t["model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.float8_e4m3fn
+                and tuple(t["model.layers.0.mlp.up_proj.weight_scale"].shape) == (384, 128 // 16)
+            ),
+        ),
     ],
 )
 def test_other_formats_export_and_read_back(tmp_path, tiny_llama_dir, fmt, target, algo, check):
     """Layout and the shipped gate.  The numerical bounds against ModelOpt's own numbers live in
     test_quantize_fidelity.py (logits vs its fake-quant model; NVFP4 weights vs its NVFP4QTensor):
     the tiny random model's perplexity hardly reacts to its weights."""
-    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "group_size": 64, **FAST_CALIB},
-                    build={"target": target})  # the default gate, +10 %, on both exports
+    spec = spec_for(
+        f"tiny-{fmt}",
+        tiny_llama_dir,
+        quantization={"format": fmt, "group_size": 64, **FAST_CALIB},
+        build={"target": target},
+    )  # the default gate, +10 %, on both exports
     result = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q")
     assert check(tensors(result.path / "hf"))
     ckpt = load_checkpoint(result.path / "hf")
@@ -247,8 +277,12 @@ def test_other_formats_export_and_read_back(tmp_path, tiny_llama_dir, fmt, targe
 
 @pytest.mark.slow
 def test_tensor_parallel_export_writes_one_rank_per_gpu(tmp_path, tiny_llama_dir):
-    spec = spec_for("tiny-tp2", tiny_llama_dir, quantization={"format": "fp8", **FAST_CALIB},
-                    build={"target": "trt-engine", "tp_size": 2})
+    spec = spec_for(
+        "tiny-tp2",
+        tiny_llama_dir,
+        quantization={"format": "fp8", **FAST_CALIB},
+        build={"target": "trt-engine", "tp_size": 2},
+    )
     result = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q")
     trt = result.path / "trtllm"
     assert sorted(p.name for p in trt.glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spec_for
 from safetensors import safe_open
 
-from conftest import spec_for
 from toolkit.quantize import calibrate, export_hf, load_model, quantize
 from toolkit.runtime.checkpoint import load_checkpoint
 
@@ -54,16 +54,21 @@ def test_nvfp4_weights_dequantize_as_modelopt_does(tmp_path, tiny_llama_dir):
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from transformers import AutoTokenizer
 
-    spec = spec_for("tiny-nvfp4", tiny_llama_dir, quantization={"format": "nvfp4", **FAST_CALIB},
-                    build={"target": "trt-engine"})
+    spec = spec_for(
+        "tiny-nvfp4", tiny_llama_dir, quantization={"format": "nvfp4", **FAST_CALIB}, build={"target": "trt-engine"}
+    )
     model = calibrate(load_model(tiny_llama_dir, spec), spec, AutoTokenizer.from_pretrained(tiny_llama_dir), None)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
-    cases = {"q_proj": (0, "self_attn", attn.q_proj, [attn.q_proj, attn.k_proj, attn.v_proj]),
-             "down_proj": (1, "mlp", mlp.down_proj, [mlp.down_proj])}
+    cases = {
+        "q_proj": (0, "self_attn", attn.q_proj, [attn.q_proj, attn.k_proj, attn.v_proj]),
+        "down_proj": (1, "mlp", mlp.down_proj, [mlp.down_proj]),
+    }
     own = {}
     for name, (_, _, module, group) in cases.items():
         global_scale = max(NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(m.weight_quantizer) for m in group)
-        qt, scale, global_scale = NVFP4QTensor.quantize(module.weight.detach().to(torch.bfloat16), 16, None, global_scale)
+        qt, scale, global_scale = NVFP4QTensor.quantize(
+            module.weight.detach().to(torch.bfloat16), 16, None, global_scale
+        )
         own[name] = qt.dequantize(dtype=torch.float32, scale=scale, double_scale=global_scale, block_sizes={-1: 16})
     export_hf(model, tmp_path / "hf", tiny_llama_dir)
     hf = tensors(tmp_path / "hf")
@@ -73,8 +78,11 @@ def test_nvfp4_weights_dequantize_as_modelopt_does(tmp_path, tiny_llama_dir):
         packed = hf[f"{prefix}.weight"]
         shape = torch.Size([packed.shape[0], packed.shape[1] * 2])
         theirs = NVFP4QTensor(shape, torch.float32, packed).dequantize(
-            dtype=torch.float32, scale=hf[f"{prefix}.weight_scale"], double_scale=hf[f"{prefix}.weight_scale_2"],
-            block_sizes={-1: 16})
+            dtype=torch.float32,
+            scale=hf[f"{prefix}.weight_scale"],
+            double_scale=hf[f"{prefix}.weight_scale_2"],
+            block_sizes={-1: 16},
+        )
         ours = ckpt.layers[li][name].weight
         tol = dict(rtol=1e-6, atol=1e-6 * ours.abs().max().item())  # the two multiply the scales in another order
         torch.testing.assert_close(ours, theirs, **tol)
@@ -88,15 +96,22 @@ def test_model_dtype_is_the_dtype_of_every_checkpoint_and_of_the_engines_tensors
     from toolkit.fetch import fetch
     from toolkit.triton.config import TORCH_TO_TRITON
 
-    spec = spec_for("tiny-fp16", tiny_llama_dir, model={"dtype": "float16"},
-                    quantization={"format": fmt, **FAST_CALIB}, build={"target": "trt-engine"})
+    spec = spec_for(
+        "tiny-fp16",
+        tiny_llama_dir,
+        model={"dtype": "float16"},
+        quantization={"format": fmt, **FAST_CALIB},
+        build={"target": "trt-engine"},
+    )
     ckpt = fetch(spec, output=tmp_path / "checkpoint").path
     assert tensors(ckpt)["model.embed_tokens.weight"].dtype == torch.float16
     assert tensors(tiny_llama_dir)["model.embed_tokens.weight"].dtype == torch.bfloat16  # links not written through
     out = quantize(spec, checkpoint=ckpt, output=tmp_path / "q").path
-    for directory, names in [(ckpt, ["model.norm.weight"]), (out / "hf", ["model.embed_tokens.weight", "model.norm.weight"]),
-                             (out / "trtllm", ["transformer.vocab_embedding.weight", "lm_head.weight",
-                                               "transformer.ln_f.weight"])]:
+    for directory, names in [
+        (ckpt, ["model.norm.weight"]),
+        (out / "hf", ["model.embed_tokens.weight", "model.norm.weight"]),
+        (out / "trtllm", ["transformer.vocab_embedding.weight", "lm_head.weight", "transformer.ln_f.weight"]),
+    ]:
         t = tensors(directory)
         assert [t[n].dtype for n in names] == [torch.float16] * len(names), directory.name
     hf_cfg = json.loads((out / "hf" / "config.json").read_text())
@@ -113,8 +128,13 @@ def _effective(layer: dict, name: str) -> torch.Tensor:
     The exports place AWQ/SmoothQuant input scales differently (hf/ folds the ones of q|k|v and
     gate|up into the RMSNorm weights; trtllm/ keeps them as prequant_scaling_factor), not their product.
     """
-    norm = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
-            "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}.get(name)
+    norm = {
+        "q_proj": "input_layernorm",
+        "k_proj": "input_layernorm",
+        "v_proj": "input_layernorm",
+        "gate_proj": "post_attention_layernorm",
+        "up_proj": "post_attention_layernorm",
+    }.get(name)
     lin = layer[name]
     cols = torch.ones(lin.weight.shape[1])
     if lin.pre_quant_scale is not None:
@@ -124,14 +144,17 @@ def _effective(layer: dict, name: str) -> torch.Tensor:
     return lin.weight * cols
 
 
-@pytest.mark.parametrize("fmt, kv, tol", [
-    pytest.param("fp8", "fp8", 0.06, id="fp8+kv"),
-    pytest.param("int8_sq", "none", 0.06, id="int8_sq", marks=pytest.mark.slow),
-    # AWQ: hf/ re-smooths q|k|v and gate|up with one averaged scale and re-quantizes them (test_quantize.py's
-    # int4 test); trtllm/ keeps each projection's own AWQ scale: two quantizations, measured 8 % apart
-    pytest.param("int4_awq", "none", 0.12, id="int4_awq", marks=pytest.mark.slow),
-    pytest.param("nvfp4", "none", 0.06, id="nvfp4", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "fmt, kv, tol",
+    [
+        pytest.param("fp8", "fp8", 0.06, id="fp8+kv"),
+        pytest.param("int8_sq", "none", 0.06, id="int8_sq", marks=pytest.mark.slow),
+        # AWQ: hf/ re-smooths q|k|v and gate|up with one averaged scale and re-quantizes them (test_quantize.py's
+        # int4 test); trtllm/ keeps each projection's own AWQ scale: two quantizations, measured 8 % apart
+        pytest.param("int4_awq", "none", 0.12, id="int4_awq", marks=pytest.mark.slow),
+        pytest.param("nvfp4", "none", 0.06, id="nvfp4", marks=pytest.mark.slow),
+    ],
+)
 def test_trtllm_export_holds_the_same_quantized_model_as_the_hf_export(tmp_path, tiny_llama_dir, fmt, kv, tol):
     """hf/ and trtllm/ come from two restores of one calibration.  They agree except where TensorRT-LLM
     asks otherwise: one weight scale per fused q|k|v and gate|up group (re-rounding each weight by
@@ -139,31 +162,38 @@ def test_trtllm_export_holds_the_same_quantized_model_as_the_hf_export(tmp_path,
     (modelopt/torch/export/quant_utils.py, get_kv_cache_scaling_factor).  Activation scales are equal."""
     from toolkit.runtime.checkpoint import load_trtllm_checkpoint
 
-    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, build={"target": "trt-engine" if fmt == "nvfp4" else "cpu"},
-                    quantization={"format": fmt, "kv_cache": kv, "group_size": 64, **FAST_CALIB,
-                                  "max_perplexity_increase": 100.0})
+    spec = spec_for(
+        f"tiny-{fmt}",
+        tiny_llama_dir,
+        build={"target": "trt-engine" if fmt == "nvfp4" else "cpu"},
+        quantization={"format": fmt, "kv_cache": kv, "group_size": 64, **FAST_CALIB, "max_perplexity_increase": 100.0},
+    )
     out = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q").path
     hf, trt = load_checkpoint(out / "hf"), load_trtllm_checkpoint(out / "trtllm", out / "hf")
     assert (hf.quant_algo, hf.kv_cache_quant_algo) == (trt.quant_algo, trt.kv_cache_quant_algo)
-    for i, (a, b) in enumerate(zip(hf.layers, trt.layers)):
+    for i, (a, b) in enumerate(zip(hf.layers, trt.layers, strict=True)):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             wa, wb = _effective(a, name), _effective(b, name)
             rel = ((wa - wb).norm() / wa.norm()).item()
             assert rel < tol, f"layer {i} {name}: the exports' weights differ by {rel:.1%}"
             qa, qb = a[name].act_quant, b[name].act_quant
-            assert (qa is None) == (qb is None) and (qa is None or (qa.kind, qa.scale.item()) == (qb.kind, qb.scale.item()))
+            assert (qa is None) == (qb is None) and (
+                qa is None or (qa.kind, qa.scale.item()) == (qb.kind, qb.scale.item())
+            )
         if kv == "fp8":
             assert b["k_scale"].item() == b["v_scale"].item() == max(a["k_scale"].item(), a["v_scale"].item(), 1.0)
     torch.testing.assert_close(hf.embed_tokens, trt.embed_tokens, rtol=0, atol=0)
     q = json.loads((out / "quality.json").read_text())
-    assert q["trtllm_ppl"] is not None and q["trtllm_increase"] == pytest.approx(q["trtllm_ppl"] / q["baseline_ppl"] - 1)
+    assert q["trtllm_ppl"] is not None and q["trtllm_increase"] == pytest.approx(
+        q["trtllm_ppl"] / q["baseline_ppl"] - 1
+    )
 
 
 def test_gate_fails_when_only_the_trtllm_export_is_bad(tmp_path, tiny_llama_dir, monkeypatch):
     """trt-engine deploys trtllm/; a fault in that export alone must fail the gate (exit 3), not pass on hf/."""
-    import toolkit.quantize as qmod
     from safetensors.torch import load_file, save_file
 
+    import toolkit.quantize as qmod
     from toolkit.errors import QualityGateError
 
     real = qmod._export_trtllm
@@ -176,8 +206,12 @@ def test_gate_fails_when_only_the_trtllm_export_is_bad(tmp_path, tiny_llama_dir,
         save_file(t, f, metadata={"format": "pt"})
 
     monkeypatch.setattr(qmod, "_export_trtllm", export_then_damage)
-    spec = spec_for("tiny-gate", tiny_llama_dir, build={"target": "trt-engine"},
-                    quantization={"format": "fp8", **FAST_CALIB, "max_perplexity_increase": 0.5})
+    spec = spec_for(
+        "tiny-gate",
+        tiny_llama_dir,
+        build={"target": "trt-engine"},
+        quantization={"format": "fp8", **FAST_CALIB, "max_perplexity_increase": 0.5},
+    )
     with pytest.raises(QualityGateError, match="trtllm/"):
         quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized")
     report = json.loads((tmp_path / "quantized.rejected-quality.json").read_text())
@@ -199,7 +233,9 @@ def test_export_is_as_close_to_the_model_as_modelopts_fake_quant(tmp_path, tiny_
 
     spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "group_size": 64, **FAST_CALIB})
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    ids = torch.tensor([tok("The assignment statement binds names to objects. A function is defined with def.")["input_ids"]])
+    ids = torch.tensor(
+        [tok("The assignment statement binds names to objects. A function is defined with def.")["input_ids"]]
+    )
     with torch.no_grad():
         base = load_model(tiny_llama_dir, spec)(input_ids=ids).logits
         model = calibrate(load_model(tiny_llama_dir, spec), spec, tok, 64 if "awq" in fmt else None)
@@ -214,4 +250,6 @@ def test_export_is_as_close_to_the_model_as_modelopts_fake_quant(tmp_path, tiny_
         return ((a - b).norm() / b.norm()).item()
 
     # measured: export/fake-quant distance ratio 0.97 (fp8), 1.01 (int8_sq), 1.07 (w4a8_awq; hf/ re-smooths q|k|v)
-    assert rel(exported, base) <= 1.2 * rel(fake, base), f"{fmt}: the export is much further from the model than ModelOpt's"
+    assert rel(exported, base) <= 1.2 * rel(fake, base), (
+        f"{fmt}: the export is much further from the model than ModelOpt's"
+    )

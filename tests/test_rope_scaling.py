@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama, spec_for
+
 from toolkit.errors import SourceError
 from toolkit.fetch import fetch
 from toolkit.quantize import _export_trtllm, load_model, quantize
@@ -26,7 +26,9 @@ def tiny_with_rope(dest: Path, tokenizer_dir: Path, case: str, spelling: str) ->
     """A tiny Llama whose config.json holds the case's rope fields, written by transformers 5
     (``rope_parameters`` only) or in the 4.x spelling a hub checkpoint ships (``rope_scaling``)."""
     hf = copy.deepcopy(CASES[case]["hf"])  # transformers adds keys to the dict it is given
-    make_tiny_llama(dest, tokenizer_dir, rope_theta=hf["rope_theta"], rope_scaling=copy.deepcopy(hf.get("rope_scaling")))
+    make_tiny_llama(
+        dest, tokenizer_dir, rope_theta=hf["rope_theta"], rope_scaling=copy.deepcopy(hf.get("rope_scaling"))
+    )
     if spelling == "v4":
         cfg = json.loads((dest / "config.json").read_text())
         cfg.pop("rope_parameters", None)
@@ -62,8 +64,15 @@ def test_trtllm_checkpoint_has_the_converters_rotary_fields(tmp_path, smollm2_to
 def test_quantize_writes_llama31_scaling_into_both_exports(tmp_path, smollm2_tokenizer_dir):
     """The flagship path (examples/llama-3.1-8b-trt-engine.yaml is FP8): the whole stage, hf/ and trtllm/."""
     src = tiny_with_rope(tmp_path / "src", smollm2_tokenizer_dir, "llama3", "v5")
-    spec = spec_for("rope-fp8", src, quantization={
-        "format": "fp8", "eval_samples": 1, "calibration": {"num_samples": 2, "max_length": 32, "batch_size": 2}})
+    spec = spec_for(
+        "rope-fp8",
+        src,
+        quantization={
+            "format": "fp8",
+            "eval_samples": 1,
+            "calibration": {"num_samples": 2, "max_length": 32, "batch_size": 2},
+        },
+    )
     out = quantize(spec, checkpoint=src, output=tmp_path / "quantized").path
     expected = CASES["llama3"]["trtllm"]
     trt = json.loads((out / "trtllm" / "config.json").read_text())
@@ -74,13 +83,23 @@ def test_quantize_writes_llama31_scaling_into_both_exports(tmp_path, smollm2_tok
 
 # -- the CPU engine against transformers beyond the original context ---------------------------------
 
+
 def _engine_and_reference(path: Path):
     from transformers import AutoModelForCausalLM
 
     from toolkit.runtime.engine import Engine, EngineConfig
 
-    eng = Engine(path, EngineConfig(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=320,
-                                    tokens_per_block=16, dtype="float32"))
+    eng = Engine(
+        path,
+        EngineConfig(
+            max_batch_size=1,
+            max_num_tokens=256,
+            max_input_len=256,
+            max_seq_len=320,
+            tokens_per_block=16,
+            dtype="float32",
+        ),
+    )
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     return eng, ref
 
@@ -118,5 +137,14 @@ def test_engine_refuses_rope_types_it_does_not_implement(tmp_path, smollm2_token
 
     path = tiny_with_rope(tmp_path / case, smollm2_tokenizer_dir, case, "v5")
     with pytest.raises(SourceError, match=f"rope scaling type '{case}'"):
-        Engine(path, EngineConfig(max_batch_size=1, max_num_tokens=64, max_input_len=64, max_seq_len=128,
-                                  tokens_per_block=16, dtype="float32"))
+        Engine(
+            path,
+            EngineConfig(
+                max_batch_size=1,
+                max_num_tokens=64,
+                max_input_len=64,
+                max_seq_len=128,
+                tokens_per_block=16,
+                dtype="float32",
+            ),
+        )

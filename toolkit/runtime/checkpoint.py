@@ -329,7 +329,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     )
 
 
-TRTLLM_PROJECTIONS = {"attention.dense": "o_proj", "mlp.gate": "up_proj", "mlp.fc": "gate_proj", "mlp.proj": "down_proj"}
+TRTLLM_PROJECTIONS = {
+    "attention.dense": "o_proj",
+    "mlp.gate": "up_proj",
+    "mlp.fc": "gate_proj",
+    "mlp.proj": "down_proj",
+}
 
 
 def _trtllm_weight(t: _Tensors, prefix: str, algo: str | None, path: Path) -> torch.Tensor:
@@ -354,7 +359,9 @@ def _trtllm_weight(t: _Tensors, prefix: str, algo: str | None, path: Path) -> to
     if algo == "NVFP4":
         s2 = t.require(prefix + ".weights_scaling_factor_2", path).to(torch.float32).reshape(())
         return unpack_fp4_cols(w.view(torch.uint8)) * s.repeat_interleave(16, dim=1) * s2
-    raise SourceError(f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4")
+    raise SourceError(
+        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4"
+    )
 
 
 def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Checkpoint:
@@ -368,7 +375,9 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
     trt_cfg = json.loads((path / "config.json").read_text())
     mapping = trt_cfg.get("mapping") or {}
     if int(mapping.get("world_size", 1)) != 1:
-        raise SourceError(f"{path}: rtk reads single-rank TensorRT-LLM checkpoints; this one has world_size {mapping['world_size']}")
+        raise SourceError(
+            f"{path}: rtk reads single-rank TensorRT-LLM checkpoints; this one has world_size {mapping['world_size']}"
+        )
     config = ModelConfig.from_dir(Path(hf_config_dir))
     q = trt_cfg.get("quantization") or {}
     algo, kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
@@ -376,7 +385,9 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
     embed = t.require("transformer.vocab_embedding.weight", path).to(torch.float32)
     lm_head = t.get("lm_head.weight")
     lm_head = embed if lm_head is None else lm_head.to(torch.float32)
-    act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo or "", "int8" if (algo or "").startswith("W8A8") else None)
+    act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo or "")
+    if (algo or "").startswith("W8A8"):
+        act_kind = "int8"
     H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
 
     def linear(prefix: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -386,7 +397,7 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
             weight=weight,
             bias=bias,
             pre_quant_scale=None if pqs is None else pqs.to(torch.float32).reshape(-1),
-            act_quant=None if act is None or act_kind is None else ActQuant(act_kind, act.to(torch.float32).reshape(())),
+            act_quant=None if act is None or act_kind is None else ActQuant(act_kind, act.float().reshape(())),
         )
 
     layers = []
@@ -400,7 +411,8 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
         qkv_b = t.get(pre + "attention.qkv.bias")
         bounds = {"q_proj": (0, H * D), "k_proj": (H * D, (H + KVH) * D), "v_proj": ((H + KVH) * D, (H + 2 * KVH) * D)}
         for name, (a, b) in bounds.items():
-            layer[name] = linear(pre + "attention.qkv", qkv_w[a:b], None if qkv_b is None else qkv_b[a:b].to(torch.float32))
+            bias = None if qkv_b is None else qkv_b[a:b].to(torch.float32)
+            layer[name] = linear(pre + "attention.qkv", qkv_w[a:b], bias)
         for trt_name, name in TRTLLM_PROJECTIONS.items():
             bias = t.get(pre + trt_name + ".bias")
             layer[name] = linear(pre + trt_name, _trtllm_weight(t, pre + trt_name, algo, path),
