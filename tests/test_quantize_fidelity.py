@@ -253,3 +253,13 @@ def test_export_is_as_close_to_the_model_as_modelopts_fake_quant(tmp_path, tiny_
     assert rel(exported, base) <= 1.2 * rel(fake, base), (
         f"{fmt}: the export is much further from the model than ModelOpt's"
     )
+
+
+def test_int8_kv_cache_is_refused_at_validation_not_by_a_crash_in_the_export():
+    """ModelOpt 0.47's HF export asserts on INT8 KV-cache scales ("Invalid KV cache quantization format")."""
+    from toolkit.errors import SpecError
+    from toolkit.spec import spec_from_dict
+
+    for fmt in ("none", "fp8"):
+        with pytest.raises(SpecError, match=r"quantization\.kv_cache.*'int8' cannot be exported.*'fp8' or 'none'"):
+            spec_from_dict({"name": "kv8", "quantization": {"format": fmt, "kv_cache": "int8"}})

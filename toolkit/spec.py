@@ -647,6 +647,12 @@ class Spec(Section):
         if q.kv_cache not in target.kv_formats:
             ok = "', '".join(sorted(target.kv_formats))
             raise _Rule("quantization.kv_cache", f"the {b.target} target supports KV-cache quantization '{ok}', not '{q.kv_cache}'")
+        if q.kv_cache == "int8":  # modelopt/torch/export/quant_utils.py postprocess_state_dict asserts it
+            raise _Rule(
+                "quantization.kv_cache",
+                "'int8' cannot be exported: ModelOpt's unified HF checkpoint carries FP8 (or NVFP4) KV-cache scales only; "
+                "use 'fp8' or 'none'",
+            )
         if b.max_input_len >= b.max_seq_len:
             raise _Rule("build.max_input_len", f"{b.max_input_len} must be below build.max_seq_len ({b.max_seq_len}) to leave room for output tokens")
         if not b.enable_chunked_context and b.max_num_tokens < b.max_input_len:
