@@ -41,7 +41,7 @@ class ModelSpec(Section):
         description="'builtin:smollm2-135m-instruct', 'hf:ORG/NAME[@REVISION]', or a local checkpoint directory",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the fetched checkpoint and of unquantized compute"
+        "bfloat16", description="dtype of every checkpoint rtk writes (fetch, both exports) and of TensorRT engines"
     )
     trust_remote_code: bool = Field(False, description="run code shipped with a hub model (off by default)")
 
