@@ -9,7 +9,10 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 
 * ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token);
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
-* ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing).
+* ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
+* ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
+  over that ensemble: ``/v1/chat/completions`` SSE, ``ignore_eos``; its TTFT and ITL are also given
+  as added ms against ``ensemble`` (what the front door costs).
 
 Both engines are loaded (the server's by tritonserver from toolkit/triton/server.py, on free ports) but
 only one path runs at a time: the paths take turns, ``--rounds`` times per level, so drift of a
@@ -32,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +235,47 @@ def grpc_one(stream: SharedStream, model, inputs_fn):
     return one
 
 
+def frontdoor_one(url, model, n):
+    """One streamed chat request through the front door; one httpx client (keep-alive) per thread."""
+    import httpx
+
+    local = threading.local()
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": n, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+
+    def one():
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=url, timeout=300)
+        times = []
+        sent = time.perf_counter()
+        with local.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"front door: HTTP {r.status_code} {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if line.startswith('data: {"id"') and '"content"' in line:
+                    times.append(time.perf_counter())
+        return sent, times, None
+
+    return one
+
+
+def start_frontdoor(repo, server):
+    """``python -m toolkit.frontdoor`` on a free port; returns (process, url)."""
+    import subprocess
+
+    from toolkit.triton.server import free_ports
+
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "toolkit.frontdoor", str(repo), "--triton-grpc", server.grpc_url,
+           "--metrics-url", server.metrics_url, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    if not line.startswith("ready"):
+        proc.kill()
+        raise SystemExit(f"the front door did not start: {line!r}")
+    return proc, line.split()[1]
+
+
 def tensor(name, arr, dtype):
     import tritonclient.grpc as g
 
@@ -279,7 +324,7 @@ def main(argv=None) -> int:
     t = launch.resolve(repo)
     server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
-    bg, streams = None, []
+    bg, streams, fd_proc = None, [], None
     try:
         server.wait_ready(models=t.models)
         bg = BackgroundEngine(load_engine(engine_dir))
@@ -303,10 +348,14 @@ def main(argv=None) -> int:
             ]
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
+        fd_proc, fd_url = start_frontdoor(repo, server)
+        with urllib.request.urlopen(fd_url + "/v1/models") as resp:
+            fd_model = json.loads(resp.read())["data"][0]["id"]
         paths = {
             "engine": engine_runner(bg, prompt_ids, n),
             "tensorrt_llm": client_runner(grpc_one(streams[0], "tensorrt_llm", llm_inputs)),
             "ensemble": client_runner(grpc_one(streams[1], "ensemble", ens_inputs)),
+            "frontdoor": client_runner(frontdoor_one(fd_url, fd_model, n)),
         }
         results = {p: {c: Recorder() for c in args.concurrency} for p in paths}
         for c in args.concurrency:
@@ -318,6 +367,9 @@ def main(argv=None) -> int:
     finally:
         for st in streams:
             st.close()
+        if fd_proc is not None:
+            fd_proc.terminate()
+            fd_proc.wait(10)
         if bg is not None:
             bg.close()
         server.stop()
@@ -332,7 +384,7 @@ def main(argv=None) -> int:
     for c in args.concurrency:
         base = results["engine"][c]
         b_ttft, b_itl = statistics.median(base.ttft), statistics.median(base.itl)
-        for path in ("engine", "tensorrt_llm", "ensemble"):
+        for path in ("engine", "tensorrt_llm", "ensemble", "frontdoor"):
             r = results[path][c]
             ttft, itl = statistics.median(r.ttft), statistics.median(r.itl)
             print(
@@ -340,6 +392,13 @@ def main(argv=None) -> int:
                 f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
                 f"{itl / b_itl:.2f} |"
             )
+    print("\nThe front door against the ensemble it fronts (medians; added ms per request and per token)")
+    print("| streams | TTFT added ms | ITL added ms |")
+    print("|---|---|---|")
+    for c in args.concurrency:
+        e, f = results["ensemble"][c], results["frontdoor"][c]
+        print(f"| {c} | {(statistics.median(f.ttft) - statistics.median(e.ttft)) * ms:+.2f} | "
+              f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} |")
     print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
