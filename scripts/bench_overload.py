@@ -1,0 +1,350 @@
+"""Overload through the front door: capacity, then 1.5x capacity with and without deadline-aware admission.
+
+    .venv/bin/python scripts/bench_overload.py SPEC|REPOSITORY [--duration 60] [--load 1.5] [--deadline-ms D]
+
+Starts tritonserver on the repository (free ports) and the front door as its own process
+(``python -m toolkit.frontdoor``), then, with this process as the client (asyncio + httpx, streamed
+chat requests, every latency measured from the request's *scheduled* send time):
+
+1. capacity: closed loop at ``build.max_batch_size`` concurrency; capacity = answers per second.
+   The deadline D defaults to 2x the TTFT p50 measured there.
+2. the same Poisson schedule at ``load`` x capacity for ``duration`` seconds, twice: without a deadline
+   (the peer: every request queues) and with D as each request's deadline (``x-rtk-ttft-deadline-ms``).
+   Goodput counts answers whose first token came within D.
+3. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
+4. fallback: the primary held busy by long requests; requests with deadline D answered by a rule tier.
+
+Prints one table with the host's load average; a benchmark, not a test: run it under the shared CPU lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit.triton import launch  # noqa: E402
+from toolkit.triton.server import free_ports  # noqa: E402
+
+TOPICS = [
+    "the sea",
+    "a lighthouse",
+    "autumn",
+    "a small robot",
+    "the moon",
+    "a bakery",
+    "trains",
+    "a garden",
+    "winter",
+    "a library",
+    "mountains",
+    "a violin",
+    "rain",
+    "a fox",
+    "the desert",
+    "a market",
+]
+
+
+@dataclass
+class Result:
+    scheduled: float
+    status: int = 0
+    ttft: float | None = None  # seconds from the scheduled send to the first content (or to the refusal)
+    end: float | None = None
+    tier: str = ""
+    tokens: int = 0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Write a short poem about {TOPICS[i % len(TOPICS)]} (number {i})."}]
+
+
+async def one(client, url, model, i, at, t0, *, max_tokens, deadline_ms=None, body_extra=None, msgs=None) -> Result:
+    delay = t0 + at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    res = Result(scheduled=at)
+    headers = {"x-rtk-ttft-deadline-ms": f"{deadline_ms:g}"} if deadline_ms else {}
+    body = {
+        "model": model,
+        "messages": msgs or messages(i),
+        "max_tokens": max_tokens,
+        "stream": True,
+        **(body_extra or {}),
+    }
+    start = t0 + at
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            res.status, res.tier = r.status_code, r.headers.get("x-rtk-tier", "")
+            if r.status_code != 200:
+                await r.aread()
+                res.ttft = res.end = time.perf_counter() - start
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("choices") and obj["choices"][0].get("delta", {}).get("content"):
+                    if res.ttft is None:
+                        res.ttft = time.perf_counter() - start
+                    res.tokens += 1
+            res.end = time.perf_counter() - start
+    except httpx.HTTPError:
+        res.status = -1
+    return res
+
+
+async def run_schedule(url, model, times, *, max_tokens, deadline_ms=None):
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter() + 0.2
+        return await asyncio.gather(
+            *(
+                one(client, url, model, i, at, t0, max_tokens=max_tokens, deadline_ms=deadline_ms)
+                for i, at in enumerate(times)
+            )
+        )
+
+
+async def closed_loop(url, model, concurrency, n, *, max_tokens):
+    results = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        counter = iter(range(n))
+
+        async def worker():
+            for i in counter:
+                t0 = time.perf_counter()
+                results.append(await one(client, url, model, i, 0.0, t0, max_tokens=max_tokens))
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - t
+
+
+def start_frontdoor(repo: Path, server, port: int, *sets: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "toolkit.frontdoor",
+        str(repo),
+        "--triton-grpc",
+        server.grpc_url,
+        "--metrics-url",
+        server.metrics_url,
+        "--port",
+        str(port),
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
+    line = p.stdout.readline()
+    if not line.startswith("ready"):
+        raise SystemExit(f"the front door did not start: {line}{p.stderr.read()}")
+    return p
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source")
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--load", type=float, default=1.5, help="offered rate as a multiple of the measured capacity")
+    ap.add_argument("--deadline-ms", type=float, default=None, help="default: 2x the TTFT p50 at capacity")
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--capacity-requests", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    t = launch.resolve(args.source)
+    server = launch.make_server(t, free_ports=True)
+    server.start()
+    procs = []
+    try:
+        server.wait_ready(models=t.models)
+        p_plain, p_cache, p_rule = free_ports(3)
+        procs.append(start_frontdoor(t.repository, server, p_plain))
+        procs.append(start_frontdoor(t.repository, server, p_cache, "serving.guard.fallbacks=[{kind: cache}]"))
+        procs.append(
+            start_frontdoor(
+                t.repository, server, p_rule, "serving.guard.fallbacks=[{kind: rule, template: 'Busy right now.'}]"
+            )
+        )
+        plain, cached, ruled = (f"http://127.0.0.1:{p}" for p in (p_plain, p_cache, p_rule))
+        model = httpx.get(plain + "/v1/models").json()["data"][0]["id"]
+        rows = run_all(args, t, model, plain, cached, ruled)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        server.stop()
+    print(
+        f"\nload average (1/5/15 min) after the run: {' '.join(open('/proc/loadavg').read().split()[:3])}; "
+        f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print("\n| measurement | value |\n|---|---|")
+    for k, v in rows:
+        print(f"| {k} | {v} |")
+    return 0
+
+
+def run_all(args, t, model, plain, cached, ruled):
+    rows = []
+    conc = t.build.max_batch_size
+    asyncio.run(closed_loop(plain, model, conc, conc, max_tokens=args.output_tokens))  # warm the path
+    res, wall = asyncio.run(closed_loop(plain, model, conc, args.capacity_requests, max_tokens=args.output_tokens))
+    ok = [r for r in res if r.status == 200]
+    capacity = len(ok) / wall
+    ttft50 = pct([r.ttft for r in ok if r.ttft], 50)
+    deadline_ms = args.deadline_ms or round(2 * ttft50 * 1000, -1)
+    rows += [
+        (f"capacity (closed loop, concurrency = max_batch_size {conc})", f"{capacity:.2f} req/s"),
+        ("TTFT p50 / p99 at capacity", f"{ttft50 * 1e3:.0f} / {pct([r.ttft for r in ok if r.ttft], 99) * 1e3:.0f} ms"),
+        ("deadline D", f"{deadline_ms:.0f} ms"),
+    ]
+    print(f"capacity {capacity:.2f} req/s, TTFT p50 {ttft50 * 1e3:.0f} ms, deadline {deadline_ms:.0f} ms", flush=True)
+
+    rate = args.load * capacity
+    rng = random.Random(args.seed)
+    times, at = [], 0.0
+    while at < args.duration:
+        times.append(at)
+        at += rng.expovariate(rate)
+    for label, d in (("no deadline (peer)", None), ("deadline D (front door admission)", deadline_ms)):
+        res = asyncio.run(run_schedule(plain, model, times, max_tokens=args.output_tokens, deadline_ms=d))
+        served = [r for r in res if r.status == 200]
+        shed = [r for r in res if r.status in (429, 503)]
+        other = [r for r in res if r.status not in (200, 429, 503)]
+        ttfts = [r.ttft for r in served if r.ttft is not None]
+        good = [x for x in ttfts if x * 1e3 <= deadline_ms]
+        rows += [
+            (
+                f"{args.load:g}x capacity, {label}: offered",
+                f"{len(res)} requests in {args.duration:.0f} s ({rate:.2f}/s)",
+            ),
+            (f"… {label}: served / shed / failed", f"{len(served)} / {len(shed)} / {len(other)}"),
+            (f"… {label}: served TTFT p50 / p99", f"{pct(ttfts, 50) * 1e3:.0f} / {pct(ttfts, 99) * 1e3:.0f} ms"),
+            (
+                f"… {label}: goodput (first token within D)",
+                f"{len(good) / args.duration:.2f} req/s = {len(good) / args.duration / capacity:.0%} of capacity",
+            ),
+        ]
+        if shed:
+            lat = [r.ttft for r in shed]
+            rows.append(
+                (
+                    f"… {label}: refusal latency p50 / p99 / max",
+                    f"{pct(lat, 50) * 1e3:.1f} / {pct(lat, 99) * 1e3:.1f} / {max(lat) * 1e3:.1f} ms",
+                )
+            )
+        print(rows[-1], flush=True)
+
+    # Cache: the first answer from the engine, then hits.
+    async def cache_run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            firsts, hits = [], []
+            for i in range(5):
+                msgs = messages(1000 + i)
+                r = await one(
+                    client,
+                    cached,
+                    model,
+                    i,
+                    0.0,
+                    time.perf_counter(),
+                    max_tokens=args.output_tokens,
+                    body_extra={"temperature": 0},
+                    msgs=msgs,
+                )
+                firsts.append(r)
+                for _ in range(8):
+                    hits.append(
+                        await one(
+                            client,
+                            cached,
+                            model,
+                            i,
+                            0.0,
+                            time.perf_counter(),
+                            max_tokens=args.output_tokens,
+                            body_extra={"temperature": 0},
+                            msgs=msgs,
+                        )
+                    )
+            return firsts, hits
+
+    firsts, hits = asyncio.run(cache_run())
+    assert all(r.tier == "primary" for r in firsts) and all(r.tier == "cache" for r in hits), "cache tiers"
+    rows += [
+        ("cache: TTFT of the first (engine) answer p50", f"{pct([r.ttft for r in firsts], 50) * 1e3:.1f} ms"),
+        (
+            "cache: TTFT of a repeated deterministic request p50 / p99 (40 hits)",
+            f"{pct([r.ttft for r in hits], 50) * 1e3:.2f} / {pct([r.ttft for r in hits], 99) * 1e3:.2f} ms",
+        ),
+    ]
+
+    # Fallback: hold the primary busy with long requests, then ask with deadline D.
+    async def fallback_run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            now = time.perf_counter()
+            hold = [
+                asyncio.create_task(one(client, ruled, model, 2000 + i, 0.0, now, max_tokens=4 * args.output_tokens))
+                for i in range(2 * conc)
+            ]
+            await asyncio.sleep(1.0)
+            asks = []
+            for i in range(10):
+                asks.append(
+                    await one(
+                        client,
+                        ruled,
+                        model,
+                        3000 + i,
+                        0.0,
+                        time.perf_counter(),
+                        max_tokens=args.output_tokens,
+                        deadline_ms=deadline_ms,
+                    )
+                )
+            await asyncio.gather(*hold)
+            return asks
+
+    asks = asyncio.run(fallback_run())
+    tiers = {}
+    for r in asks:
+        tiers[r.tier] = tiers.get(r.tier, 0) + 1
+    lat = [r.ttft for r in asks if r.ttft is not None]
+    rows += [
+        (
+            f"fallback (primary held busy by {2 * conc} long requests): tiers of 10 requests",
+            ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())),
+        ),
+        (
+            "fallback: TTFT p50 / max",
+            f"{pct(lat, 50) * 1e3:.1f} / {max(lat) * 1e3:.1f} ms (deadline {deadline_ms:.0f} ms)",
+        ),
+    ]
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
