@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ def _from_rtk(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def third_party_output(log_path: Path) -> Iterator[None]:
-    """Send what libraries print, warn or log (ModelOpt's quantizer counts, version warnings) to ``log_path``.
+    """Send what libraries print, warn or log (ModelOpt's quantizer counts, warnings, tqdm bars) to ``log_path``.
 
     rtk's own progress (:data:`err`) and log records stay on the console.  With ``rtk -v`` nothing
     is redirected.  Output that native code writes straight to file descriptor 1 is not caught.
@@ -50,10 +51,12 @@ def third_party_output(log_path: Path) -> Iterator[None]:
         for h in console_handlers:
             h.addFilter(_from_rtk)
         root.addHandler(to_log)
+        err.file = sys.stderr  # rtk's own progress keeps the real stderr while libraries' goes to the log
         try:
-            with contextlib.redirect_stdout(f):
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
                 yield
         finally:
+            err.file = None  # back to following sys.stderr
             root.removeHandler(to_log)
             for h in console_handlers:
                 h.removeFilter(_from_rtk)
