@@ -267,8 +267,8 @@ class PeerServer:
         return "/v1/completions", body
 
     @staticmethod
-    def is_token(event: dict) -> bool:
-        return bool(event.get("choices")) and event["choices"][0].get("text") is not None
+    def is_token(event: dict) -> bool:  # the last event (finish_reason) carries no text
+        return bool(event.get("choices")) and bool(event["choices"][0].get("text"))
 
 
 # -- rtk ----------------------------------------------------------------------------------------------
@@ -381,25 +381,27 @@ def run_level(server, prompts: list[str], concurrency: int, n: int, warmup: int)
     first_sent, last_done = [], []
 
     def worker():
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-        try:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    i, prompt = queue.pop(0)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i, prompt = queue.pop(0)
+            # a connection per request (llama-server closes a streamed response's connection); the
+            # loopback connect is inside the measured TTFT on both sides alike
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+            try:
                 sent, times = stream_one(server, prompt, n, conn)
-                with lock:
-                    if i < warmup or not times:
-                        continue
-                    first_sent.append(sent)
-                    last_done.append(times[-1])
-                    level.ttft.append(times[0] - sent)
-                    level.itl.extend(b - a for a, b in itertools.pairwise(times))
-                    level.tokens += len(times)
-                    level.events_per_request.append(len(times))
-        finally:
-            conn.close()
+            finally:
+                conn.close()
+            with lock:
+                if i < warmup or not times:
+                    continue
+                first_sent.append(sent)
+                last_done.append(times[-1])
+                level.ttft.append(times[0] - sent)
+                level.itl.extend(b - a for a, b in itertools.pairwise(times))
+                level.tokens += len(times)
+                level.events_per_request.append(len(times))
 
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -494,7 +496,16 @@ def main(argv=None) -> int:
         name = f"peer-bench-{fmt.replace('_', '-')}"
         sets = [f"name={name}", f"quantization.format={fmt}", *base_sets]
         t0 = time.perf_counter()
-        p = rtk("build", str(args.spec.resolve()), *[a for s in sets for a in ("--set", s)], cwd=workdir, check=False)
+        # --force build: the engine directory gets the current EngineConfig (its fields may have changed)
+        p = rtk(
+            "build",
+            str(args.spec.resolve()),
+            *[a for s in sets for a in ("--set", s)],
+            "--force",
+            "build",
+            cwd=workdir,
+            check=False,
+        )
         if p.returncode != 0:
             raise SystemExit(f"rtk build ({fmt}) failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
         log(f"rtk build {fmt}: {time.perf_counter() - t0:.0f} s (stages already built are skipped)")

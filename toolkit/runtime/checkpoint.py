@@ -59,7 +59,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
+    def from_dir(cls, path: Path) -> ModelConfig:
         cfg = json.loads((path / "config.json").read_text())
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
@@ -148,6 +148,20 @@ def _nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class IntWeight:
+    """A quantized weight's integer codes as stored, for kernels that read them directly.
+
+    ``weight == codes * scale`` exactly (scale per output row, or per row and group of
+    ``group_size`` inputs).
+    """
+
+    bits: int  # 8 (W8A8 SmoothQuant) or 4 (AWQ)
+    codes: torch.Tensor  # int8 [out, in]; int4 values in -8..7
+    scale: torch.Tensor  # float32 [out] (bits 8) or [out, in / group_size] (bits 4)
+    group_size: int | None = None
+
+
+@dataclass
 class Linear:
     """One projection with its weight dequantized to dense float32 ``[out, in]``."""
 
@@ -155,6 +169,7 @@ class Linear:
     bias: torch.Tensor | None = None
     pre_quant_scale: torch.Tensor | None = None
     act_quant: ActQuant | None = None
+    int_weight: IntWeight | None = None  # the integer codes behind ``weight`` (integer formats only)
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:
@@ -164,7 +179,9 @@ class Linear:
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.prepare_input(x), self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return torch.nn.functional.linear(
+            self.prepare_input(x), self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
 
 
 @dataclass
@@ -181,7 +198,11 @@ class Checkpoint:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Dense weights under transformers' names (for building a reference model)."""
-        sd = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.final_norm, "lm_head.weight": self.lm_head}
+        sd = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.final_norm,
+            "lm_head.weight": self.lm_head,
+        }
         for i, layer in enumerate(self.layers):
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 sd[f"model.layers.{i}.{norm}.weight"] = layer[norm]
@@ -201,7 +222,10 @@ class _Tensors:
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise SourceError(f"{path}: no *.safetensors files; point at a checkpoint directory written by `rtk fetch` or `rtk quantize`")
+            raise SourceError(
+                f"{path}: no *.safetensors files; point at a checkpoint directory written by `rtk fetch` or "
+                "`rtk quantize`"
+            )
         self._where: dict[str, object] = {}
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         for h in self._handles:
@@ -218,7 +242,9 @@ class _Tensors:
     def require(self, name: str, path: Path) -> torch.Tensor:
         t = self.get(name)
         if t is None:
-            raise SourceError(f"{path}: tensor '{name}' is missing; the checkpoint is incomplete or not a supported layout")
+            raise SourceError(
+                f"{path}: tensor '{name}' is missing; the checkpoint is incomplete or not a supported layout"
+            )
         return t
 
 
@@ -231,7 +257,10 @@ def read_quant_config(path: Path) -> dict:
     if cfg.get("quant_method") == "modelopt":
         return {k: cfg.get(k) for k in ("quant_algo", "kv_cache_quant_algo", "group_size")}
     if cfg:
-        raise SourceError(f"{path / 'config.json'}: quantization method '{cfg.get('quant_method')}' is not supported; rtk reads ModelOpt exports and unquantized checkpoints")
+        raise SourceError(
+            f"{path / 'config.json'}: quantization method '{cfg.get('quant_method')}' is not supported; "
+            "rtk reads ModelOpt exports and unquantized checkpoints"
+        )
     return {}
 
 
@@ -251,26 +280,32 @@ def unpack_fp4_cols(packed: torch.Tensor) -> torch.Tensor:
     return E2M1_LUT[codes]
 
 
-def _dequant_weight(t: _Tensors, prefix: str, algo: str | None, group_size: int | None, path: Path) -> torch.Tensor:
+def _dequant_weight(
+    t: _Tensors, prefix: str, algo: str | None, group_size: int | None, path: Path
+) -> tuple[torch.Tensor, IntWeight | None]:
+    """The dense float32 weight, and the integer codes behind it for integer formats."""
     w = t.require(prefix + ".weight", path)
     scale = t.get(prefix + ".weight_scale")
     if algo is None or scale is None:  # unquantized (or an excluded module)
-        return w.to(torch.float32)
+        return w.to(torch.float32), None
     scale = scale.to(torch.float32)
     if algo == "FP8":
-        return w.to(torch.float32) * scale
+        return w.to(torch.float32) * scale, None
     if algo.startswith("W8A8_SQ"):
-        return w.to(torch.float32) * (scale[:, None] if scale.dim() == 1 else scale)
+        rows = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
+        return w.to(torch.float32) * rows[:, None], IntWeight(8, w.to(torch.int8), rows)
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
-        q = unpack_int4_rows(w).to(torch.float32)
-        g = q.shape[1] // scale.shape[1]
-        return q * scale.repeat_interleave(g, dim=1)
+        codes = unpack_int4_rows(w)
+        g = codes.shape[1] // scale.shape[1]
+        return codes.to(torch.float32) * scale.repeat_interleave(g, dim=1), IntWeight(4, codes, scale, g)
     if algo == "NVFP4":
         vals = unpack_fp4_cols(w)
         block = scale.repeat_interleave(16, dim=1)  # fp8 block scales, already cast to float
         s2 = t.require(prefix + ".weight_scale_2", path).to(torch.float32)
-        return vals * block * s2
-    raise SourceError(f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4")
+        return vals * block * s2, None
+    raise SourceError(
+        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4"
+    )
 
 
 def _act_quant(t: _Tensors, prefix: str, algo: str | None) -> ActQuant | None:
@@ -306,8 +341,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             prefix = f"model.layers.{i}.{mod}.{p}"
             bias = t.get(prefix + ".bias")
             pqs = t.get(prefix + ".pre_quant_scale")
+            weight, int_weight = _dequant_weight(t, prefix, algo, q.get("group_size"), path)
             layer[p] = Linear(
-                weight=_dequant_weight(t, prefix, algo, q.get("group_size"), path),
+                weight=weight,
+                int_weight=int_weight,
                 bias=None if bias is None else bias.to(torch.float32),
                 pre_quant_scale=None if pqs is None else pqs.to(torch.float32),
                 act_quant=_act_quant(t, prefix, algo),
@@ -415,8 +452,11 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
             layer[name] = linear(pre + "attention.qkv", qkv_w[a:b], bias)
         for trt_name, name in TRTLLM_PROJECTIONS.items():
             bias = t.get(pre + trt_name + ".bias")
-            layer[name] = linear(pre + trt_name, _trtllm_weight(t, pre + trt_name, algo, path),
-                                 None if bias is None else bias.to(torch.float32))
+            layer[name] = linear(
+                pre + trt_name,
+                _trtllm_weight(t, pre + trt_name, algo, path),
+                None if bias is None else bias.to(torch.float32),
+            )
         kv = t.get(pre + "attention.kv_cache_scaling_factor")
         layer["k_scale"] = layer["v_scale"] = None if kv is None else kv.to(torch.float32).reshape(())
         layers.append(layer)

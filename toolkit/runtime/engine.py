@@ -23,13 +23,14 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from .kv_cache import BlockManager, blocks_for
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_sequences
 from .scheduler import POLICIES, Scheduler, Sequence
 
 if TYPE_CHECKING:
@@ -39,8 +40,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BackgroundEngine", "Engine", "EngineConfig", "GenerationRequest", "RequestTimes", "SamplingParams", "TokenEvent",
+    "BackgroundEngine",
+    "Engine",
+    "EngineConfig",
+    "GenerationRequest",
+    "RequestTimes",
+    "SamplingParams",
+    "TokenEvent",
 ]
+
+
+DECODE_BATCHING = ("exact", "attention", "full")
 
 
 @dataclass
@@ -59,14 +69,27 @@ class EngineConfig:
     # than torch's bf16 CPU attention at decode shapes, and more accurate; "model" = the compute
     # dtype, bit-identical to transformers' bf16 SDPA.
     attention_dtype: str = "float32"
+    # INT8-SQ / INT4-AWQ exports: torch's W8A16 / W4A16 CPU kernels read the integer codes (a
+    # half / quarter of bf16's bytes per token); False = dequantized dense bf16 (the reference path).
+    int_weight_kernels: bool = True
+    # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
+    # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
+    # request's bits never depend on the batch); "attention" = one masked attention call for all
+    # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences).
+    decode_batching: str = "attention"
     scheduler_policy: str = "guaranteed_no_evict"  # or "max_utilization" (admit eagerly, preempt on a full pool)
 
     @classmethod
-    def from_build(cls, build: "BuildSpec", **overrides) -> "EngineConfig":
+    def from_build(cls, build: BuildSpec, **overrides) -> EngineConfig:
         fields = dict(
-            max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens, max_input_len=build.max_input_len,
-            max_seq_len=build.max_seq_len, tokens_per_block=build.tokens_per_block, kv_cache_blocks=build.kv_cache_blocks,
-            enable_kv_cache_reuse=build.enable_kv_cache_reuse, enable_chunked_context=build.enable_chunked_context,
+            max_batch_size=build.max_batch_size,
+            max_num_tokens=build.max_num_tokens,
+            max_input_len=build.max_input_len,
+            max_seq_len=build.max_seq_len,
+            tokens_per_block=build.tokens_per_block,
+            kv_cache_blocks=build.kv_cache_blocks,
+            enable_kv_cache_reuse=build.enable_kv_cache_reuse,
+            enable_chunked_context=build.enable_chunked_context,
             num_threads=build.num_threads,
         )
         return cls(**{**fields, **overrides})
@@ -83,14 +106,26 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 bad(name, f"{getattr(self, name)} must be at least 1")
         if self.max_input_len >= self.max_seq_len:
-            bad("max_input_len", f"{self.max_input_len} must be below max_seq_len ({self.max_seq_len}) to leave room for output")
+            bad(
+                "max_input_len",
+                f"{self.max_input_len} must be below max_seq_len ({self.max_seq_len}) to leave room for output",
+            )
         if self.max_num_tokens < self.max_batch_size:
-            bad("max_num_tokens", f"{self.max_num_tokens} is below max_batch_size ({self.max_batch_size}); a full batch could not decode")
+            bad(
+                "max_num_tokens",
+                f"{self.max_num_tokens} is below max_batch_size ({self.max_batch_size}); a full batch could not decode",
+            )
         need = blocks_for(self.max_seq_len, self.tokens_per_block)
         if self.num_blocks < need:
-            bad("kv_cache_blocks", f"{self.num_blocks} blocks cannot hold one sequence of max_seq_len {self.max_seq_len} ({need} blocks of {self.tokens_per_block})")
+            bad(
+                "kv_cache_blocks",
+                f"{self.num_blocks} blocks cannot hold one sequence of max_seq_len {self.max_seq_len} "
+                f"({need} blocks of {self.tokens_per_block})",
+            )
         if self.scheduler_policy not in POLICIES:
             bad("scheduler_policy", f"'{self.scheduler_policy}' is not one of {', '.join(POLICIES)}")
+        if self.decode_batching not in DECODE_BATCHING:
+            bad("decode_batching", f"'{self.decode_batching}' is not one of {', '.join(DECODE_BATCHING)}")
         if self.attention_dtype not in ("float32", "model"):
             bad("attention_dtype", f"'{self.attention_dtype}' is not 'float32' or 'model'")
         if self.num_threads is not None and self.num_threads < 1:
@@ -116,6 +151,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # "length" | "end_id" | "stop" | "cancelled" | "error"
     error: str | None = None
+    log_prob: float | None = None  # the token's log-probability, when its request asks (SamplingParams.log_probs)
 
 
 @dataclass
@@ -129,7 +165,7 @@ class RequestTimes:
 class Engine:
     """Paged-KV transformer with an in-flight batching scheduler.  Not thread-safe; see BackgroundEngine."""
 
-    def __init__(self, checkpoint: "Checkpoint | str | Path", config: EngineConfig):
+    def __init__(self, checkpoint: Checkpoint | str | Path, config: EngineConfig):
         import torch
 
         from .checkpoint import load_checkpoint
@@ -149,12 +185,22 @@ class Engine:
         self.model_config = mc
         self.eos_ids = frozenset(mc.eos_token_ids)
         dtype = resolve_dtype(config.dtype)
-        self.model = Transformer(ckpt, dtype, max_positions=config.max_seq_len,
-                                 attention_dtype=torch.float32 if config.attention_dtype == "float32" else dtype)
+        self.model = Transformer(
+            ckpt,
+            dtype,
+            max_positions=config.max_seq_len,
+            attention_dtype=torch.float32 if config.attention_dtype == "float32" else dtype,
+            int_kernels=config.int_weight_kernels,
+            batch_invariant=config.decode_batching != "full",
+        )
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)
         self.scheduler = Scheduler(
-            self.blocks, config.max_batch_size, config.max_num_tokens, config.enable_chunked_context, config.scheduler_policy
+            self.blocks,
+            config.max_batch_size,
+            config.max_num_tokens,
+            config.enable_chunked_context,
+            config.scheduler_policy,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()
@@ -172,7 +218,10 @@ class Engine:
         if not isinstance(ids, (list, tuple)) or len(ids) == 0:
             raise UsageError("prompt_ids is empty; send at least one token")
         if len(ids) > c.max_input_len:
-            raise UsageError(f"prompt of {len(ids)} tokens exceeds max_input_len {c.max_input_len}; shorten it or raise build.max_input_len")
+            raise UsageError(
+                f"prompt of {len(ids)} tokens exceeds max_input_len {c.max_input_len}; shorten it or raise "
+                "build.max_input_len"
+            )
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise UsageError(f"prompt_ids must be integers in [0, {vocab})")
@@ -200,9 +249,16 @@ class Engine:
         rid = req.request_id or self.new_request_id()
         end_ids = self.eos_ids if req.end_id is None else (frozenset() if req.end_id == -1 else frozenset([req.end_id]))
         seq = Sequence(
-            request_id=rid, order=next(self._order), tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
-            max_new_tokens=req.max_new_tokens, end_ids=end_ids, stop_sequences=[list(s) for s in req.stop_sequences],
-            sampling=req.sampling, generator=req.sampling.make_generator(), arrival_ns=arrival_ns or time.time_ns(),
+            request_id=rid,
+            order=next(self._order),
+            tokens=list(req.prompt_ids),
+            prompt_len=len(req.prompt_ids),
+            max_new_tokens=req.max_new_tokens,
+            end_ids=end_ids,
+            stop_sequences=[list(s) for s in req.stop_sequences],
+            sampling=req.sampling,
+            generator=req.sampling.make_generator(),
+            arrival_ns=arrival_ns or time.time_ns(),
         )
         self._seqs[rid] = seq
         self._times.pop(rid, None)
@@ -215,9 +271,7 @@ class Engine:
         if seq is None:
             return  # already finished (or never known): nothing to do
         self._finish(seq, "cancelled", None)
-        self._pending_events.append(
-            TokenEvent(request_id, None, seq.num_generated, time.time_ns(), True, "cancelled")
-        )
+        self._pending_events.append(TokenEvent(request_id, None, seq.num_generated, time.time_ns(), True, "cancelled"))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending_events)
@@ -232,8 +286,12 @@ class Engine:
 
     def kv_stats(self) -> dict:
         s = self.blocks.stats()
-        s.update(pool_bytes=self.pool.nbytes, preempted_total=self.scheduler.preempted_total,
-                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        s.update(
+            pool_bytes=self.pool.nbytes,
+            preempted_total=self.scheduler.preempted_total,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+        )
         return s
 
     def request_stats(self, request_id: str) -> dict:
@@ -274,22 +332,25 @@ class Engine:
         from .model import build_plan
 
         plan = build_plan(
-            [(seq.block_table, seq.num_cached, n, seq.prefilling) for seq, n in work], self.config.tokens_per_block,
-            self.scheduler.unit, reads_own_kv=self.pool.quant is None,
+            [(seq.block_table, seq.num_cached, n, seq.prefilling) for seq, n in work],
+            self.config.tokens_per_block,
+            self.scheduler.unit,
+            reads_own_kv=self.pool.quant is None,
+            batched=self.config.decode_batching != "exact",
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
             for seq, n in work:
                 self.scheduler.commit(seq, n)
-            next_ids = sample(logits, [s.sampling for s in sampled], [s.generator for s in sampled]) if sampled else []
+            next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
         self.steps += 1
         now = time.time_ns()
-        for seq, tok in zip(sampled, next_ids):
-            events.append(self._append(seq, tok, now))
+        for seq, tok, lp in zip(sampled, next_ids, log_probs, strict=True):
+            events.append(self._append(seq, tok, now, lp))
         return events
 
-    def _append(self, seq: Sequence, tok: int, now: int) -> TokenEvent:
+    def _append(self, seq: Sequence, tok: int, now: int, log_prob: float | None = None) -> TokenEvent:
         index = seq.num_generated
         if tok in seq.end_ids:
             self._stamp(seq, now)
@@ -298,13 +359,13 @@ class Engine:
         seq.tokens.append(tok)
         self._stamp(seq, now)
         reason = None
-        if any(seq.num_generated >= len(s) and seq.tokens[-len(s):] == s for s in seq.stop_sequences):
+        if any(seq.num_generated >= len(s) and seq.tokens[-len(s) :] == s for s in seq.stop_sequences):
             reason = "stop"
         elif seq.num_generated >= seq.max_new_tokens:
             reason = "length"
         if reason:
             self._finish(seq, reason, now)
-        return TokenEvent(seq.request_id, tok, index, now, reason is not None, reason)
+        return TokenEvent(seq.request_id, tok, index, now, reason is not None, reason, log_prob=log_prob)
 
     @staticmethod
     def _stamp(seq: Sequence, now: int) -> None:
@@ -360,7 +421,9 @@ class Engine:
                 step = max(unit, self.config.max_num_tokens // unit * unit)
                 for start in range(0, len(token_ids), step):
                     chunk = token_ids[start : start + step]
-                    plan = build_plan([(table, start, len(chunk), True)], tpb, unit, reads_own_kv=self.pool.quant is None)
+                    plan = build_plan(
+                        [(table, start, len(chunk), True)], tpb, unit, reads_own_kv=self.pool.quant is None
+                    )
                     out.append(self.model.forward(torch.tensor(chunk, dtype=torch.int64), plan, self.pool))
         finally:
             self.blocks.release_all(table)

@@ -156,8 +156,16 @@ class KVPool:
     does; :meth:`gather` dequantizes to the compute dtype.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, quant: KVQuant | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        quant: KVQuant | None = None,
+    ):
         self.num_slots = num_blocks * tokens_per_block
         self.dtype = dtype
         self.quant = quant
@@ -191,7 +199,9 @@ class KVPool:
         self._k_layers[layer].index_copy_(0, slots, k)
         self._v_layers[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``slots`` (any shape ``S``) as ``S + [kv_heads, head_dim]`` in ``dtype`` (default: the
         compute dtype); quantized codes are dequantized straight into ``dtype``."""
         dtype = dtype or self.dtype

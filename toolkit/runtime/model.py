@@ -58,6 +58,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 # -- projections --------------------------------------------------------------------------------
 
+
 def _same_emulation(a: Linear, b: Linear) -> bool:
     def same(x, y):
         return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
@@ -66,13 +67,20 @@ def _same_emulation(a: Linear, b: Linear) -> bool:
         return False
     if (a.act_quant is None) != (b.act_quant is None):
         return False
-    return a.act_quant is None or (a.act_quant.kind == b.act_quant.kind and torch.equal(a.act_quant.scale, b.act_quant.scale))
+    return a.act_quant is None or (
+        a.act_quant.kind == b.act_quant.kind and torch.equal(a.act_quant.scale, b.act_quant.scale)
+    )
 
 
 ROWWISE_MAX_BYTES = 4 << 20  # a weight this small stays cache-resident across one-row calls
 
 
 MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is worth
+
+# torch's W8A16 CPU kernel beats oneDNN's bf16 GEMM only for a few rows (it reads half the bytes,
+# but its cost grows fast with rows: at 8 rows a SmolLM2 decode step took 45 ms against 30 ms in
+# bf16); above this many rows an INT8 projection uses the bf16 weights (Projection.int8_max_rows).
+INT8_MAX_ROWS = 4
 
 
 class Projection:
@@ -94,7 +102,15 @@ class Projection:
     Either way a sequence's numbers do not depend on what else is in the batch.
     """
 
-    def __init__(self, linears: list[Linear], dtype: torch.dtype, pack: bool, probe_cache: dict | None = None):
+    def __init__(
+        self,
+        linears: list[Linear],
+        dtype: torch.dtype,
+        pack: bool,
+        probe_cache: dict | None = None,
+        int_kernels: bool = False,
+        int8_max_rows: int | None = None,
+    ):
         first = linears[0]
         self.dtype = dtype
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
@@ -102,22 +118,30 @@ class Projection:
         weight = torch.cat([lin.weight for lin in linears]).to(dtype).contiguous()
         bias = None
         if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([
-                lin.bias if lin.bias is not None else torch.zeros(lin.weight.shape[0]) for lin in linears
-            ]).to(dtype)
+            bias = torch.cat(
+                [lin.bias if lin.bias is not None else torch.zeros(lin.weight.shape[0]) for lin in linears]
+            ).to(dtype)
         self.bias = bias
         self.pre_quant_scale = None if first.pre_quant_scale is None else first.pre_quant_scale.to(dtype)
         self.act_kind = first.act_quant.kind if first.act_quant is not None else None
         self.act_scale = first.act_quant.scale if first.act_quant is not None else None
         self.packed = None
         self.weight = weight
-        if pack:
+        self.int8 = self.int4 = None
+        if int_kernels and dtype == torch.bfloat16:
+            self._pack_int(linears)
+        # int8_max_rows: calls of more rows use the bf16 weights, kept besides the codes (not
+        # batch-invariant: a row's kernel then depends on the call's row count)
+        self.int8_max_rows = int8_max_rows if self.int8 is not None else None
+        if self.int8_max_rows is not None:
+            self.weight = weight
+        if pack and self.int4 is None and (self.int8 is None or self.int8_max_rows is not None):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
                 self.weight = None
             except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CPU / build
                 log.debug("oneDNN weight packing unavailable (%s); using plain linear", exc)
-        shape = (self.out_features, self.in_features, bias is not None)
+        shape = (self.out_features, self.in_features, bias is not None, self.kernel)
         cache = probe_cache if probe_cache is not None else {}
         if shape not in cache:
             cache[shape] = self._probe_min_rows()
@@ -125,6 +149,41 @@ class Projection:
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
+
+    @property
+    def kernel(self) -> str:
+        """What computes the matmul: ``int8`` / ``int4`` (integer codes read directly), ``packed`` (oneDNN bf16)
+        or ``dense``."""
+        if self.int8 is not None:
+            return "int8" if self.int8_max_rows is None else f"int8 (<= {self.int8_max_rows} rows)"
+        return "int4" if self.int4 else "packed" if self.packed is not None else "dense"
+
+    def _pack_int(self, linears: list[Linear]) -> None:
+        """Keep the integer codes for torch's W8A16 / W4A16 CPU kernels (a quarter / half of bf16's bytes).
+
+        ``_weight_int8pack_mm(x, codes, scale)`` computes ``(x @ codes^T) * scale`` per output row;
+        ``_weight_int4pack_mm_for_cpu`` dequantizes ``(code + 8 - 8) * scale`` per group inside the
+        kernel.  The scales are rounded to bf16 (the kernels' scale dtype), so results differ from
+        the dense path (bf16 of ``code * scale``) in rounding, not in the weights' values.
+        """
+        iws = [lin.int_weight for lin in linears]
+        if any(w is None for w in iws) or len({(w.bits, w.group_size) for w in iws}) != 1:
+            return
+        codes = torch.cat([w.codes for w in iws]).contiguous()
+        scale = torch.cat([w.scale for w in iws])
+        try:
+            if iws[0].bits == 8:
+                self.int8 = (codes, scale.to(torch.bfloat16).contiguous())
+            else:
+                g = iws[0].group_size
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32) + 8, 2)
+                scales_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1)
+                self.int4 = (packed, g, scales_zeros.to(torch.bfloat16).contiguous())
+        except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the torch build
+            log.debug("integer weight kernel unavailable for %s (%s); using dense bf16", tuple(codes.shape), exc)
+            self.int8 = self.int4 = None
+            return
+        self.weight = None
 
     def _probe_min_rows(self) -> int:
         """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
@@ -142,25 +201,35 @@ class Projection:
 
             agree = [agrees(m) for m in counts]
         if not agree[-1] or not all(agree[MAX_PAD_ROWS:]):
-            log.warning("GEMM of shape %s is not row-invariant for large batches here; batching may change results "
-                        "in the last bit", (self.out_features, self.in_features))
+            log.warning(
+                "GEMM of shape %s is not row-invariant for large batches here; batching may change results "
+                "in the last bit",
+                (self.out_features, self.in_features),
+            )
             return 1
         first_bad_from_end = max((i for i, ok in enumerate(agree) if not ok), default=-1)
         return counts[first_bad_from_end + 1] if first_bad_from_end >= 0 else 1
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights read per forward (the dense size, packed or not)."""
+        """Bytes of weights read per forward (codes and scales for integer kernels)."""
+        if self.int8:
+            return self.int8[0].numel() + self.int8[1].numel() * 2
+        if self.int4:
+            return self.int4[0].numel() + self.int4[2].numel() * 2
         return self.out_features * self.in_features * torch.finfo(self.dtype).bits // 8
 
-    def __call__(self, x: torch.Tensor, singles: int = 0) -> torch.Tensor:
-        """``x``: ``[T, in]``; its first ``singles`` rows belong to single-token (decode) sequences."""
+    def __call__(self, x: torch.Tensor, singles: int | None = 0) -> torch.Tensor:
+        """``x``: ``[T, in]``; its first ``singles`` rows belong to single-token (decode) sequences.
+
+        ``singles=None``: one call over all rows, whatever their count (not batch-invariant).
+        """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         if self.act_kind is not None:
             x = fake_quant(x, self.act_kind, self.act_scale)
-        if self.single_rows is None:
+        if self.single_rows is None or singles is None:
             return self._matmul(x)
         if self.single_rows == "pad" or singles == 0:
             return self._padded(x)
@@ -177,6 +246,13 @@ class Projection:
         return self._matmul(torch.cat([x, pad]))[:rows]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and (self.int8_max_rows is None or x.shape[0] <= self.int8_max_rows):
+            y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
+            return y if self.bias is None else y + self.bias
+        if self.int4 is not None:
+            packed, g, scales_zeros = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -185,23 +261,33 @@ class Projection:
 class FusedGroup:
     """q/k/v (or gate/up) as one Projection when their emulation agrees, else one per linear."""
 
-    def __init__(self, linears: list[Linear], dtype: torch.dtype, pack: bool, probe_cache: dict | None = None):
+    def __init__(
+        self,
+        linears: list[Linear],
+        dtype: torch.dtype,
+        pack: bool,
+        probe_cache: dict | None = None,
+        int_kernels: bool = False,
+        int8_max_rows: int | None = None,
+    ):
+        args = (dtype, pack, probe_cache, int_kernels, int8_max_rows)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
-            self.parts = [Projection(linears, dtype, pack, probe_cache)]
+            self.parts = [Projection(linears, *args)]
         else:
-            self.parts = [Projection([lin], dtype, pack, probe_cache) for lin in linears]
+            self.parts = [Projection([lin], *args) for lin in linears]
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, singles: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, singles: int | None = 0) -> torch.Tensor:
         if len(self.parts) == 1:
             return self.parts[0](x, singles)
         return torch.cat([p(x, singles) for p in self.parts], dim=-1)
 
 
 # -- rope -----------------------------------------------------------------------------------------
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies as transformers computes them (default, linear, Llama-3 and YaRN rope types)."""
@@ -287,6 +373,7 @@ def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype) -> tuple[t
 
 # -- one step's attention metadata --------------------------------------------------------------
 
+
 @dataclass
 class PrefillChunk:
     """Prompt rows ``[start, start + length)`` of the flat batch, at positions ``cached ...``."""
@@ -307,12 +394,19 @@ class StepPlan:
     num_decode: int = 0  # rows [0, num_decode) are one-row (generation) attention calls
     decode_slots: torch.Tensor | None = None  # contexts of the one-row calls' sequences, concatenated
     decode_bounds: list[tuple[int, int]] = field(default_factory=list)  # each one-row call's keys in decode_slots
+    # batched decode attention (build_plan(batched=True)): every decode row's context padded to the longest
+    decode_padded: torch.Tensor | None = None  # [B, Lmax] slots (padding repeats a valid slot)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a row attends
     prefills: list[PrefillChunk] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None  # rows whose logits are needed; None = all
 
 
 def build_plan(
-    work: list[tuple[list[int], int, int, bool]], tokens_per_block: int, unit: int, reads_own_kv: bool = True
+    work: list[tuple[list[int], int, int, bool]],
+    tokens_per_block: int,
+    unit: int,
+    reads_own_kv: bool = True,
+    batched: bool = False,
 ) -> StepPlan:
     """Metadata for ``(block_table, num_cached, num_new, is_prompt)`` entries, generation entries first.
 
@@ -348,23 +442,43 @@ def build_plan(
             own = cached == 0 and reads_own_kv
             prefills.append(PrefillChunk(row, new, cached, None if own else all_slots, units))
         row += new
-    plan = StepPlan(positions=torch.cat(positions), write_slots=torch.cat(slots), num_decode=len(bounds), prefills=prefills)
+    plan = StepPlan(
+        positions=torch.cat(positions), write_slots=torch.cat(slots), num_decode=len(bounds), prefills=prefills
+    )
     if bounds:
         plan.decode_slots = torch.cat(decode_ctx)
         plan.decode_bounds = bounds
+        if batched and len(bounds) > 1:
+            lengths = torch.tensor([e - s for s, e in bounds])
+            starts = torch.tensor([s for s, _ in bounds])
+            cols = torch.arange(int(lengths.max()))
+            valid = cols[None, :] < lengths[:, None]
+            # padding points at the row's own first key: finite values, weight 0 after the mask
+            plan.decode_padded = plan.decode_slots[starts[:, None] + torch.where(valid, cols[None, :], 0)]
+            plan.decode_mask = valid[:, None, None, :]
     return plan
 
 
 # -- the model --------------------------------------------------------------------------------------
 
+
 class Layer:
-    def __init__(self, spec: dict, dtype: torch.dtype, pack: bool, probe_cache: dict):
+    def __init__(
+        self,
+        spec: dict,
+        dtype: torch.dtype,
+        pack: bool,
+        probe_cache: dict,
+        int_kernels: bool = False,
+        int8_max_rows: int | None = None,
+    ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], dtype, pack, probe_cache)
-        self.o = FusedGroup([spec["o_proj"]], dtype, pack, probe_cache)
-        self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], dtype, pack, probe_cache)
-        self.down = FusedGroup([spec["down_proj"]], dtype, pack, probe_cache)
+        args = (dtype, pack, probe_cache, int_kernels, int8_max_rows)
+        self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
+        self.o = FusedGroup([spec["o_proj"]], *args)
+        self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
+        self.down = FusedGroup([spec["down_proj"]], *args)
 
     @property
     def nbytes(self) -> int:
@@ -374,7 +488,15 @@ class Layer:
 class Transformer:
     """Weights prepared for the CPU plus the forward over a :class:`KVPool`."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, max_positions: int, attention_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        dtype: torch.dtype,
+        max_positions: int,
+        attention_dtype: torch.dtype = torch.float32,
+        int_kernels: bool = True,
+        batch_invariant: bool = True,
+    ):
         cfg = ckpt.config
         self.config = cfg
         self.quant_algo = ckpt.quant_algo
@@ -386,21 +508,26 @@ class Transformer:
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes)
-        self.layers = [Layer(spec, dtype, pack, probes) for spec in ckpt.layers]
-        self.single_row_modes = {f"{o}x{i}": m for (o, i, _), m in probes.items()}  # min_rows per weight shape
+        int8_rows = None if batch_invariant else INT8_MAX_ROWS
+        self.layers = [Layer(spec, dtype, pack, probes, int_kernels, int8_rows) for spec in ckpt.layers]
+        self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items()}  # min_rows per weight shape
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
         half = cfg.head_dim // 2
         self.rope_swap = torch.cat([torch.arange(half, cfg.head_dim), torch.arange(half)])
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
+        self.batch_invariant = batch_invariant
 
     @staticmethod
     def _kv_quant(ckpt: Checkpoint) -> KVQuant | None:
         kind = {"FP8": "fp8", "INT8": "int8"}.get((ckpt.kv_cache_quant_algo or "").upper())
         if ckpt.kv_cache_quant_algo and kind is None:
-            raise SourceError(f"{ckpt.path}: kv_cache_quant_algo '{ckpt.kv_cache_quant_algo}' is not supported by the CPU engine (FP8, INT8)")
+            raise SourceError(
+                f"{ckpt.path}: kv_cache_quant_algo '{ckpt.kv_cache_quant_algo}' is not supported by the CPU engine "
+                "(FP8, INT8)"
+            )
         if kind is None:
             return None
 
@@ -408,7 +535,9 @@ class Transformer:
             s = layer.get(name)
             return 1.0 if s is None else float(s)
 
-        return KVQuant(kind, [scale(lay, "k_scale") for lay in ckpt.layers], [scale(lay, "v_scale") for lay in ckpt.layers])
+        return KVQuant(
+            kind, [scale(lay, "k_scale") for lay in ckpt.layers], [scale(lay, "v_scale") for lay in ckpt.layers]
+        )
 
     @property
     def weight_bytes_per_token(self) -> int:
@@ -417,7 +546,9 @@ class Transformer:
         return per + self.config.hidden_size * self.embed.element_size()
 
     def new_pool(self, num_blocks: int, tokens_per_block: int) -> KVPool:
-        return KVPool(len(self.layers), num_blocks, tokens_per_block, self.num_kv_heads, self.head_dim, self.dtype, self.kv_quant)
+        return KVPool(
+            len(self.layers), num_blocks, tokens_per_block, self.num_kv_heads, self.head_dim, self.dtype, self.kv_quant
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype
@@ -433,10 +564,11 @@ class Transformer:
         h = F.embedding(input_ids, self.embed)
         swap = self.rope_swap
         B = plan.num_decode
+        rows = B if self.batch_invariant else None  # see Projection.__call__
         gqa = KVH != H
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = layer.qkv(x, B)
+            qkv = layer.qkv(x, rows)
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
             qk = qk * cos + qk.index_select(-1, swap) * sin
             q, k = qk[:, :H], qk[:, H:]
@@ -445,15 +577,32 @@ class Transformer:
             outs = []
             ad = self.attn_dtype
             q = q.to(ad)
-            if B:
+            if plan.decode_padded is not None:
+                # One SDPA for every decode row over its context padded to the longest (masked): a
+                # few calls instead of one per sequence, but the float reductions see the padding,
+                # so a row's last bits may depend on the batch (EngineConfig.decode_batching).
+                kd, vd = pool.gather(li, plan.decode_padded, ad)  # [B, Lmax, KVH, D]
+                o = F.scaled_dot_product_attention(
+                    q[:B].view(B, H, 1, D),
+                    kd.transpose(1, 2),
+                    vd.transpose(1, 2),
+                    attn_mask=plan.decode_mask,
+                    scale=self.scale,
+                    enable_gqa=gqa,
+                )
+                outs.append(o.view(B, H * D))
+            elif B:
                 # One gather for all decodes, then one SDPA per sequence over its exact context: the
                 # same call transformers makes for a single decode, so results do not depend on who
                 # else is in the batch (a padded, masked batch would change the float reductions).
                 kd, vd = pool.gather(li, plan.decode_slots, ad)  # [sum L, KVH, D]
                 for i, (s, e) in enumerate(plan.decode_bounds):
                     o = F.scaled_dot_product_attention(
-                        q[i].view(1, H, 1, D), kd[s:e].transpose(0, 1)[None], vd[s:e].transpose(0, 1)[None],
-                        scale=self.scale, enable_gqa=gqa,
+                        q[i].view(1, H, 1, D),
+                        kd[s:e].transpose(0, 1)[None],
+                        vd[s:e].transpose(0, 1)[None],
+                        scale=self.scale,
+                        enable_gqa=gqa,
                     )
                     outs.append(o.view(1, H * D))
             for c in plan.prefills:
@@ -472,13 +621,14 @@ class Transformer:
                     )
                     outs.append(o[0].transpose(0, 1).reshape(b - a, H * D))
             attn = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(self.dtype)
-            h = h + layer.o(attn, B)
+            h = h + layer.o(attn, rows)
             x = self._rms_norm(h, layer.post_norm)
-            gu = layer.gate_up(x, B)
+            gu = layer.gate_up(x, rows)
             inter = gu.shape[-1] // 2
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], B)
-        singles = 0  # every row of a scoring pass (logits for all positions) is a prefill row
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], rows)
+        singles = 0 if self.batch_invariant else None  # every row of a scoring pass is a prefill row
         if plan.logit_rows is not None:
             h = h.index_select(0, plan.logit_rows)
-            singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
+            if self.batch_invariant:
+                singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
         return self.lm_head(self._rms_norm(h, self.final_norm), singles).float()

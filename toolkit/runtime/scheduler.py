@@ -105,8 +105,14 @@ def attention_unit(tokens_per_block: int, max_num_tokens: int, max_batch_size: i
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, chunked: bool = True,
-                 policy: str = "guaranteed_no_evict"):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        chunked: bool = True,
+        policy: str = "guaranteed_no_evict",
+    ):
         if policy not in POLICIES:
             from ..errors import UsageError
 

@@ -1,0 +1,126 @@
+"""Integer weight kernels of the CPU engine: INT8-SQ and INT4-AWQ weights read as codes by torch's
+W8A16 / W4A16 CPU kernels instead of dequantized bf16.
+
+The reference is the dense product with the dequantized weight (``codes * scale``, what the
+quality report and TensorRT-LLM compute).  The kernels round differently (bf16 scales, their own
+accumulation order), so agreement is within a stated tolerance; batch invariance stays exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.runtime.checkpoint import IntWeight, Linear
+from toolkit.runtime.model import INT8_MAX_ROWS, Projection, bf16_is_fast
+
+pytestmark = pytest.mark.skipif(not bf16_is_fast(), reason="integer kernels are used with bf16 compute only")
+
+
+def int_linear(out_f: int, in_f: int, bits: int, seed: int, group: int = 64) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        codes = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+        scale = torch.rand(out_f, generator=g) * 1e-3 + 1e-4
+        weight = codes.float() * scale[:, None]
+        return Linear(weight=weight, int_weight=IntWeight(8, codes, scale))
+    codes = torch.randint(-8, 8, (out_f, in_f), generator=g, dtype=torch.int8)
+    scale = torch.rand(out_f, in_f // group, generator=g) * 1e-2 + 1e-3
+    weight = codes.float() * scale.repeat_interleave(group, dim=1)
+    return Linear(weight=weight, int_weight=IntWeight(4, codes, scale, group))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])  # SmolLM2's fused q/k/v and down_proj
+def test_integer_kernel_matches_the_dequantized_product(bits, shape):
+    lin = int_linear(*shape, bits=bits, seed=bits)
+    proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
+    assert proj.kernel == f"int{bits}"
+    bf16_bytes = shape[0] * shape[1] * 2
+    assert proj.nbytes < bf16_bytes * (0.55 if bits == 8 else 0.3)  # codes (and scales), not bf16
+    x = torch.randn(12, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        got = proj(x).float()
+        ref = x.float() @ lin.weight.t()
+    # bf16 output rounding (2^-8 relative) plus bf16 scales: well under 1 % of the output's scale
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
+    dense = Projection([lin], torch.bfloat16, pack=True, int_kernels=False)
+    assert dense.kernel == "packed"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_integer_kernel_rows_do_not_depend_on_the_batch(bits):
+    lin = int_linear(576, 1536, bits=bits, seed=3)
+    proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        batch = proj(x)
+        for i in range(8):
+            assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
+        assert torch.equal(proj(x[8:20]), batch[8:20])
+        assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
+
+
+def test_fused_group_uses_integer_kernels_only_when_every_part_has_codes():
+    from toolkit.runtime.model import FusedGroup
+
+    a, b = int_linear(192, 576, bits=4, seed=5), int_linear(192, 576, bits=4, seed=6)
+    fused = FusedGroup([a, b], torch.bfloat16, pack=True, int_kernels=True)
+    assert [p.kernel for p in fused.parts] == ["int4"]
+    plain = Linear(weight=b.weight)  # no codes (e.g. an excluded module): the group stays dense
+    mixed = FusedGroup([a, plain], torch.bfloat16, pack=True, int_kernels=True)
+    assert [p.kernel for p in mixed.parts] == ["packed"]
+
+
+@pytest.mark.parametrize("fmt,bits", [("int4_awq", 4), ("int8_sq", 8)])
+def test_engine_reads_integer_codes_of_an_export(tmp_path, tiny_llama_dir, fmt, bits):
+    """A real ModelOpt export (tiny Llama): the engine's integer kernels against its dense path."""
+    from conftest import spec_for
+
+    from toolkit.quantize import quantize
+    from toolkit.runtime.engine import Engine, EngineConfig
+
+    calib = {
+        "calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4},
+        "eval_samples": 2,
+        "max_perplexity_increase": 100.0,
+    }
+    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, **calib})
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    cfg = dict(max_batch_size=2, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
+    fast = Engine(hf, EngineConfig(**cfg))
+    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False))
+    exact = Engine(hf, EngineConfig(**cfg, dtype="float32"))  # the quality report's arithmetic
+    kernels = {
+        p.kernel
+        for layer in fast.model.layers
+        for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        for p in g.parts
+    }
+    assert kernels == {f"int{bits}"}  # decode_batching "full" switches INT8 to bf16 above a few rows
+    assert fast.model.weight_bytes_per_token < dense.model.weight_bytes_per_token
+    ids = torch.randint(3, 1000, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    got, bf16, ref = fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids)
+
+    def error(x):  # relative logit error against float32, and the share of positions with its argmax
+        return ((x - ref).norm() / ref.norm()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+    # The kernels round differently from dense bf16 (bf16 scales, their accumulation order), but must
+    # be as faithful to the float32 result as dense bf16 is; W8A8's activation rounding to int8
+    # amplifies any rounding difference from layer to layer on this random model (~4 % for both).
+    (err_k, same_k), (err_d, same_d) = error(got), error(bf16)
+    assert err_k <= 1.25 * err_d + 1e-3, (err_k, err_d)
+    assert same_k >= same_d - 0.05, (same_k, same_d)
+
+
+def test_int8_projection_uses_bf16_weights_above_a_few_rows():
+    lin = int_linear(576, 1536, bits=8, seed=7)
+    proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True, int8_max_rows=INT8_MAX_ROWS)
+    x = torch.randn(INT8_MAX_ROWS + 4, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    dense = Projection([lin], torch.bfloat16, pack=True, int_kernels=False)
+    int8 = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
+    with torch.inference_mode():
+        # singles=None: one call over all rows, as decode_batching "full" makes it
+        few = x[:INT8_MAX_ROWS]
+        assert torch.equal(proj(few, singles=None), int8(few, singles=None))  # few rows: the int8 kernel
+        assert torch.equal(proj(x, singles=None), dense(x, singles=None))  # more: oneDNN bf16, the dense bits
