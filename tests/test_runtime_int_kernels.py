@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from toolkit.runtime.checkpoint import IntWeight, Linear
-from toolkit.runtime.model import INT8_MAX_ROWS, Projection, bf16_is_fast
+from toolkit.runtime.model import INT_MAX_ROWS, Projection, bf16_is_fast
 
 pytestmark = pytest.mark.skipif(not bf16_is_fast(), reason="integer kernels are used with bf16 compute only")
 
@@ -54,11 +54,14 @@ def test_integer_kernel_rows_do_not_depend_on_the_batch(bits):
     proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
     x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
     with torch.inference_mode():
-        batch = proj(x)
+        batch = proj(x, singles=40)  # 40 decode rows: one call of the integer kernel
         for i in range(8):
             assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
-        assert torch.equal(proj(x[8:20]), batch[8:20])
-        assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
+        assert torch.equal(proj(x[8:20], singles=12), batch[8:20])
+        prompt = proj(x)  # prompt rows (bf16 weights) in other groupings
+        assert torch.equal(proj(x[8:20]), prompt[8:20])
+        mixed = proj(x[28:36], singles=4)
+        assert torch.equal(mixed[:4], batch[28:32]) and torch.equal(mixed[4:], prompt[32:36])
 
 
 def test_fused_group_uses_integer_kernels_only_when_every_part_has_codes():
@@ -113,14 +116,21 @@ def test_engine_reads_integer_codes_of_an_export(tmp_path, tiny_llama_dir, fmt, 
     assert same_k >= same_d - 0.05, (same_k, same_d)
 
 
-def test_int8_projection_uses_bf16_weights_above_a_few_rows():
-    lin = int_linear(576, 1536, bits=8, seed=7)
-    proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True, int8_max_rows=INT8_MAX_ROWS)
-    x = torch.randn(INT8_MAX_ROWS + 4, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+@pytest.mark.parametrize("bits", [8, 4])
+def test_prompt_rows_use_the_bf16_weights(bits):
+    """Decode rows go through the integer kernel, prompt rows through the bf16 weights (the integer
+    kernels' cost grows fast with rows); with full batching the call's row count decides."""
+    lin = int_linear(576, 1536, bits=bits, seed=7)
+    proj = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
+    full = Projection([lin], torch.bfloat16, pack=True, int_kernels=True, full_batching=True)
     dense = Projection([lin], torch.bfloat16, pack=True, int_kernels=False)
-    int8 = Projection([lin], torch.bfloat16, pack=True, int_kernels=True)
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    limit = INT_MAX_ROWS[bits]
     with torch.inference_mode():
-        # singles=None: one call over all rows, as decode_batching "full" makes it
-        few = x[:INT8_MAX_ROWS]
-        assert torch.equal(proj(few, singles=None), int8(few, singles=None))  # few rows: the int8 kernel
-        assert torch.equal(proj(x, singles=None), dense(x, singles=None))  # more: oneDNN bf16, the dense bits
+        rows = proj(x, singles=3)
+        assert torch.equal(rows[3:], dense(x[3:]))  # prompt rows: the dense path's bits
+        assert torch.equal(rows[:3], proj(x[:3], singles=3))  # decode rows: the integer kernel
+        assert not torch.equal(rows[:3], dense(x[:3]))
+        # full batching (singles=None): by row count
+        assert torch.equal(full(x[:limit], singles=None), proj(x[:limit], singles=limit))
+        assert torch.equal(full(x, singles=None), dense(x, singles=None))

@@ -77,10 +77,11 @@ ROWWISE_MAX_BYTES = 4 << 20  # a weight this small stays cache-resident across o
 
 MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is worth
 
-# torch's W8A16 CPU kernel beats oneDNN's bf16 GEMM only for a few rows (it reads half the bytes,
-# but its cost grows fast with rows: at 8 rows a SmolLM2 decode step took 45 ms against 30 ms in
-# bf16); above this many rows an INT8 projection uses the bf16 weights (Projection.int8_max_rows).
-INT8_MAX_ROWS = 4
+# torch's W8A16 / W4A16 CPU kernels read a half / a quarter of bf16's bytes, but their cost grows
+# fast with rows (at 8 rows a SmolLM2 INT8 decode step took 45 ms against 30 ms in bf16; a 60-token
+# INT8 prefill twice bf16's).  So prompt rows always use the bf16 weights, kept besides the codes,
+# and with decode_batching "full" (one GEMM over all rows) a call of more rows than this does too.
+INT_MAX_ROWS = {8: 4, 4: 8}
 
 
 class Projection:
@@ -109,7 +110,7 @@ class Projection:
         pack: bool,
         probe_cache: dict | None = None,
         int_kernels: bool = False,
-        int8_max_rows: int | None = None,
+        full_batching: bool = False,
     ):
         first = linears[0]
         self.dtype = dtype
@@ -130,18 +131,25 @@ class Projection:
         self.int8 = self.int4 = None
         if int_kernels and dtype == torch.bfloat16:
             self._pack_int(linears)
-        # int8_max_rows: calls of more rows use the bf16 weights, kept besides the codes (not
-        # batch-invariant: a row's kernel then depends on the call's row count)
-        self.int8_max_rows = int8_max_rows if self.int8 is not None else None
-        if self.int8_max_rows is not None:
-            self.weight = weight
-        if pack and self.int4 is None and (self.int8 is None or self.int8_max_rows is not None):
+        # decode rows through the integer kernel (one call: its rows are batch-invariant), prompt
+        # rows through the bf16 weights; with full_batching, by the call's row count instead
+        self.int_max_rows = None
+        if full_batching and self.int8 is not None:
+            self.int_max_rows = INT_MAX_ROWS[8]
+        elif full_batching and self.int4 is not None:
+            self.int_max_rows = INT_MAX_ROWS[4]
+        if pack:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
                 self.weight = None
             except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CPU / build
                 log.debug("oneDNN weight packing unavailable (%s); using plain linear", exc)
-        shape = (self.out_features, self.in_features, bias is not None, self.kernel)
+        shape = (
+            self.out_features,
+            self.in_features,
+            bias is not None,
+            "packed" if self.packed is not None else "dense",
+        )
         cache = probe_cache if probe_cache is not None else {}
         if shape not in cache:
             cache[shape] = self._probe_min_rows()
@@ -154,9 +162,7 @@ class Projection:
     def kernel(self) -> str:
         """What computes the matmul: ``int8`` / ``int4`` (integer codes read directly), ``packed`` (oneDNN bf16)
         or ``dense``."""
-        if self.int8 is not None:
-            return "int8" if self.int8_max_rows is None else f"int8 (<= {self.int8_max_rows} rows)"
-        return "int4" if self.int4 else "packed" if self.packed is not None else "dense"
+        return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
     def _pack_int(self, linears: list[Linear]) -> None:
         """Keep the integer codes for torch's W8A16 / W4A16 CPU kernels (a quarter / half of bf16's bytes).
@@ -182,8 +188,6 @@ class Projection:
         except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the torch build
             log.debug("integer weight kernel unavailable for %s (%s); using dense bf16", tuple(codes.shape), exc)
             self.int8 = self.int4 = None
-            return
-        self.weight = None
 
     def _probe_min_rows(self) -> int:
         """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
@@ -229,6 +233,13 @@ class Projection:
             x = x * self.pre_quant_scale
         if self.act_kind is not None:
             x = fake_quant(x, self.act_kind, self.act_scale)
+        if self.int8 is not None or self.int4 is not None:
+            if singles is None:
+                return self._int_matmul(x) if x.shape[0] <= self.int_max_rows else self._matmul(x)
+            parts = [self._int_matmul(x[:singles])] if singles else []
+            if x.shape[0] > singles:
+                parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.single_rows is None or singles is None:
             return self._matmul(x)
         if self.single_rows == "pad" or singles == 0:
@@ -245,14 +256,15 @@ class Projection:
         pad = x.new_zeros(self.min_rows - rows, x.shape[1])
         return self._matmul(torch.cat([x, pad]))[:rows]
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and (self.int8_max_rows is None or x.shape[0] <= self.int8_max_rows):
+    def _int_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
             y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
-            return y if self.bias is None else y + self.bias
-        if self.int4 is not None:
+        else:
             packed, g, scales_zeros = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, scales_zeros)
-            return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -268,9 +280,9 @@ class FusedGroup:
         pack: bool,
         probe_cache: dict | None = None,
         int_kernels: bool = False,
-        int8_max_rows: int | None = None,
+        full_batching: bool = False,
     ):
-        args = (dtype, pack, probe_cache, int_kernels, int8_max_rows)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -470,11 +482,11 @@ class Layer:
         pack: bool,
         probe_cache: dict,
         int_kernels: bool = False,
-        int8_max_rows: int | None = None,
+        full_batching: bool = False,
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (dtype, pack, probe_cache, int_kernels, int8_max_rows)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -508,8 +520,7 @@ class Transformer:
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes)
-        int8_rows = None if batch_invariant else INT8_MAX_ROWS
-        self.layers = [Layer(spec, dtype, pack, probes, int_kernels, int8_rows) for spec in ckpt.layers]
+        self.layers = [Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant) for spec in ckpt.layers]
         self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items()}  # min_rows per weight shape
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
         half = cfg.head_dim // 2
