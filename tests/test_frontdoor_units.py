@@ -116,3 +116,31 @@ def test_secrets_come_from_env_or_file(tmp_path, monkeypatch):
     monkeypatch.setenv("K", "a, b")
     (tmp_path / "keys").write_text("c\n\nd\n")
     assert read_secret("env:K") == ["a", "b"] and read_secret(f"file:{tmp_path / 'keys'}") == ["c", "d"]
+
+
+def test_a_spec_deployment_tier_finds_the_running_front_door_of_that_spec(tmp_path):
+    import yaml
+
+    from toolkit.frontdoor.app import _frontdoor_of_spec
+    from toolkit.triton.server import ServerState, write_states
+
+    repo = tmp_path / "repo"
+    spec = tmp_path / "small.yaml"
+    spec.write_text(yaml.safe_dump({"name": "small", "serving": {"repository": str(repo)}}))
+    with pytest.raises(LookupError, match="not running"):
+        _frontdoor_of_spec(str(spec))
+    state = ServerState(
+        pid=1,
+        repository=str(repo),
+        binary="tritonserver",
+        host="127.0.0.1",
+        http_port=1,
+        grpc_port=2,
+        metrics_port=3,
+        log_path="x.log",
+        started_unix=0.0,
+        frontdoor_url="http://127.0.0.1:9",
+        frontdoor_pid=2,
+    )
+    write_states(repo, [state])
+    assert _frontdoor_of_spec(str(spec)) == "http://127.0.0.1:9/v1"

@@ -567,8 +567,8 @@ class _Deferred(Response):
 
 def _frontdoor_of_spec(spec_path: str) -> str:
     """The base URL of the front door serving another rtk spec (from its state file)."""
-    from ..server import read_state
     from ..spec import load_spec
+    from ..triton.server import read_state
 
     st = read_state(load_spec(spec_path).repository_dir())
     url = getattr(st, "frontdoor_url", None) if st is not None else None
