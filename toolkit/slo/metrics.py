@@ -208,17 +208,19 @@ class RunWindow:
     start_ns: int  # first measured request's scheduled time
     end_ns: int  # last measured request's final response (or error)
     good: int  # requests meeting every per-request objective
+    outcomes: list[str] | None = None  # each record's outcome, when known already
+
+    def __post_init__(self):
+        if self.outcomes is None:
+            self.outcomes = [r.outcome for r in self.records]
+        self.ok = [r for r, o in zip(self.records, self.outcomes, strict=True) if o == O.SERVED]
 
     @property
     def seconds(self) -> float:
         return max(self.end_ns - self.start_ns, 1) / 1e9
 
-    @property
-    def ok(self) -> list[RequestRecord]:
-        return [r for r in self.records if r.ok]
-
     def count(self, *outcomes: str) -> int:
-        return sum(r.outcome in outcomes for r in self.records)
+        return sum(o in outcomes for o in self.outcomes)
 
     def fraction(self, n: int) -> float | None:
         return n / len(self.records) if self.records else None
@@ -276,7 +278,7 @@ class FallbackRate(Aggregate):
     tag, header, unit = "fallback_rate", "answered by a fallback tier / measured", "fraction"
 
     def value(self, w):
-        return w.fraction(sum(r.outcome == O.SHED and r.error is None for r in w.records))
+        return w.fraction(sum(o == O.SHED and r.error is None for r, o in zip(w.records, w.outcomes, strict=True)))
 
 
 @register
@@ -390,8 +392,8 @@ def summarize(
     times_end = [t for r in measured for t in (r.final_ns, r.last_token_ns) if t is not None]
     start = min(times_start) if times_start else 0
     end = max(times_end) if times_end else start
-    good = sum(is_good(r, bounds) for r in measured)
-    w = RunWindow(records=measured, start_ns=start, end_ns=end, good=good)
+    good = sum(is_good(r, bounds) for r in ok)
+    w = RunWindow(records=measured, start_ns=start, end_ns=end, good=good, outcomes=outs)
     aggs = {tag: a.value(w) for tag, a in AGGREGATES.items()}
     errors: dict[str, int] = {}
     outcomes = {o: 0 for o in O.OUTCOMES}
