@@ -19,7 +19,12 @@ import torch
 
 from toolkit.errors import UsageError
 from toolkit.runtime.engine import (
-    BackgroundEngine, Engine, EngineConfig, GenerationRequest, SamplingParams, TokenEvent,
+    BackgroundEngine,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
 )
 
 NEW = 24
@@ -36,8 +41,14 @@ def _one_thread():
 
 
 def config(**kw) -> EngineConfig:
-    base = dict(max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16,
-                decode_batching="exact")
+    base = dict(
+        max_batch_size=8,
+        max_num_tokens=64,
+        max_input_len=256,
+        max_seq_len=512,
+        tokens_per_block=16,
+        decode_batching="exact",
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -78,8 +89,10 @@ def hf_greedy(model, ids: list[int], n: int = NEW) -> list[int]:
     key = (id(model), tuple(ids), n)
     if key not in _HF_CACHE:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        _HF_CACHE[key] = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        _HF_CACHE[key] = out[0, len(ids) :].tolist()
     return _HF_CACHE[key]
 
 
@@ -88,7 +101,9 @@ def greedy(ids: list[int], n: int = NEW, **kw) -> GenerationRequest:
 
 
 def run(engine: Engine, reqs: list[GenerationRequest], arrivals: dict[int, int] | None = None, max_steps: int = 10_000):
-    """Step until done; request i is added before step ``arrivals[i]`` (default 0). Returns (ids, events by id, steps)."""
+    """Step until done; request i is added before step ``arrivals[i]`` (default 0).
+
+    Returns (ids, events by id, steps)."""
     arrivals = arrivals or {}
     ids: list[str | None] = [None] * len(reqs)
     events: dict[str, list[TokenEvent]] = {}
@@ -111,6 +126,7 @@ def tokens(evs: list[TokenEvent]) -> list[int]:
 
 
 # -- agreement with transformers -------------------------------------------------------------------
+
 
 def test_greedy_matches_transformers_generate(engine, hf_model):
     # lengths around block (16) and step (64) boundaries; 130 and 150 are prefilled in chunks
@@ -142,13 +158,16 @@ def test_prompt_logits_match_transformers(engine, hf_model):
 
 # -- in-flight batching --------------------------------------------------------------------------------
 
+
 def test_mixed_batch_gives_each_request_its_alone_tokens(engine, hf_model):
     lens = [3, 17, 40, 90, 130, 7, 1, 64]
     reqs = [greedy(prompt(n, 20 + i), n=NEW + i) for i, n in enumerate(lens)]
     # staggered arrivals: requests join while others prefill and decode
     ids, events, _ = run(engine, reqs, arrivals={0: 0, 1: 0, 2: 1, 3: 2, 4: 2, 5: 5, 6: 9, 7: 12})
     for i, r in enumerate(reqs):
-        assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens), f"request {i} (prompt {lens[i]})"
+        assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens), (
+            f"request {i} (prompt {lens[i]})"
+        )
         assert events[ids[i]][-1].finish_reason == "length"
     assert engine.kv_stats()["blocks_used"] == 0
 
@@ -240,6 +259,7 @@ def test_chunked_context_disabled_runs_prompts_whole(tiny_llama_dir, hf_model):
 
 # -- prefix reuse ------------------------------------------------------------------------------------
 
+
 def test_prefix_reuse_gives_the_same_tokens_as_no_reuse(tiny_llama_dir, hf_model):
     history = prompt(100, 60)
     with_reuse = Engine(tiny_llama_dir, config())
@@ -274,11 +294,18 @@ def test_identical_prompts_in_flight_share_blocks(tiny_llama_dir):
 
 # -- bounded memory ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy,reuse", [("guaranteed_no_evict", True), ("max_utilization", True), ("max_utilization", False)])
+
+@pytest.mark.parametrize(
+    "policy,reuse", [("guaranteed_no_evict", True), ("max_utilization", True), ("max_utilization", False)]
+)
 def test_pool_smaller_than_demand_every_request_completes(tiny_llama_dir, hf_model, policy, reuse):
     # 6 requests of 40 + 40 tokens need 5 blocks of 16 each (30 in all); the pool holds 8
-    eng = Engine(tiny_llama_dir, config(max_seq_len=128, max_input_len=64, kv_cache_blocks=8, scheduler_policy=policy,
-                                        enable_kv_cache_reuse=reuse))
+    eng = Engine(
+        tiny_llama_dir,
+        config(
+            max_seq_len=128, max_input_len=64, kv_cache_blocks=8, scheduler_policy=policy, enable_kv_cache_reuse=reuse
+        ),
+    )
     reqs = [greedy(prompt(40, 80 + i), n=40) for i in range(6)]
     most_running = 0
     ids = [eng.add_request(r) for r in reqs]
@@ -289,7 +316,7 @@ def test_pool_smaller_than_demand_every_request_completes(tiny_llama_dir, hf_mod
         stats = eng.kv_stats()
         assert stats["blocks_used"] <= 8
         most_running = max(most_running, stats["running"])
-    for i, r in zip(ids, reqs):
+    for i, r in zip(ids, reqs, strict=False):
         assert tokens(events[i]) == hf_greedy(hf_model, r.prompt_ids, 40)
         assert [e.index for e in events[i]] == list(range(40))  # streamed once each, even across preemption
     stats = eng.kv_stats()
@@ -301,6 +328,7 @@ def test_pool_smaller_than_demand_every_request_completes(tiny_llama_dir, hf_mod
 
 
 # -- cancellation, stop conditions, sampling -----------------------------------------------------
+
 
 def test_cancel_frees_blocks_and_ends_the_stream(tiny_llama_dir, hf_model):
     eng = Engine(tiny_llama_dir, config())
@@ -360,13 +388,27 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
     alone = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp))
     again = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp))
     assert alone == again
-    others = [GenerationRequest(prompt_ids=prompt(n, 111 + n), max_new_tokens=30, end_id=-1,
-                                sampling=SamplingParams(temperature=0.8, seed=n)) for n in (5, 50, 90)]
-    rids, evs, _ = run(engine, others + [GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp)],
-                       arrivals={3: 2})
+    others = [
+        GenerationRequest(
+            prompt_ids=prompt(n, 111 + n),
+            max_new_tokens=30,
+            end_id=-1,
+            sampling=SamplingParams(temperature=0.8, seed=n),
+        )
+        for n in (5, 50, 90)
+    ]
+    rids, evs, _ = run(
+        engine, others + [GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1, sampling=sp)], arrivals={3: 2}
+    )
     assert tokens(evs[rids[3]]) == alone
-    other_seed = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=30, end_id=-1,
-                                                   sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=99)))
+    other_seed = engine.generate(
+        GenerationRequest(
+            prompt_ids=ids,
+            max_new_tokens=30,
+            end_id=-1,
+            sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=99),
+        )
+    )
     assert other_seed != alone
     # degenerate settings reduce to greedy
     g = engine.generate(greedy(ids, 10))
@@ -376,13 +418,14 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine):
 
 # -- timing and streaming ---------------------------------------------------------------------------
 
+
 def test_events_and_timestamps(engine):
     before = time.time_ns()
     rids, evs, _ = run(engine, [greedy(prompt(40, 120), n=12), greedy(prompt(10, 121), n=5)], arrivals={1: 3})
-    for rid, n in zip(rids, (12, 5)):
+    for rid, n in zip(rids, (12, 5), strict=False):
         e = evs[rid]
         assert [x.index for x in e] == list(range(n)) and [x.finished for x in e] == [False] * (n - 1) + [True]
-        assert all(a.time_ns <= b.time_ns for a, b in zip(e, e[1:]))
+        assert all(a.time_ns <= b.time_ns for a, b in zip(e, e[1:], strict=False))
         t = engine.times(rid)  # still answered after the request finished
         assert before <= t.arrival_ns <= t.first_scheduled_ns <= t.first_token_ns <= t.last_token_ns
         assert t.first_token_ns == e[0].time_ns and t.last_token_ns == e[-1].time_ns
@@ -397,6 +440,7 @@ def test_background_engine_streams_concurrent_submissions(engine, hf_model):
     lock = threading.Lock()
     bg = BackgroundEngine(engine)
     try:
+
         def on_event(ev):
             with lock:
                 got.setdefault(ev.request_id, []).append(ev)
@@ -422,7 +466,7 @@ def test_background_engine_streams_concurrent_submissions(engine, hf_model):
             bg.submit(greedy([]), on_event)
     finally:
         bg.close()
-    for rid, r in zip(rids, reqs):
+    for rid, r in zip(rids, reqs, strict=False):
         assert tokens(got[rid]) == hf_greedy(hf_model, r.prompt_ids, 16)
     assert got[long_id][-1].finish_reason == "cancelled"
     assert engine.kv_stats()["blocks_used"] == 0
@@ -443,19 +487,23 @@ def test_background_close_cancels_what_is_in_flight(engine):
 
 # -- bad input --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("req,match", [
-    (GenerationRequest(prompt_ids=[], max_new_tokens=4), "empty"),
-    (GenerationRequest(prompt_ids=[5] * 257, max_new_tokens=4), "max_input_len"),
-    (GenerationRequest(prompt_ids=[5] * 200, max_new_tokens=400), "max_seq_len"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=0), "max_new_tokens"),
-    (GenerationRequest(prompt_ids=[5, 49152], max_new_tokens=4), r"\[0, 49152\)"),
-    (GenerationRequest(prompt_ids=[5, -1], max_new_tokens=4), "prompt_ids"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, end_id=10**6), "end_id"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, stop_sequences=[[]]), "stop sequence"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(temperature=-1)), "temperature"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_p=0)), "top_p"),
-    (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_k=-2)), "top_k"),
-])
+
+@pytest.mark.parametrize(
+    "req,match",
+    [
+        (GenerationRequest(prompt_ids=[], max_new_tokens=4), "empty"),
+        (GenerationRequest(prompt_ids=[5] * 257, max_new_tokens=4), "max_input_len"),
+        (GenerationRequest(prompt_ids=[5] * 200, max_new_tokens=400), "max_seq_len"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=0), "max_new_tokens"),
+        (GenerationRequest(prompt_ids=[5, 49152], max_new_tokens=4), r"\[0, 49152\)"),
+        (GenerationRequest(prompt_ids=[5, -1], max_new_tokens=4), "prompt_ids"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=4, end_id=10**6), "end_id"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=4, stop_sequences=[[]]), "stop sequence"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(temperature=-1)), "temperature"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_p=0)), "top_p"),
+        (GenerationRequest(prompt_ids=[5], max_new_tokens=4, sampling=SamplingParams(top_k=-2)), "top_k"),
+    ],
+)
 def test_bad_requests_raise_usage_error(engine, req, match):
     with pytest.raises(UsageError, match=match):
         engine.add_request(req)
@@ -470,15 +518,18 @@ def test_duplicate_request_id_is_refused(engine):
         engine.step()
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(max_input_len=512), "max_input_len"),
-    (dict(max_num_tokens=4), "max_num_tokens"),
-    (dict(kv_cache_blocks=10), "kv_cache_blocks"),
-    (dict(scheduler_policy="fifo"), "scheduler_policy"),
-    (dict(max_seq_len=8192), "max_seq_len"),  # tiny model: max_position_embeddings 4096
-    (dict(dtype="float16"), "dtype"),
-    (dict(attention_dtype="bfloat16"), "attention_dtype"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(max_input_len=512), "max_input_len"),
+        (dict(max_num_tokens=4), "max_num_tokens"),
+        (dict(kv_cache_blocks=10), "kv_cache_blocks"),
+        (dict(scheduler_policy="fifo"), "scheduler_policy"),
+        (dict(max_seq_len=8192), "max_seq_len"),  # tiny model: max_position_embeddings 4096
+        (dict(dtype="float16"), "dtype"),
+        (dict(attention_dtype="bfloat16"), "attention_dtype"),
+    ],
+)
 def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
     with pytest.raises(UsageError, match=field):
         Engine(tiny_llama_dir, config(**{"max_input_len": 256, **kw}))
@@ -487,24 +538,41 @@ def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
 def test_engine_config_from_build_spec():
     from conftest import spec_for
 
-    spec = spec_for("t", "builtin:smollm2-135m-instruct", build={"max_batch_size": 4, "max_num_tokens": 128, "kv_cache_blocks": 300,
-                                                                 "tokens_per_block": 64, "enable_kv_cache_reuse": False})
+    spec = spec_for(
+        "t",
+        "builtin:smollm2-135m-instruct",
+        build={
+            "max_batch_size": 4,
+            "max_num_tokens": 128,
+            "kv_cache_blocks": 300,
+            "tokens_per_block": 64,
+            "enable_kv_cache_reuse": False,
+        },
+    )
     c = EngineConfig.from_build(spec.build)
-    assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (4, 128, 64, 300, False)
+    assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (
+        4,
+        128,
+        64,
+        300,
+        False,
+    )
     assert (c.max_input_len, c.max_seq_len, c.enable_chunked_context) == (1024, 2048, True)
-    assert EngineConfig.from_build(spec_for("t", "x").build).num_blocks == 8 * 2048 // 32  # default: a full batch of full sequences
+    assert (
+        EngineConfig.from_build(spec_for("t", "x").build).num_blocks == 8 * 2048 // 32
+    )  # default: a full batch of full sequences
 
 
 # -- architectures and KV-cache quantization ----------------------------------------------------------
+
 
 def _tiny_variant(dest, tokenizer_dir, arch: str, **overrides):
     """A random 2-layer model of ``arch`` (Qwen2 has q/k/v biases) with the embedded tokenizer."""
     import json
     import shutil
 
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     from conftest import TINY_CONFIG
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     dest.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir.iterdir():
@@ -523,11 +591,26 @@ def _tiny_variant(dest, tokenizer_dir, arch: str, **overrides):
     return dest
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("qwen2", dict(tie_word_embeddings=False)),
-    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-], ids=["qwen2-bias-untied", "llama3-rope"])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen2", dict(tie_word_embeddings=False)),
+        (
+            "llama",
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+        ),
+    ],
+    ids=["qwen2-bias-untied", "llama3-rope"],
+)
 def test_other_architectures_match_transformers(tmp_path, smollm2_tokenizer_dir, arch, overrides):
     path = _tiny_variant(tmp_path / arch, smollm2_tokenizer_dir, arch, **overrides)
     eng = Engine(path, config())
@@ -561,7 +644,9 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
         tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
         tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}}))
+    (path / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}})
+    )
 
     qkind = kind.lower()
 
@@ -576,7 +661,9 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
     from transformers import AutoModelForCausalLM
 
     AttentionInterface.register(f"sdpa_fp32_kv_{qkind}", sdpa_fp32_kvq)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=f"sdpa_fp32_kv_{qkind}").eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation=f"sdpa_fp32_kv_{qkind}"
+    ).eval()
     eng = Engine(path, config())
     assert eng.pool.quant.kind == qkind and eng.pool.k.element_size() == 1
     plain = Engine(tiny_llama_dir, config())
@@ -584,4 +671,6 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
         ids = prompt(n, seed)
         out = eng.generate(greedy(ids))
         assert out == hf_greedy(ref, ids)
-        assert eng.prompt_logits(ids).sub(plain.prompt_logits(ids)).abs().max() > 0  # the quantization is really applied
+        assert (
+            eng.prompt_logits(ids).sub(plain.prompt_logits(ids)).abs().max() > 0
+        )  # the quantization is really applied

@@ -40,7 +40,7 @@ def test_prefix_reuse_shares_blocks_and_keeps_them_in_lru():
     bm = BlockManager(4, 2)
     keys = keys_for([1, 2, 3, 4], 2)
     a = [bm.allocate(), bm.allocate()]
-    for b, k in zip(a, keys):
+    for b, k in zip(a, keys, strict=False):
         bm.register(b, k)
     assert bm.match_prefix(keys) == a
     assert bm.match_prefix(keys_for([1, 2, 9, 9], 2)) == a[:1]
@@ -59,7 +59,7 @@ def test_lru_evicts_least_recently_released_tail_first():
     bm = BlockManager(3, 1)
     keys = keys_for([7, 8], 1)
     a = [bm.allocate(), bm.allocate()]
-    for b, k in zip(a, keys):
+    for b, k in zip(a, keys, strict=False):
         bm.register(b, k)
     bm.release_all(a)  # released tail first: the tail is the oldest LRU entry
     fresh = bm.allocate()  # the never-used block goes first
@@ -106,6 +106,8 @@ def test_pool_write_gather_roundtrip(kind):
     for got, want, s in ((gk, k, scales[0]), (gv, v, scales[1])):
         err = (got.float() - want.float()).abs()
         bf16_step = want.float().abs() * 2**-8
-        bound = (s / 2 if kind == "int8" else want.float().abs() * 2**-4 + s * 2**-9) + bf16_step  # fp8: + subnormal step
+        bound = (
+            s / 2 if kind == "int8" else want.float().abs() * 2**-4 + s * 2**-9
+        ) + bf16_step  # fp8: + subnormal step
         assert (err <= bound).all()
         assert not torch.equal(got, want)

@@ -37,14 +37,19 @@ def tokenizer(smollm2_dir):
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 def hf_reply(model, ids: list[int], eos: int, n: int = 40) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
     return out[:-1] if out and out[-1] == eos else out  # transformers keeps the EOS; the engine leaves it out
 
 
@@ -82,11 +87,15 @@ def test_bf16_attention_is_bit_identical_to_stock_transformers(smollm2_dir, toke
     from test_runtime_engine import transformers_model
 
     hf = transformers_model(smollm2_dir, fp32_attention=False)
-    engine = Engine(smollm2_dir, EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512,
-                                              attention_dtype="model"))
+    engine = Engine(
+        smollm2_dir,
+        EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, attention_dtype="model"),
+    )
     for q in QUESTIONS[:2]:
         ids = chat_ids(tokenizer, q)
-        assert engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=40)) == hf_reply(hf, ids, tokenizer.eos_token_id)
+        assert engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=40)) == hf_reply(
+            hf, ids, tokenizer.eos_token_id
+        )
 
 
 def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smollm2_fp8_dir):
@@ -100,7 +109,9 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     assert sum(len(t) - 1 for t in texts) == report["eval_tokens"]
 
     def engine_ppl(dtype: str) -> float:
-        eng = Engine(hf_dir, EngineConfig(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=512, dtype=dtype))
+        eng = Engine(
+            hf_dir, EngineConfig(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=512, dtype=dtype)
+        )
         assert eng.model.layers[0].qkv.parts[0].act_kind == "fp8"  # activation quantization is emulated
         return perplexity(lambda x: eng.prompt_logits(x[0].tolist())[None], texts)
 
@@ -108,5 +119,6 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     # float32: the report's own arithmetic, up to summation order
     assert engine_ppl("float32") == pytest.approx(want, rel=1e-3)
     # the served dtype (bf16 weights and activations, fp8 emulated on bf16 inputs): bf16 vs fp32
-    # compute alone moves this model's FP8 perplexity by ~3 % (measured +2.4 % on 8 texts), so this is a sanity bound, the float32 line above the check
+    # compute alone moves this model's FP8 perplexity by ~3 % (measured +2.4 % on 8 texts), so this is a sanity
+    # bound, the float32 line above the check
     assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
