@@ -105,7 +105,7 @@ def test_rtk_slo_serve_starts_the_server_as_rtk_serve_does(tmp_path, tiny_llama_
             "max_num_tokens": 64,
             "tokens_per_block": 16,
         },
-        serving={"repository": str(tmp_path / "repo")},
+        serving={"repository": str(tmp_path / "repo"), "default_max_tokens": 16},
     )
     shutil.copytree(tiny_llama_dir, tmp_path / "quantized" / "hf")
     emit(spec, build(spec, tmp_path / "quantized", tmp_path / "engine").path)
