@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolkit.triton import launch
 
-SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} ([0-9.eE+-]+)$')
+SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} ([0-9.eE+-]+)$")
 
 
 def scrape(url: str) -> list[tuple[str, dict, float]]:
@@ -53,10 +53,17 @@ def value(samples, name: str, **labels) -> float:
 
 
 def stream_once(http_url: str, max_tokens: int) -> None:
-    body = json.dumps({"text_input": "Write a long story about a lighthouse keeper.", "max_tokens": max_tokens,
-                       "stream": True, "temperature": 0.0}).encode()
-    req = urllib.request.Request(f"{http_url}/v2/models/ensemble/generate_stream", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "text_input": "Write a long story about a lighthouse keeper.",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0.0,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{http_url}/v2/models/ensemble/generate_stream", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         for _ in resp:
             pass
@@ -89,14 +96,22 @@ def run_level(server, concurrency: int, seconds: float, max_tokens: int) -> dict
         t.join()
 
     def ratio(model):
-        q = (value(after, "nv_inference_queue_duration_us", model=model)
-             - value(before, "nv_inference_queue_duration_us", model=model))
-        c = (value(after, "nv_inference_compute_infer_duration_us", model=model)
-             - value(before, "nv_inference_compute_infer_duration_us", model=model))
+        q = value(after, "nv_inference_queue_duration_us", model=model) - value(
+            before, "nv_inference_queue_duration_us", model=model
+        )
+        c = value(after, "nv_inference_compute_infer_duration_us", model=model) - value(
+            before, "nv_inference_compute_infer_duration_us", model=model
+        )
         return q / c if c else float("nan")
 
-    return {"concurrency": concurrency, "waiting_mean": sum(waiting) / len(waiting), "waiting_max": max(waiting),
-            "ratio_llm": ratio("tensorrt_llm"), "ratio_ensemble": ratio("ensemble"), "rps": done[0] / elapsed}
+    return {
+        "concurrency": concurrency,
+        "waiting_mean": sum(waiting) / len(waiting),
+        "waiting_max": max(waiting),
+        "ratio_llm": ratio("tensorrt_llm"),
+        "ratio_ensemble": ratio("ensemble"),
+        "rps": done[0] / elapsed,
+    }
 
 
 def main() -> None:
@@ -116,13 +131,17 @@ def main() -> None:
     finally:
         server.stop()
     load = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"max_batch_size {target.build.max_batch_size}; {args.seconds:.0f} s per level; load average {load}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"max_batch_size {target.build.max_batch_size}; {args.seconds:.0f} s per level; load average {load}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     print("| concurrency | waiting mean | waiting max | queue:compute tensorrt_llm | queue:compute ensemble | req/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['waiting_mean']:.2f} | {r['waiting_max']:.0f} | {r['ratio_llm']:.4f} | "
-              f"{r['ratio_ensemble']:.4f} | {r['rps']:.2f} |")
+        print(
+            f"| {r['concurrency']} | {r['waiting_mean']:.2f} | {r['waiting_max']:.0f} | {r['ratio_llm']:.4f} | "
+            f"{r['ratio_ensemble']:.4f} | {r['rps']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def rel(a, b) -> float:
 
 # -- host ---------------------------------------------------------------------------------------
 
+
 def host(doctor_json: Path) -> int:
     """Compare ``rtk doctor --json``'s host section with nvidia-smi and torch.cuda; non-zero on mismatch."""
     probe = json.loads(doctor_json.read_text())["host"]
@@ -61,14 +62,19 @@ def host(doctor_json: Path) -> int:
         print("nvidia-smi not on PATH: no GPU to compare with")
         return 1
     fields = "index,name,memory.total,compute_cap,driver_version"
-    rows = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    rows = (
+        subprocess.run(
+            [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     banner = subprocess.run([smi], capture_output=True, text=True).stdout
     m = re.search(r"CUDA Version:\s*([0-9.]+)", banner)
     smi_cuda = m.group(1) if m else None
     checks: list[tuple[str, object, object]] = []
     checks.append(("GPU count", len(rows), len(probe["gpus"])))
-    for row, g in zip(rows, probe["gpus"]):
+    for row, g in zip(rows, probe["gpus"], strict=True):
         index, name, mem_mib, cap, driver = [p.strip() for p in row.split(",")]
         i = g["index"]
         checks += [
@@ -83,9 +89,20 @@ def host(doctor_json: Path) -> int:
 
         if torch.cuda.is_available():
             cc = torch.cuda.get_device_capability(0)
-            checks.append(("torch.cuda compute capability", f"{cc[0]}.{cc[1]}",
-                           ".".join(map(str, probe["gpus"][0]["compute_capability"])) if probe["gpus"] else None))
-            checks.append(("torch.cuda device name", torch.cuda.get_device_name(0), probe["gpus"][0]["name"] if probe["gpus"] else None))
+            checks.append(
+                (
+                    "torch.cuda compute capability",
+                    f"{cc[0]}.{cc[1]}",
+                    ".".join(map(str, probe["gpus"][0]["compute_capability"])) if probe["gpus"] else None,
+                )
+            )
+            checks.append(
+                (
+                    "torch.cuda device name",
+                    torch.cuda.get_device_name(0),
+                    probe["gpus"][0]["name"] if probe["gpus"] else None,
+                )
+            )
     except ImportError:
         pass
     bad = 0
@@ -99,6 +116,7 @@ def host(doctor_json: Path) -> int:
 
 
 # -- numerics -----------------------------------------------------------------------------------
+
 
 def tiny_llama(device: str):
     """tests/conftest.py's tiny Llama (random, seed 0) with bf16-exact weights, in float32 on ``device``."""
@@ -162,8 +180,8 @@ def check_format(fmt: str, base, base_logits, calib, eval_ids, device: str, work
     *activation* quantizers remain ModelOpt's.  rtk-vs-hybrid isolates rtk's activation emulation and
     model assembly; hybrid-vs-fq is how far ModelOpt's export is from its own fake-quant model.
     """
-    import torch
     import modelopt.torch.quantization as mtq
+    import torch
 
     from toolkit.hfcompat import make_compatible
     from toolkit.quantize import export_hf, modelopt_config
@@ -251,7 +269,9 @@ def check_format(fmt: str, base, base_logits, calib, eval_ids, device: str, work
         row["weight_rel_max"] = max(w_err.values())
         row["weight_rel_worst"] = max(w_err, key=w_err.get)
         # One FP8/FP4/INT4 code step is >= 6 % of an element: count elements off by more than 1 %.
-        off = sum(int(((ckpt.layers[i][p].weight - w).abs() > 0.01 * w.abs()).sum()) for (i, p), w in fq_weights.items())
+        off = sum(
+            int(((ckpt.layers[i][p].weight - w).abs() > 0.01 * w.abs()).sum()) for (i, p), w in fq_weights.items()
+        )
         row["weight_elems_off_1pct"] = off / sum(w.numel() for w in fq_weights.values())
     if fmt == "nvfp4":
         row["decode_rel_max"] = _nvfp4_decode_check(hf_dir, ckpt)
@@ -285,9 +305,9 @@ def _logits(model, ids, device: str, errors: list, what: str):
 def _nvfp4_decode_check(hf_dir: Path, ckpt) -> float:
     """rtk's NVFP4 weight decode vs ModelOpt's own (NVFP4QTensor.dequantize) of the same bytes: max rel."""
     import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from safetensors import safe_open
 
-    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from toolkit.runtime.checkpoint import PROJECTIONS
 
     worst = 0.0
@@ -297,8 +317,11 @@ def _nvfp4_decode_check(hf_dir: Path, ckpt) -> float:
             packed = f.get_tensor(pre + ".weight")
             shape = torch.Size([packed.shape[0], packed.shape[1] * 2])
             mo = NVFP4QTensor(shape, torch.float32, packed).dequantize(
-                dtype=torch.float32, scale=f.get_tensor(pre + ".weight_scale"),
-                double_scale=f.get_tensor(pre + ".weight_scale_2").float(), block_sizes={-1: 16})
+                dtype=torch.float32,
+                scale=f.get_tensor(pre + ".weight_scale"),
+                double_scale=f.get_tensor(pre + ".weight_scale_2").float(),
+                block_sizes={-1: 16},
+            )
             worst = max(worst, rel(ckpt.layers[i][p].weight, mo))
     return worst
 
@@ -311,8 +334,8 @@ def nvfp4_ties(device: str) -> dict:
     GPU; NVFP4QTensor._cast_fp4 in the export).
     """
     import torch
-
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
     from toolkit.runtime.checkpoint import E2M1_LUT, fake_quant
 
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
@@ -326,7 +349,9 @@ def nvfp4_ties(device: str) -> dict:
         from modelopt.torch.kernels.quantization import gemm as kernels
 
         if kernels.IS_AVAILABLE and hasattr(kernels, "fp4_fake_quant_block"):
-            out["modelopt_gpu_kernel"] = kernels.fp4_fake_quant_block(x[None].cuda(), global_amax.cuda())[0, 1:8].cpu().tolist()
+            out["modelopt_gpu_kernel"] = (
+                kernels.fp4_fake_quant_block(x[None].cuda(), global_amax.cuda())[0, 1:8].cpu().tolist()
+            )
     out["rtk_matches_modelopt"] = all(out["rtk"] == v for k, v in out.items() if k.startswith("modelopt"))
     return out
 
@@ -356,8 +381,12 @@ def numerics(device: str, formats: list[str], json_out: Path | None, skip_ext: l
     import modelopt
     import transformers
 
-    info = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-            "transformers": transformers.__version__, "modelopt": modelopt.__version__}
+    info = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "modelopt": modelopt.__version__,
+    }
     if device == "cuda":
         from modelopt.torch.kernels.quantization import gemm as kernels
 
@@ -377,7 +406,13 @@ def numerics(device: str, formats: list[str], json_out: Path | None, skip_ext: l
         plain = work / "none"
         copy.deepcopy(base).to(torch.bfloat16).save_pretrained(plain)
         _, plain_logits = reference_logits(plain, eval_ids)
-        rows.append({"format": "none", "rtk_vs_base": rel(plain_logits, base_logits), "passed": rel(plain_logits, base_logits) <= ABS_FLOOR})
+        rows.append(
+            {
+                "format": "none",
+                "rtk_vs_base": rel(plain_logits, base_logits),
+                "passed": rel(plain_logits, base_logits) <= ABS_FLOOR,
+            }
+        )
         for fmt in formats:
             try:
                 rows.append(check_format(fmt, base, base_logits, calib, eval_ids, device, work))
@@ -398,8 +433,11 @@ def numerics(device: str, formats: list[str], json_out: Path | None, skip_ext: l
     if json_out:
         json_out.write_text(json.dumps({"info": info, "rows": rows, "nvfp4_ties": ties}, indent=2, default=str) + "\n")
     failed = [r["format"] for r in rows if r.get("passed") is False]
-    print(f"\nverdict: {'FAIL: ' + ', '.join(failed) if failed else 'all compared formats agree'} "
-          f"(pass: rtk-vs-hybrid <= max({ABS_FLOOR}, {MAX_SHARE_OF_QUANT_NOISE} x fq-vs-base) and nvfp4 decode <= {DECODE_TOL})")
+    print(
+        f"\nverdict: {'FAIL: ' + ', '.join(failed) if failed else 'all compared formats agree'} "
+        f"(pass: rtk-vs-hybrid <= max({ABS_FLOOR}, {MAX_SHARE_OF_QUANT_NOISE} x fq-vs-base) "
+        f"and nvfp4 decode <= {DECODE_TOL})"
+    )
     return 1 if failed else 0
 
 
@@ -412,21 +450,44 @@ def _fmt(v, spec=".2e") -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("format", "format", "s"), ("quant_algo", "algo", "s"), ("fq_vs_base", "fq-vs-base", ".2e"),
-            ("rtk_vs_fq", "rtk-vs-fq", ".2e"), ("rtk_vs_hybrid", "rtk-vs-hybrid", ".2e"),
-            ("hybrid_vs_fq", "hybrid-vs-fq", ".2e"), ("rtk_vs_base", "rtk-vs-base", ".2e"), ("top1_rtk_eq_fq", "top1 rtk=fq", ".4f"),
-            ("weight_rel_max", "weight max", ".2e"), ("input_rel_max", "input max", ".2e"), ("decode_rel_max", "nvfp4 decode", ".1e"),
-            ("passed", "pass", "s")]
+    cols = [
+        ("format", "format", "s"),
+        ("quant_algo", "algo", "s"),
+        ("fq_vs_base", "fq-vs-base", ".2e"),
+        ("rtk_vs_fq", "rtk-vs-fq", ".2e"),
+        ("rtk_vs_hybrid", "rtk-vs-hybrid", ".2e"),
+        ("hybrid_vs_fq", "hybrid-vs-fq", ".2e"),
+        ("rtk_vs_base", "rtk-vs-base", ".2e"),
+        ("top1_rtk_eq_fq", "top1 rtk=fq", ".4f"),
+        ("weight_rel_max", "weight max", ".2e"),
+        ("input_rel_max", "input max", ".2e"),
+        ("decode_rel_max", "nvfp4 decode", ".1e"),
+        ("passed", "pass", "s"),
+    ]
     print("\n" + " ".join(f"{h:>12}" for _, h, _ in cols))
     for r in rows:
         print(" ".join(f"{_fmt(r.get(k), s):>12}" for k, _, s in cols))
-    print("fq = ModelOpt fake-quant forward; rtk = export read by load_checkpoint + reference_model (CPU, fp32); base = unquantized;\n"
-          "hybrid = ModelOpt's model with the export's tensors and only its activation quantizers. weight max: worst linear,\n"
-          "rtk-decoded export vs ModelOpt fake-quant weight; input max: worst linear, rtk's activation emulation vs ModelOpt's\n"
-          "input quantizer on the same input; nvfp4 decode: rtk vs ModelOpt NVFP4QTensor.dequantize of the same bytes.")
+    print(
+        "fq = ModelOpt fake-quant forward; rtk = export read by load_checkpoint + reference_model (CPU, fp32); "
+        "base = unquantized;\nhybrid = ModelOpt's model with the export's tensors and only its activation quantizers. "
+        "weight max: worst linear,\nrtk-decoded export vs ModelOpt fake-quant weight; input max: worst linear, "
+        "rtk's activation emulation vs ModelOpt's\n"
+        "input quantizer on the same input; nvfp4 decode: rtk vs ModelOpt NVFP4QTensor.dequantize of the same bytes."
+    )
     for r in rows:
-        extra = {k: r[k] for k in ("weight_rel_worst", "weight_elems_off_1pct", "input_rel_worst", "calibrate_s",
-                                   "fake_quant_forward_s", "export_s", "rtk_reference_s") if r.get(k) is not None}
+        extra = {
+            k: r[k]
+            for k in (
+                "weight_rel_worst",
+                "weight_elems_off_1pct",
+                "input_rel_worst",
+                "calibrate_s",
+                "fake_quant_forward_s",
+                "export_s",
+                "rtk_reference_s",
+            )
+            if r.get(k) is not None
+        }
         if extra:
             print(f"  {r['format']}: {extra}")
         for e in r.get("errors", [])[:3]:
@@ -442,12 +503,18 @@ def main() -> int:
     n.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     n.add_argument("--formats", default=",".join(FORMATS))
     n.add_argument("--json", type=Path, default=None)
-    n.add_argument("--skip-cuda-ext", default="", help="ModelOpt CUDA extensions not to build or use: comma list of int, fp8")
+    n.add_argument(
+        "--skip-cuda-ext", default="", help="ModelOpt CUDA extensions not to build or use: comma list of int, fp8"
+    )
     args = ap.parse_args()
     if args.cmd == "host":
         return host(args.doctor_json)
-    return numerics(args.device, [f for f in args.formats.split(",") if f], args.json,
-                    [e for e in args.skip_cuda_ext.split(",") if e])
+    return numerics(
+        args.device,
+        [f for f in args.formats.split(",") if f],
+        args.json,
+        [e for e in args.skip_cuda_ext.split(",") if e],
+    )
 
 
 if __name__ == "__main__":

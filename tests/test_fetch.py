@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import spec_for
-from toolkit.artifacts import MANIFEST, is_complete, read_manifest, sha256_file
+
+from toolkit.artifacts import is_complete, read_manifest, sha256_file
 from toolkit.cli import cli
 from toolkit.errors import SourceError
 from toolkit.fetch import fetch
@@ -66,8 +65,12 @@ def test_killed_process_is_not_mistaken_for_a_finished_one(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: killed\n")
     out = tmp_path / "engines" / "killed" / "checkpoint"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "fetch", str(spec)], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.cli", "fetch", str(spec)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not list(out.parent.glob(".checkpoint.tmp-*")) and time.time() < deadline:
         time.sleep(0.2)
@@ -104,7 +107,9 @@ def test_bad_local_sources_exit_2_and_write_nothing(tmp_path, monkeypatch, make,
 def test_unsupported_architecture_and_pickle_weights(tmp_path, tiny_llama_dir, monkeypatch):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "intermediate_size": 256}))
+    (gpt2 / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "intermediate_size": 256})
+    )
     (gpt2 / "model.safetensors").write_bytes(b"x")
     with pytest.raises(SourceError, match="GPT2LMHeadModel.*not supported"):
         fetch(spec_for("g", gpt2), output=tmp_path / "out")
@@ -152,7 +157,11 @@ def test_builtin_model_answers_paris(smollm2_dir):
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])

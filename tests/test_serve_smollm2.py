@@ -17,12 +17,12 @@ import time
 import pytest
 import yaml
 
-from toolkit.targets import build
 from toolkit.client import chat_messages, generate, stream_chat
 from toolkit.errors import ServerError
-from toolkit.triton.server import free_ports
 from toolkit.spec import load_spec
+from toolkit.targets import build
 from toolkit.triton.emit import emit
+from toolkit.triton.server import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,18 +34,39 @@ def server(tmp_path_factory, smollm2_fp8_dir):
     root = tmp_path_factory.mktemp("smollm2-serve")
     http, grpc, metrics = free_ports(3)
     spec_path = root / "smollm2-cpu.yaml"
-    spec_path.write_text(yaml.safe_dump({
-        "name": "smollm2-cpu", "model": {"source": "builtin:smollm2-135m-instruct"},
-        "quantization": {"format": "fp8"},
-        "build": {"target": "cpu", "max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 256},
-        "serving": {"repository": str(root / "repo"), "http_port": http, "grpc_port": grpc, "metrics_port": metrics,
-                    "context_policy": "reject"},
-    }))
+    spec_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "smollm2-cpu",
+                "model": {"source": "builtin:smollm2-135m-instruct"},
+                "quantization": {"format": "fp8"},
+                "build": {
+                    "target": "cpu",
+                    "max_batch_size": 4,
+                    "max_input_len": 256,
+                    "max_seq_len": 512,
+                    "max_num_tokens": 256,
+                },
+                "serving": {
+                    "repository": str(root / "repo"),
+                    "http_port": http,
+                    "grpc_port": grpc,
+                    "metrics_port": metrics,
+                    "context_policy": "reject",
+                },
+            }
+        )
+    )
     spec = load_spec(spec_path)
     engine = build(spec, smollm2_fp8_dir, root / "engine").path
     emit(spec, engine)
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", str(spec_path), "--timeout", "300"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.cli", "serve", str(spec_path), "--timeout", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -75,9 +96,24 @@ def test_the_capital_of_france_is_paris_streamed_token_by_token(server):
 
 
 def test_rtk_chat_prints_the_answer(server):
-    out = subprocess.run([sys.executable, "-m", "toolkit.cli", "chat", str(server["spec_path"]), QUESTION,
-                          "--url", server["grpc"], "--no-build", "--model", "tensorrt_llm_bls"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.cli",
+            "chat",
+            str(server["spec_path"]),
+            QUESTION,
+            "--url",
+            server["grpc"],
+            "--no-build",
+            "--model",
+            "tensorrt_llm_bls",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
@@ -85,8 +121,10 @@ def test_rtk_chat_prints_the_answer(server):
 def test_a_conversation_over_the_window_is_refused_and_the_server_keeps_serving(server):
     history = []
     for i in range(12):
-        history += [{"role": "user", "content": f"Tell me fact number {i} about the Moon in detail."},
-                    {"role": "assistant", "content": "The Moon is Earth's only natural satellite. " * 4}]
+        history += [
+            {"role": "user", "content": f"Tell me fact number {i} about the Moon in detail."},
+            {"role": "assistant", "content": "The Moon is Earth's only natural satellite. " * 4},
+        ]
     with pytest.raises(ServerError, match="context_policy: truncate_oldest"):
         generate(server["grpc"], chat_messages(QUESTION, history=history), max_tokens=16)
     again = stream_chat(server["grpc"], QUESTION, max_tokens=32, out=open(os.devnull, "w"))

@@ -12,6 +12,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from triton_helpers import running_server, write_echo_model, write_python_model
 
 from toolkit.errors import ServerError, UsageError
 from toolkit.triton.server import (
@@ -23,8 +24,6 @@ from toolkit.triton.server import (
     state_path,
     stop_detached,
 )
-
-from triton_helpers import running_server, write_echo_model, write_python_model
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +50,7 @@ def _listening_addresses(pid: int) -> set[str]:
             if family == socket.AF_INET:
                 addr = socket.inet_ntop(family, raw[::-1])
             else:
-                addr = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+                addr = socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
             out.add(f"{addr.removeprefix('::ffff:')}:{int(port_hex, 16)}")  # v4-mapped = the v4 address
     return out
 
@@ -101,7 +100,9 @@ def test_serves_a_python_model_on_loopback_and_stops_cleanly(tmp_path):
 
 def test_broken_repository_fails_fast_with_the_log_tail(tmp_path):
     repo = tmp_path / "repo"
-    write_python_model(repo, "broken", "class TritonPythonModel:\n    pass\n", 'name: "broken"\nbackend: "no_such_backend"\n')
+    write_python_model(
+        repo, "broken", "class TritonPythonModel:\n    pass\n", 'name: "broken"\nbackend: "no_such_backend"\n'
+    )
     t = time.monotonic()
     with pytest.raises(ServerError) as err:
         with TritonServer(repo, exit_timeout_s=1, ready_timeout_s=60):
@@ -113,9 +114,18 @@ def test_broken_repository_fails_fast_with_the_log_tail(tmp_path):
 
 def test_model_that_raises_at_load_is_reported(tmp_path):
     repo = tmp_path / "repo"
-    bad = "class TritonPythonModel:\n    def initialize(self, args):\n        raise RuntimeError('weights are missing here')\n"
-    write_python_model(repo, "bad", bad, 'name: "bad"\nbackend: "python"\nmax_batch_size: 0\n'
-                       'input [{name: "IN", data_type: TYPE_INT32, dims: [-1]}]\noutput [{name: "OUT", data_type: TYPE_INT32, dims: [-1]}]\n')
+    bad = (
+        "class TritonPythonModel:\n    def initialize(self, args):\n"
+        "        raise RuntimeError('weights are missing here')\n"
+    )
+    write_python_model(
+        repo,
+        "bad",
+        bad,
+        'name: "bad"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [{name: "IN", data_type: TYPE_INT32, dims: [-1]}]\n'
+        'output [{name: "OUT", data_type: TYPE_INT32, dims: [-1]}]\n',
+    )
     with pytest.raises(ServerError, match="weights are missing here"):
         with TritonServer(repo, exit_timeout_s=1, ready_timeout_s=60):
             pass
@@ -155,7 +165,8 @@ def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
     # Start it from another Python process, which then exits: the server must keep running.
     code = (
         "import sys; from toolkit.triton.server import TritonServer; "
-        f"st = TritonServer({str(repo)!r}, http_port={http}, grpc_port={grpc}, metrics_port={metrics}, exit_timeout_s=2)"
+        f"st = TritonServer({str(repo)!r}, http_port={http}, grpc_port={grpc}, metrics_port={metrics}, "
+        "exit_timeout_s=2)"
         ".start_detached(timeout=60, models=['echo']); print(st.pid)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=os.getcwd())

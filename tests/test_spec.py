@@ -39,7 +39,11 @@ def test_examples_validate(path):
         ("name: x\nquantization: {format: fp9}\n", "quantization.format", "fp8"),
         ("name: x\nquantization: {group_size: 96}\n", "quantization.group_size", "power of two"),
         ("name: x\nbuild: {max_input_len: 4096, max_seq_len: 2048}\n", "build.max_input_len", "max_seq_len"),
-        ("name: x\nquantization: {format: nvfp4}\nbuild: {target: cpu}\n", "quantization.format", "cannot run on build.target 'cpu'"),
+        (
+            "name: x\nquantization: {format: nvfp4}\nbuild: {target: cpu}\n",
+            "quantization.format",
+            "cannot run on build.target 'cpu'",
+        ),
         ("name: ../../etc\n", "name", "safe directory name"),
         ("name: x\nserving: {streaming: true}\n", "serving", "a request asks for a stream with its 'stream' input"),
         ("name: x\nbuild: {enable_chunked_context: false, max_num_tokens: 256}\n", "build.max_num_tokens", "chunked"),
@@ -69,7 +73,15 @@ def test_missing_spec_file(tmp_path, monkeypatch):
 
 def test_overrides_from_the_command_line(tmp_path):
     path = write(tmp_path, "name: x\n")
-    spec = load_spec(path, ["quantization.format=int4_awq", "quantization.group_size=64", "build.max_batch_size=4", "serving.warmup=false"])
+    spec = load_spec(
+        path,
+        [
+            "quantization.format=int4_awq",
+            "quantization.group_size=64",
+            "build.max_batch_size=4",
+            "serving.warmup=false",
+        ],
+    )
     assert spec.quantization.format == "int4_awq"
     assert spec.quantization.group_size == 64
     assert spec.build.max_batch_size == 4
@@ -86,7 +98,12 @@ def test_defaults_are_secure():
     assert spec.model.trust_remote_code is False
 
 
-SMOL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192}
+SMOL = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+}
 
 
 def test_group_size_rules_against_the_model():

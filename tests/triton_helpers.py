@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from toolkit.errors import ServerError
 from toolkit.triton.server import TritonServer
 
 # Triton dtype names -> ModelConfig DataType enum names.
-_TYPES = {"BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32", "STRING": "TYPE_STRING", "UINT64": "TYPE_UINT64"}
+_TYPES = {
+    "BOOL": "TYPE_BOOL",
+    "INT32": "TYPE_INT32",
+    "INT64": "TYPE_INT64",
+    "FP32": "TYPE_FP32",
+    "STRING": "TYPE_STRING",
+    "UINT64": "TYPE_UINT64",
+}
 
 
 def model_config_text(
@@ -43,7 +50,9 @@ def model_config_text(
     cfg = mc.ModelConfig(name=name, backend=backend, max_batch_size=max_batch_size)
     for t in inputs:
         tname, dtype, dims, *opt = t
-        cfg.input.add(name=tname, data_type=mc.DataType.Value(_TYPES[dtype]), dims=list(dims), optional=bool(opt and opt[0]))
+        cfg.input.add(
+            name=tname, data_type=mc.DataType.Value(_TYPES[dtype]), dims=list(dims), optional=bool(opt and opt[0])
+        )
     for tname, dtype, dims in outputs:
         cfg.output.add(name=tname, data_type=mc.DataType.Value(_TYPES[dtype]), dims=list(dims))
     cfg.instance_group.add(count=instance_count, kind=mc.ModelInstanceGroup.KIND_CPU)
@@ -155,7 +164,12 @@ class TritonPythonModel:
                 time.sleep(self.stall_s)
             start = time.perf_counter()
             scheduled_ns = time.time_ns()
-            stamps = {"arrival_time_ns": arrival_ns, "first_scheduled_time_ns": scheduled_ns, "first_token_time_ns": 0, "last_token_time_ns": 0}
+            stamps = {
+                "arrival_time_ns": arrival_ns,
+                "first_scheduled_time_ns": scheduled_ns,
+                "first_token_time_ns": 0,
+                "last_token_time_ns": 0,
+            }
             tokens = []
             for i in range(n):
                 delay = start + self.ttft_s + i * self.itl_s - time.perf_counter()
@@ -194,7 +208,10 @@ class TritonPythonModel:
         self.work.put(None)
 '''
 
-_STAMPS = [(n, "INT64", [1]) for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+_STAMPS = [
+    (n, "INT64", [1])
+    for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+]
 
 
 def write_fake_llm(
@@ -218,17 +235,35 @@ def write_fake_llm(
     ``fail_every``: every n-th request gets an error response instead of tokens.
     """
     if interface == "ensemble":
-        inputs = [("text_input", "STRING", [1]), ("max_tokens", "INT32", [1]), ("stream", "BOOL", [1], True),
-                  ("min_tokens", "INT32", [1], True), ("return_perf_metrics", "BOOL", [1], True)]
+        inputs = [
+            ("text_input", "STRING", [1]),
+            ("max_tokens", "INT32", [1]),
+            ("stream", "BOOL", [1], True),
+            ("min_tokens", "INT32", [1], True),
+            ("return_perf_metrics", "BOOL", [1], True),
+        ]
         outputs = [("text_output", "STRING", [-1])] + _STAMPS
     elif interface == "tensorrt_llm":
-        inputs = [("input_ids", "INT32", [-1]), ("input_lengths", "INT32", [1]), ("request_output_len", "INT32", [1]),
-                  ("streaming", "BOOL", [1], True), ("end_id", "INT32", [1], True), ("return_perf_metrics", "BOOL", [1], True)]
+        inputs = [
+            ("input_ids", "INT32", [-1]),
+            ("input_lengths", "INT32", [1]),
+            ("request_output_len", "INT32", [1]),
+            ("streaming", "BOOL", [1], True),
+            ("end_id", "INT32", [1], True),
+            ("return_perf_metrics", "BOOL", [1], True),
+        ]
         outputs = [("output_ids", "INT32", [-1, -1]), ("sequence_length", "INT32", [-1])] + _STAMPS
     else:
         raise ValueError(interface)
-    params = dict(interface=interface, ttft_ms=ttft_ms, itl_ms=itl_ms, serial="1" if serial else "0",
-                  stall_at_request=stall_at_request, stall_ms=stall_ms, fail_every=fail_every)
+    params = dict(
+        interface=interface,
+        ttft_ms=ttft_ms,
+        itl_ms=itl_ms,
+        serial="1" if serial else "0",
+        stall_at_request=stall_at_request,
+        stall_ms=stall_ms,
+        fail_every=fail_every,
+    )
     cfg = model_config_text(name, inputs, outputs, max_batch_size=max_batch_size, decoupled=True, parameters=params)
     return write_python_model(repo, name, FAKE_LLM_MODEL_PY, cfg)
 
