@@ -215,6 +215,8 @@ def test_quality_gate_fails_with_exit_3_and_keeps_only_the_report(tmp_path, smol
     assert not (q / "quantized").exists()
     report = json.loads((q / "quantized.rejected-quality.json").read_text())
     assert report["passed"] is False and report["increase"] > 0.0
+    # the rejected number is the export's, and the export computes what ModelOpt's fake-quant model does
+    assert report["quantized_ppl"] == pytest.approx(report["fake_quant_ppl"], rel=0.03)
 
 
 @pytest.mark.slow
