@@ -1,0 +1,147 @@
+"""The front door over the emitted cpu repository of the tiny Llama, served by a real tritonserver.
+
+What only the real engine shows: the answer equals Triton's own, a client that leaves frees its KV
+blocks in the engine, Triton's own overload refusal becomes 429 (never 400), and a prompt over the
+window is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import spec_for
+from triton_helpers import running_server
+
+from toolkit.frontdoor import FrontDoorServer, create_app
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BUILD = {"max_batch_size": 2, "max_input_len": 96, "max_seq_len": 160, "max_num_tokens": 64, "tokens_per_block": 16}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_llama_dir):
+    from toolkit.targets import build
+    from toolkit.triton.emit import emit
+
+    root = tmp_path_factory.mktemp("fd_engine")
+    spec = spec_for("tiny-fd", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
+                    serving={"repository": str(root / "repo"), "context_policy": "reject", "default_max_tokens": 8,
+                             "max_queue_size": 1, "warmup": False})
+    shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
+    engine = build(spec, root / "quantized", root / "engine").path
+    repo = emit(spec, engine).path
+    with running_server(repo, ready_timeout_s=300) as triton:
+        app = create_app(repo, triton.grpc_url, metrics_url=triton.metrics_url)
+        with FrontDoorServer(app, "127.0.0.1", _port()) as fd:
+            yield {"fd": fd.url, "triton": triton, "model": spec.name, "repo": repo}
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gauge(metrics_url: str, name: str, label: str) -> int:
+    text = httpx.get(metrics_url + "/metrics").text
+    return sum(int(float(v)) for v in re.findall(rf'^{name}\{{[^}}]*="{label}"[^}}]*\}} (\S+)', text, re.M))
+
+
+def test_the_answer_is_tritons_answer(served):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"model": served["model"], "messages": messages, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    direct = httpx.post(f"{served['triton'].http_url}/v2/models/ensemble/generate", timeout=60, json={
+        "text_input": json.dumps(messages), "max_tokens": 8, "exclude_input_in_output": True,
+        "return_num_input_tokens": True}).json()
+    assert got["choices"][0]["message"]["content"] == direct["text_output"]
+    assert got["usage"]["prompt_tokens"] == direct["num_input_tokens"]
+    assert got["usage"]["completion_tokens"] == 8 and got["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_leaves_frees_its_kv_blocks(served):
+    metrics = served["triton"].metrics_url
+    body = {"model": served["model"], "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 140, "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", served["fd"] + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                assert _gauge(metrics, "nv_trt_llm_kv_cache_block_metrics", "used") > 0
+                break
+    deadline = time.monotonic() + 10
+    while _gauge(metrics, "nv_trt_llm_kv_cache_block_metrics", "used") > 0:
+        assert time.monotonic() < deadline, "the engine kept the KV blocks of a request whose client left"
+        time.sleep(0.1)
+    assert _gauge(metrics, "nv_trt_llm_request_metrics", "active") == 0
+
+
+def test_tritons_queue_full_is_429_never_400(served):
+    # max_batch_size 2 + max_queue_size 1: the 4th simultaneous request is refused by the engine.
+    body = {"model": served["model"], "messages": [{"role": "user", "content": "Count to a hundred."}],
+            "max_tokens": 120}
+    results = []
+
+    def one():
+        r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=120)
+        results.append((r.status_code, r.headers.get("retry-after"), r.headers.get("x-rtk-tier"), r.text))
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    statuses = sorted(s for s, *_ in results)
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, results
+    for status, retry, tier, text in results:
+        if status == 429:
+            assert int(retry) >= 1 and tier == "refused" and "queue" in json.loads(text)["error"]["message"]
+
+
+def test_a_prompt_over_the_window_is_400_naming_messages(served):
+    body = {"model": served["model"], "messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 8}
+    r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+    ok = httpx.post(served["fd"] + "/v1/chat/completions", timeout=60,
+                    json={**body, "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200
+
+
+def test_the_launch_starts_and_stops_the_front_door_with_the_server(served):
+    """``launch.running`` (rtk chat, slo --serve) and the detached path (rtk serve --detach / --stop)."""
+    import os
+
+    from toolkit.triton import launch
+    from toolkit.triton.server import read_state
+
+    repo = served["repo"]
+    with launch.running(repo, free_ports=True) as server:
+        assert server.frontdoor_url and httpx.get(server.frontdoor_url + "/health").status_code == 200
+        body = {"model": served["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(server.frontdoor_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        url = server.frontdoor_url
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
+
+    state = launch.serve(repo, detach=True, free_ports=True)
+    try:
+        assert state.frontdoor_url and state.frontdoor_pid
+        recorded = read_state(repo)
+        assert (recorded.frontdoor_url, recorded.frontdoor_pid) == (state.frontdoor_url, state.frontdoor_pid)
+        assert httpx.get(state.frontdoor_url + "/health", timeout=10).json()["ready"] is True
+    finally:
+        launch.stop(repo)
+    assert read_state(repo) is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(state.frontdoor_pid, 0)
