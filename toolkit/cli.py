@@ -42,8 +42,12 @@ class RtkGroup(click.Group):
 
 @click.group(cls=RtkGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="rtk")
-@click.option("-v", "--verbose", count=True,
-              help="Show library output (ModelOpt, transformers) instead of keeping it in the stage log; -vv for debug.")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="Show library output (ModelOpt, transformers) instead of keeping it in the stage log; -vv for debug.",
+)
 def cli(verbose: int) -> None:
     """rtk: take an LLM from a hub to a measured, low-latency Triton deployment."""
     from .console import set_verbosity

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import SpecError
 from .net import grpc_address, http_url
-from .targets import TARGET_NAMES, TARGETS
 from .slo.metrics import FRACTION_METRICS, LATENCY_OBJECTIVES, OBJECTIVE_METRICS, OBJECTIVE_STATS
+from .targets import TARGET_NAMES, TARGETS
 
 BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -177,13 +177,17 @@ class FallbackTier(Section):
         return _secret_source(v)
 
     @model_validator(mode="after")
-    def _fields_for_kind(self) -> "FallbackTier":
+    def _fields_for_kind(self) -> FallbackTier:
         if self.kind == "deployment" and (self.url is None) == (self.spec is None):
-            raise ValueError("a 'deployment' fallback needs exactly one of 'url' (OpenAI-compatible) or 'spec' (an rtk spec)")
+            raise ValueError(
+                "a 'deployment' fallback needs exactly one of 'url' (OpenAI-compatible) or 'spec' (an rtk spec)"
+            )
         if self.kind == "rule" and not self.template:
             raise ValueError("a 'rule' fallback needs a 'template' (the answer text)")
         if self.kind != "deployment" and (self.url or self.spec or self.model or self.api_key):
-            raise ValueError(f"'url', 'spec', 'model' and 'api_key' belong to a 'deployment' fallback, not '{self.kind}'")
+            raise ValueError(
+                f"'url', 'spec', 'model' and 'api_key' belong to a 'deployment' fallback, not '{self.kind}'"
+            )
         if self.kind != "rule" and self.template:
             raise ValueError(f"'template' belongs to a 'rule' fallback, not '{self.kind}'")
         return self
@@ -197,7 +201,9 @@ class GuardSpec(Section):
     """Deadline-aware admission: predict each request's TTFT at arrival and degrade before the first byte."""
 
     ttft_deadline_ms: float | None = Field(
-        None, gt=0, description="TTFT deadline; a request predicted to miss it falls back or is refused (none: no deadline)"
+        None,
+        gt=0,
+        description="TTFT deadline; a request predicted to miss it falls back or is refused (none: no deadline)",
     )
     fallbacks: list[FallbackTier] = Field(default_factory=list, description="tiers tried in order; then 429")
     retry_after_s: int = Field(1, ge=1, le=3600, description="least Retry-After on a refusal (seconds)")
@@ -226,11 +232,16 @@ class FilterSpec(Section):
     keywords: list[str] = Field(default_factory=list, description="phrases refused anywhere in the text")
     patterns: list[str] = Field(default_factory=list, description="regular expressions (Python re, case-insensitive)")
     hold_back_chars: int = Field(
-        32, ge=1, le=4096, description="output kept back so a phrase split across tokens is caught (at least the "
+        32,
+        ge=1,
+        le=4096,
+        description="output kept back so a phrase split across tokens is caught (at least the "
         "longest keyword; a pattern match longer than this may be partly sent before it is found)",
     )
     input: bool = Field(True, description="refuse a request whose messages or prompt break a rule (400)")
-    output: bool = Field(True, description="end a response before text that breaks a rule (finish_reason content_filter)")
+    output: bool = Field(
+        True, description="end a response before text that breaks a rule (finish_reason content_filter)"
+    )
     classifier: ClassifierSpec | None = None
 
     @field_validator("keywords")
@@ -270,7 +281,8 @@ class SessionsSpec(Section):
         True, description="send the stored token ids (hits the engine's KV reuse); false: re-tokenise the history"
     )
     window_policy: Literal["truncate_oldest", "summarize"] = Field(
-        "truncate_oldest", description="turns that no longer fit the window are dropped, or (summarize) replaced "
+        "truncate_oldest",
+        description="turns that no longer fit the window are dropped, or (summarize) replaced "
         "by a summary the served model writes after the response",
     )
     summary_max_tokens: int = Field(128, ge=8, le=1024, description="summarize: the longest summary")
@@ -297,7 +309,8 @@ class JobsSpec(Section):
     max_concurrent: int = Field(2, ge=1, description="jobs run at once (each is one request to the model)")
     poll_s: float = Field(0.5, gt=0, le=60, description="how often due jobs and callbacks are looked for")
     callback_secret: str | None = Field(
-        None, description="'env:VARIABLE' or 'file:PATH': the HMAC-SHA256 key callbacks are signed with; "
+        None,
+        description="'env:VARIABLE' or 'file:PATH': the HMAC-SHA256 key callbacks are signed with; "
         "without it a callback_url is refused",
     )
     allow_private_callbacks: bool = Field(
@@ -331,8 +344,10 @@ class ServingSpec(Section):
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "streaming" in data:
-            raise ValueError("'serving.streaming' is gone: a request asks for a stream with its 'stream' input, and "
-                             "serving.decoupled says whether the models can send one; remove the line")
+            raise ValueError(
+                "'serving.streaming' is gone: a request asks for a stream with its 'stream' input, and "
+                "serving.decoupled says whether the models can send one; remove the line"
+            )
         return data
 
     repository: str | None = Field(None, description="model repository directory; default triton_repo/<name>")
@@ -341,19 +356,23 @@ class ServingSpec(Section):
     grpc_port: int = Field(8001, ge=1, le=65535)
     metrics_port: int = Field(8002, ge=1, le=65535)
     decoupled: bool = Field(
-        True, description="models may send one response per token (a request asks with its 'stream' input); "
+        True,
+        description="models may send one response per token (a request asks with its 'stream' input); "
         "false: one response per request",
     )
     instance_count: int = Field(1, ge=1, description="instances of the tensorrt_llm model")
     preprocessing_instances: int = Field(1, ge=1)
     postprocessing_instances: int = Field(1, ge=1)
     max_queue_size: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="requests waiting beyond this are refused (0 = unbounded); default 64 where the target enforces it "
         "(cpu, trt-engine; the llmapi target cannot)",
     )
     queue_timeout_ms: int | None = Field(
-        None, ge=1, description="refuse requests not scheduled within this time (cpu only: the GPU backends cannot enforce it)"
+        None,
+        ge=1,
+        description="refuse requests not scheduled within this time (cpu only: the GPU backends cannot enforce it)",
     )
     batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "V1"] = "inflight_fused_batching"
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
@@ -362,7 +381,9 @@ class ServingSpec(Section):
         "truncate_oldest", description="long conversations: drop the oldest turns (keeping the system prompt) or refuse"
     )
     default_max_tokens: int = Field(128, ge=1)
-    tritonserver: str | None = Field(None, description="path to a tritonserver binary; default: found on PATH or bundled")
+    tritonserver: str | None = Field(
+        None, description="path to a tritonserver binary; default: found on PATH or bundled"
+    )
     frontend: FrontendSpec = FrontendSpec()
     guard: GuardSpec = GuardSpec()
     cache: CacheSpec = CacheSpec()
@@ -376,11 +397,13 @@ class Objective(Section):
 
     metric: Literal[OBJECTIVE_METRICS]  # the names live with the metrics registry (toolkit/slo/metrics.py)
     stat: Literal[(*OBJECTIVE_STATS, "value")] = "value"
-    max: float | None = Field(None, description="upper bound: ms for latencies, a fraction for error_rate, per second for throughputs")
+    max: float | None = Field(
+        None, description="upper bound: ms for latencies, a fraction for error_rate, per second for throughputs"
+    )
     min: float | None = Field(None, description="lower bound (attainment as a fraction, e.g. 0.99; throughputs)")
 
     @model_validator(mode="after")
-    def _one_bound(self) -> "Objective":
+    def _one_bound(self) -> Objective:
         if (self.max is None) == (self.min is None):
             raise ValueError(f"objective '{self.metric}' needs exactly one of 'max' or 'min'")
         per_request = self.metric in LATENCY_OBJECTIVES
@@ -397,10 +420,12 @@ class Objective(Section):
 class SLOSpec(Section):
     objectives: list[Objective] = Field(default_factory=list)
     transport: Literal["grpc", "http", "openai"] = Field(
-        "grpc", description="Triton's gRPC stream, Triton's HTTP generate_stream (SSE), or an OpenAI-compatible server (SSE)"
+        "grpc",
+        description="Triton's gRPC stream, Triton's HTTP generate_stream (SSE), or an OpenAI-compatible server (SSE)",
     )
     endpoint: Literal["ensemble", "tensorrt_llm", "chat", "completions"] = Field(
-        "ensemble", description="interface: Triton's ensemble (text) or tensorrt_llm model (ids); openai: chat or completions"
+        "ensemble",
+        description="interface: Triton's ensemble (text) or tensorrt_llm model (ids); openai: chat or completions",
     )
     concurrency: int | None = Field(None, ge=1, description="closed loop: requests in flight")
     request_rate: float | None = Field(None, gt=0, description="open loop: requests per second")
@@ -416,25 +441,41 @@ class SLOSpec(Section):
     dataset: str | None = Field(None, description="JSONL prompts instead of synthetic ones")
     seed: int = Field(0, description="seed for prompts, lengths and arrival times")
     model: str | None = Field(None, description="model name on the server (default: the endpoint's name)")
-    max_inflight: int | None = Field(None, ge=1, description="open loop: at most this many requests in flight; later ones wait (and the wait counts)")
+    max_inflight: int | None = Field(
+        None, ge=1, description="open loop: at most this many requests in flight; later ones wait (and the wait counts)"
+    )
     turns: int = Field(1, ge=1, description="synthetic multi-turn: turns per session, each resending the history")
-    tokenizer: str | None = Field(None, description="tokenizer directory for synthetic prompts (default: the repository's preprocessing one)")
-    request_timeout_s: float = Field(120.0, gt=0, description="a request without its final response after this long is an error")
+    tokenizer: str | None = Field(
+        None, description="tokenizer directory for synthetic prompts (default: the repository's preprocessing one)"
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="a request without its final response after this long is an error"
+    )
     max_schedule_lag_ms: float = Field(
-        5.0, gt=0, description="the client kept the schedule when its own send lag p99 is within this; else INCONCLUSIVE"
+        5.0,
+        gt=0,
+        description="the client kept the schedule when its own send lag p99 is within this; else INCONCLUSIVE",
     )
 
     @model_validator(mode="after")
-    def _one_load(self) -> "SLOSpec":
+    def _one_load(self) -> SLOSpec:
         if self.concurrency is not None and self.request_rate is not None:
-            raise _Rule("slo.request_rate", "set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both")
+            raise _Rule(
+                "slo.request_rate", "set either 'concurrency' (closed loop) or 'request_rate' (open loop), not both"
+            )
         openai = self.endpoint in ("chat", "completions")
         if self.transport == "openai" and not openai:
             if "endpoint" in self.model_fields_set:
-                raise _Rule("slo.endpoint", f"'{self.endpoint}' is a Triton interface; with transport openai use chat or completions")
+                raise _Rule(
+                    "slo.endpoint",
+                    f"'{self.endpoint}' is a Triton interface; with transport openai use chat or completions",
+                )
             self.__dict__["endpoint"] = "chat"  # the default for OpenAI-compatible servers
         elif self.transport != "openai" and openai:
-            raise _Rule("slo.endpoint", f"'{self.endpoint}' needs transport openai; Triton's interfaces are ensemble and tensorrt_llm")
+            raise _Rule(
+                "slo.endpoint",
+                f"'{self.endpoint}' needs transport openai; Triton's interfaces are ensemble and tensorrt_llm",
+            )
         return self
 
 
@@ -511,14 +552,17 @@ class DeployStorage(Section):
         return v.rstrip("/")
 
     @model_validator(mode="after")
-    def _source(self) -> "DeployStorage":
+    def _source(self) -> DeployStorage:
         if self.kind == "object-storage":
             if not self.uri or not re.fullmatch(r"(s3|gs)://[a-z0-9][a-z0-9._-]{1,62}(/[^\s]*)?", self.uri):
-                raise _Rule("deploy.storage.uri",
-                            f"object-storage needs uri: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (got {self.uri!r})")
+                raise _Rule(
+                    "deploy.storage.uri",
+                    f"object-storage needs uri: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (got {self.uri!r})",
+                )
         elif self.uri or self.credentials_secret or self.copy_image:
-            raise _Rule("deploy.storage.uri",
-                        "'uri', 'credentials_secret' and 'copy_image' belong to kind: object-storage")
+            raise _Rule(
+                "deploy.storage.uri", "'uri', 'credentials_secret' and 'copy_image' belong to kind: object-storage"
+            )
         return self
 
 
@@ -543,7 +587,9 @@ class DeployAutoscaling(Section):
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(4, ge=1)
     scale_up_stabilization_s: int = Field(
-        30, ge=0, le=3600,
+        30,
+        ge=0,
+        le=3600,
         description="scale up only to the lowest recommendation of this window (a spike alone adds no replica)",
     )
     scale_down_stabilization_s: int = Field(
@@ -559,10 +605,11 @@ class DeployAutoscaling(Section):
     )
 
     @model_validator(mode="after")
-    def _bounds(self) -> "DeployAutoscaling":
+    def _bounds(self) -> DeployAutoscaling:
         if self.max_replicas < self.min_replicas:
-            raise _Rule("deploy.autoscaling.max_replicas",
-                        f"{self.max_replicas} is below min_replicas ({self.min_replicas})")
+            raise _Rule(
+                "deploy.autoscaling.max_replicas", f"{self.max_replicas} is below min_replicas ({self.min_replicas})"
+            )
         if (self.signal == "custom") != (self.query is not None):
             raise _Rule("deploy.autoscaling.query", "give 'query' exactly when signal is 'custom'")
         return self
@@ -573,8 +620,9 @@ class DeploySecrets(Section):
 
     hf_token: str | None = Field(None, description="Secret with key HF_TOKEN, given to the pods as an env reference")
     frontend_api_keys: str | None = Field(
-        None, description="Secret holding the front door's keys under the variable serving.frontend.api_keys names; "
-        "without it the front door stays on loopback inside the pod"
+        None,
+        description="Secret holding the front door's keys under the variable serving.frontend.api_keys names; "
+        "without it the front door stays on loopback inside the pod",
     )
     ssh: str = Field(
         "rtk-mpi-ssh", description="multi-node: Secret with id_rsa, id_rsa.pub and authorized_keys for mpirun's ssh"
@@ -585,9 +633,11 @@ class DeploySecrets(Section):
     @classmethod
     def _names(cls, v: str | None) -> str | None:
         if v is not None and (len(v) > 63 or not K8S_NAME.fullmatch(v)):  # the value is not echoed: it may be a token
-            raise ValueError("is not the name of a Secret (lower-case letters, digits and '-'); "
-                             "give the Secret's name, "
-                             "never the secret itself")
+            raise ValueError(
+                "is not the name of a Secret (lower-case letters, digits and '-'); "
+                "give the Secret's name, "
+                "never the secret itself"
+            )
         return v
 
 
@@ -596,7 +646,8 @@ class DeploySpec(Section):
 
     namespace: str = Field("default", description="namespace every object is created in")
     image: str | None = Field(
-        None, description="container image; default: the NGC Triton TensorRT-LLM image for GPU targets, "
+        None,
+        description="container image; default: the NGC Triton TensorRT-LLM image for GPU targets, "
         "rtk-cpu:<version> built from the written Dockerfile for cpu",
     )
     replicas: int = Field(
@@ -638,33 +689,55 @@ class Spec(Section):
         return v
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> "Spec":
+    def _cross_field_rules(self) -> Spec:
         b, q, s = self.build, self.quantization, self.serving
         target = TARGETS[b.target]
         if q.format not in target.formats:
             ok = ", ".join(sorted(target.formats))
-            raise _Rule("quantization.format", f"'{q.format}' cannot run on build.target '{b.target}'; choose one of {ok} or another target")
+            raise _Rule(
+                "quantization.format",
+                f"'{q.format}' cannot run on build.target '{b.target}'; choose one of {ok} or another target",
+            )
         if q.kv_cache not in target.kv_formats:
             ok = "', '".join(sorted(target.kv_formats))
-            raise _Rule("quantization.kv_cache", f"the {b.target} target supports KV-cache quantization '{ok}', not '{q.kv_cache}'")
+            raise _Rule(
+                "quantization.kv_cache",
+                f"the {b.target} target supports KV-cache quantization '{ok}', not '{q.kv_cache}'",
+            )
         if q.kv_cache == "int8":  # modelopt/torch/export/quant_utils.py postprocess_state_dict asserts it
             raise _Rule(
                 "quantization.kv_cache",
-                "'int8' cannot be exported: ModelOpt's unified HF checkpoint carries FP8 (or NVFP4) KV-cache scales only; "
+                "'int8' cannot be exported: ModelOpt's unified HF checkpoint carries FP8 (or NVFP4) KV-cache "
+                "scales only; "
                 "use 'fp8' or 'none'",
             )
         if b.max_input_len >= b.max_seq_len:
-            raise _Rule("build.max_input_len", f"{b.max_input_len} must be below build.max_seq_len ({b.max_seq_len}) to leave room for output tokens")
+            raise _Rule(
+                "build.max_input_len",
+                f"{b.max_input_len} must be below build.max_seq_len ({b.max_seq_len}) to leave room for output tokens",
+            )
         if not b.enable_chunked_context and b.max_num_tokens < b.max_input_len:
             raise _Rule(
                 "build.max_num_tokens",
-                f"{b.max_num_tokens} is below build.max_input_len ({b.max_input_len}); without chunked context a whole prompt must fit one step. "
+                f"{b.max_num_tokens} is below build.max_input_len ({b.max_input_len}); without chunked context a "
+                "whole prompt must fit one step. "
                 "Raise max_num_tokens or set build.enable_chunked_context: true",
             )
         if b.max_num_tokens < b.max_batch_size:
-            raise _Rule("build.max_num_tokens", f"{b.max_num_tokens} is below build.max_batch_size ({b.max_batch_size}); a full batch could not decode one token each")
-        if b.target == "trt-engine" and (b.enable_kv_cache_reuse or b.enable_chunked_context) and not b.use_paged_context_fmha:
-            raise _Rule("build.use_paged_context_fmha", "KV-cache reuse and chunked context need paged context FMHA; set it true or disable both")
+            raise _Rule(
+                "build.max_num_tokens",
+                f"{b.max_num_tokens} is below build.max_batch_size ({b.max_batch_size}); "
+                "a full batch could not decode one token each",
+            )
+        if (
+            b.target == "trt-engine"
+            and (b.enable_kv_cache_reuse or b.enable_chunked_context)
+            and not b.use_paged_context_fmha
+        ):
+            raise _Rule(
+                "build.use_paged_context_fmha",
+                "KV-cache reuse and chunked context need paged context FMHA; set it true or disable both",
+            )
         for name, why in target.unenforceable.items():
             if getattr(s, name) is not None:
                 raise _Rule(f"serving.{name}", f"the {b.target} target cannot enforce it: {why}")
@@ -675,9 +748,16 @@ class Spec(Section):
         if b.kv_cache_blocks is not None:
             need = -(-b.max_seq_len // b.tokens_per_block)
             if b.kv_cache_blocks < need:
-                raise _Rule("build.kv_cache_blocks", f"{b.kv_cache_blocks} blocks cannot hold even one sequence of max_seq_len {b.max_seq_len} ({need} blocks of {b.tokens_per_block})")
+                raise _Rule(
+                    "build.kv_cache_blocks",
+                    f"{b.kv_cache_blocks} blocks cannot hold even one sequence of max_seq_len {b.max_seq_len} "
+                    f"({need} blocks of {b.tokens_per_block})",
+                )
         if s.default_max_tokens > b.max_seq_len - 1:
-            raise _Rule("serving.default_max_tokens", f"{s.default_max_tokens} exceeds what build.max_seq_len ({b.max_seq_len}) allows")
+            raise _Rule(
+                "serving.default_max_tokens",
+                f"{s.default_max_tokens} exceeds what build.max_seq_len ({b.max_seq_len}) allows",
+            )
         ports = [s.http_port, s.grpc_port, s.metrics_port]
         if len(set(ports)) != 3:
             raise _Rule("serving.http_port", f"http, grpc and metrics ports must differ (got {ports})")
@@ -685,8 +765,11 @@ class Spec(Section):
         if f.enabled and f.port in ports:
             raise _Rule("serving.frontend.port", f"{f.port} is already one of Triton's ports {ports}; choose another")
         if f.enabled and f.host not in LOOPBACK_HOSTS and not f.api_keys:
-            raise _Rule("serving.frontend.api_keys", f"the front door binds to {f.host}, beyond loopback; set api_keys "
-                        "('env:VARIABLE' or 'file:PATH') or bind to 127.0.0.1")
+            raise _Rule(
+                "serving.frontend.api_keys",
+                f"the front door binds to {f.host}, beyond loopback; set api_keys "
+                "('env:VARIABLE' or 'file:PATH') or bind to 127.0.0.1",
+            )
         kinds = [t.kind for t in s.guard.fallbacks]
         for kind in ("cache", "rule"):
             if kinds.count(kind) > 1:
@@ -709,6 +792,7 @@ class _Rule(ValueError):
 
 
 # -- loading ------------------------------------------------------------------------------------
+
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'quantization.format=int4_awq'`` -> (['quantization', 'format'], 'int4_awq'); YAML-typed value."""
@@ -783,12 +867,15 @@ def _spec_error(exc: ValidationError, file: str | None) -> SpecError:
         first_field = first_field or loc
         lines.append(f"'{loc}': {msg}" if loc else msg)
     text = "; ".join(lines)
-    return SpecError(text, file=file, field=None) if len(lines) > 1 else SpecError(
-        lines[0].split(": ", 1)[1] if first_field else lines[0], file=file, field=first_field or None
+    return (
+        SpecError(text, file=file, field=None)
+        if len(lines) > 1
+        else SpecError(lines[0].split(": ", 1)[1] if first_field else lines[0], file=file, field=first_field or None)
     )
 
 
 # -- rules that need the model's config ----------------------------------------------------------
+
 
 def resolve_group_size(spec: Spec, hidden: int, intermediate: int) -> int | None:
     """The AWQ block size to use, or None for formats without one. Raises SpecError if it cannot divide."""
@@ -799,7 +886,11 @@ def resolve_group_size(spec: Spec, hidden: int, intermediate: int) -> int | None
         for g in (128, 64, 32):
             if hidden % g == 0 and intermediate % g == 0:
                 return g
-        raise SpecError(f"no block size in 128/64/32 divides hidden size {hidden} and intermediate size {intermediate}; choose another format", field="quantization.group_size")
+        raise SpecError(
+            f"no block size in 128/64/32 divides hidden size {hidden} and intermediate size {intermediate}; "
+            "choose another format",
+            field="quantization.group_size",
+        )
     if hidden % q.group_size or intermediate % q.group_size:
         fits = [g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0]
         hint = f"use {fits[0]}" if fits else "choose another format"
@@ -816,7 +907,8 @@ def check_against_model(spec: Spec, config: dict) -> None:
     archs = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise SpecError(
-            f"architecture {archs or '(none)'} is not supported; rtk handles {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+            f"architecture {archs or '(none)'} is not supported; "
+            f"rtk handles {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
             field="model.source",
         )
     hidden = int(config["hidden_size"])

@@ -16,10 +16,21 @@ from . import set_option
 @click.option("--metrics-port", type=int, default=None, help="Default: serving.metrics_port (8002).")
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready; stop with --stop.")
 @click.option("--stop", "stop_", is_flag=True, help="Stop the background server of SPEC|REPOSITORY.")
-@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the models to be ready and warm.")
-@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
-              help="cpu target: this many tritonservers of the repository, each on its own free ports; "
-                   "they start, are recorded and stop together.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for the models to be ready and warm.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="cpu target: this many tritonservers of the repository, each on its own free ports; "
+    "they start, are recorded and stop together.",
+)
 def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout, replicas):
     """Serve an emitted repository with tritonserver until Ctrl-C (or in the background with --detach)."""
     from ..triton import launch
@@ -29,17 +40,23 @@ def command(source, overrides, host, http_port, grpc_port, metrics_port, detach,
         pids = ", ".join(str(st.pid) for st in states)
         click.echo(f"stopped tritonserver (pid {pids})" if states else "no background tritonserver was running")
         return
-    ports = dict(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout)
+    ports = dict(
+        host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout
+    )
 
     def ready(server):
         front = f"  OpenAI {server.frontdoor_url}/v1" if server.frontdoor_url else ""
-        click.echo(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}{front}"
-                   "  (Ctrl-C stops)")
+        click.echo(
+            f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}{front}"
+            "  (Ctrl-C stops)"
+        )
 
     state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, replicas=replicas, **ports)
     if detach:
         for st in state if isinstance(state, list) else [state]:
             front = f"  OpenAI {st.frontdoor_url}/v1" if st.frontdoor_url else ""
-            click.echo(f"ready in the background (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
-                       f"metrics {st.metrics_url}{front}; log {st.log_path}")
+            click.echo(
+                f"ready in the background (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
+                f"metrics {st.metrics_url}{front}; log {st.log_path}"
+            )
         click.echo(f"stop with: rtk serve --stop {source}")

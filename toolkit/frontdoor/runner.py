@@ -12,6 +12,7 @@ import threading
 import time
 
 from ..errors import ServerError
+from ..net import http_url
 
 
 class FrontDoorServer:
@@ -36,8 +37,7 @@ class FrontDoorServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def start(self) -> FrontDoorServer:
         self.thread = threading.Thread(target=self.server.run, name="rtk-frontdoor", daemon=True)
@@ -110,8 +110,9 @@ def start_for(server, repository, serving, *, port: int | None = None) -> FrontD
     return FrontDoorServer(app, serving.frontend.host, port or serving.frontend.port).start()
 
 
-def start_detached(grpc_url: str, metrics_url: str, repository, serving, log_path, *, port: int | None = None,
-                   timeout_s: float = 60.0):
+def start_detached(
+    grpc_url: str, metrics_url: str, repository, serving, log_path, *, port: int | None = None, timeout_s: float = 60.0
+):
     """Start the front door as its own process that outlives this one; returns (pid, url) once it listens,
     or None when ``serving.frontend.enabled`` is false.  Its output goes to ``log_path``."""
     import json

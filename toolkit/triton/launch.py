@@ -66,7 +66,10 @@ def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     source = Path(source)
     if source.is_dir():
         if overrides:
-            raise UsageError("--set needs a spec; with a repository directory use --host / --http-port / --grpc-port / --metrics-port")
+            raise UsageError(
+                "--set needs a spec; with a repository directory use --host / --http-port / --grpc-port / "
+                "--metrics-port"
+            )
         repo, spec = source, None
     elif source.is_file():
         spec = load_spec(source, list(overrides))
@@ -76,7 +79,9 @@ def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     manifest = read_manifest(repo)
     rebuild = f"rtk build {source}" if spec is not None else "rtk emit SPEC"
     if not manifest or not manifest.get("complete"):
-        raise UsageError(f"'{repo}' is not an emitted rtk model repository (no complete rtk-manifest.json); run `{rebuild}` first")
+        raise UsageError(
+            f"'{repo}' is not an emitted rtk model repository (no complete rtk-manifest.json); run `{rebuild}` first"
+        )
     fmt = manifest.get("repository_format", 1)
     if fmt != REPOSITORY_FORMAT:
         raise UsageError(
@@ -88,19 +93,31 @@ def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         build = BuildSpec.model_validate(section.get("build") or {})
         serving = ServingSpec.model_validate(section.get("serving") or {})
     except ValidationError:
-        raise UsageError(f"'{repo}' records settings this rtk cannot read; re-run `{rebuild}` to write it again") from None
+        raise UsageError(
+            f"'{repo}' records settings this rtk cannot read; re-run `{rebuild}` to write it again"
+        ) from None
     if spec is not None:
         if build != spec.build:
-            raise UsageError(f"'{repo}' was emitted for other build settings than {source} has now; run `rtk build {source}` again")
+            raise UsageError(
+                f"'{repo}' was emitted for other build settings than {source} has now; run `rtk build {source}` again"
+            )
         if serving.model_dump(exclude=SERVER_ONLY_FIELDS) != spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS):
-            raise UsageError(f"'{repo}' was emitted for other serving settings than {source} has now; run `rtk build {source}` again")
+            raise UsageError(
+                f"'{repo}' was emitted for other serving settings than {source} has now; run `rtk build {source}` again"
+            )
         serving = spec.serving
     engine = (manifest.get("inputs") or {}).get("engine_dir")
     target = TARGETS[manifest.get("target", build.target)]
     if target.ensemble and (repo / "ensemble").is_dir():
         (repo / "ensemble" / "1").mkdir(exist_ok=True)  # an empty directory a copy tool may have dropped
-    return ServeTarget(repository=repo, target=target, build=build, serving=serving,
-                       engine_dir=Path(engine) if engine else None, models=list(manifest.get("models") or []))
+    return ServeTarget(
+        repository=repo,
+        target=target,
+        build=build,
+        serving=serving,
+        engine_dir=Path(engine) if engine else None,
+        models=list(manifest.get("models") or []),
+    )
 
 
 def check_host(t: ServeTarget) -> None:
@@ -115,42 +132,71 @@ def check_host(t: ServeTarget) -> None:
     t.target.serve_host_check(manifest, probe_host())
 
 
-def make_server(t: ServeTarget, *, host: str | None = None, http_port: int | None = None, grpc_port: int | None = None,
-                metrics_port: int | None = None, free_ports: bool = False, ready_timeout_s: float = 600.0) -> TritonServer:
+def make_server(
+    t: ServeTarget,
+    *,
+    host: str | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    free_ports: bool = False,
+    ready_timeout_s: float = 600.0,
+) -> TritonServer:
     """The server for ``t``: the serving section's host and ports (or free ones), its binary, the target's launch."""
     s = t.serving
     ports = (None, None, None) if free_ports else (s.http_port, s.grpc_port, s.metrics_port)
     return TritonServer(
-        t.repository, host=host or s.host, tritonserver=s.tritonserver,
-        http_port=http_port or ports[0], grpc_port=grpc_port or ports[1], metrics_port=metrics_port or ports[2],
-        ready_timeout_s=ready_timeout_s, launch=t.launch(),
+        t.repository,
+        host=host or s.host,
+        tritonserver=s.tritonserver,
+        http_port=http_port or ports[0],
+        grpc_port=grpc_port or ports[1],
+        metrics_port=metrics_port or ports[2],
+        ready_timeout_s=ready_timeout_s,
+        launch=t.launch(),
         # rtk writes complete configs; skipping auto-complete saves a stub start per python model.
         extra_args=["--disable-auto-complete-config"],
     )
 
 
-def make_replicas(t: ServeTarget, replicas: int, *, host: str | None = None, http_port: int | None = None,
-                  grpc_port: int | None = None, metrics_port: int | None = None, free_ports: bool = False,
-                  ready_timeout_s: float = 600.0) -> list[TritonServer]:
+def make_replicas(
+    t: ServeTarget,
+    replicas: int,
+    *,
+    host: str | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    free_ports: bool = False,
+    ready_timeout_s: float = 600.0,
+) -> list[TritonServer]:
     """``replicas`` servers of ``t`` on one host (one: :func:`make_server` as asked)."""
     kwargs = {"host": host, "ready_timeout_s": ready_timeout_s}
     if replicas == 1:
-        return [make_server(t, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                            free_ports=free_ports, **kwargs)]
+        return [
+            make_server(
+                t, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, free_ports=free_ports, **kwargs
+            )
+        ]
     if replicas < 1:
         raise UsageError(f"--replicas {replicas}: give 1 or more")
     if t.target.name != "cpu":
-        raise UsageError(f"--replicas runs several servers of the cpu target on one host; a {t.target.name} server "
-                         "owns its GPUs (use serving.instance_count, or replicas on Kubernetes: rtk deploy k8s)")
+        raise UsageError(
+            f"--replicas runs several servers of the cpu target on one host; a {t.target.name} server "
+            "owns its GPUs (use serving.instance_count, or replicas on Kubernetes: rtk deploy k8s)"
+        )
     if any(p is not None for p in (http_port, grpc_port, metrics_port)):
-        raise UsageError("with --replicas every replica gets its own free ports (listed when ready); "
-                         "drop --http-port / --grpc-port / --metrics-port")
+        raise UsageError(
+            "with --replicas every replica gets its own free ports (listed when ready); "
+            "drop --http-port / --grpc-port / --metrics-port"
+        )
     # All ports picked at once so no two replicas are handed the same one.
     ports = _free(3 * replicas, (host or t.serving.host).strip("[]"))
     servers = []
     for i in range(replicas):
-        server = make_server(t, http_port=ports[3 * i], grpc_port=ports[3 * i + 1], metrics_port=ports[3 * i + 2],
-                             **kwargs)
+        server = make_server(
+            t, http_port=ports[3 * i], grpc_port=ports[3 * i + 1], metrics_port=ports[3 * i + 2], **kwargs
+        )
         # Triton's python backend needs its own shared-memory prefix per server on one host.
         server.extra_args.append(f"--backend-config=python,shm-region-prefix-name=rtk_replica{i}_")
         servers.append(server)
@@ -161,8 +207,9 @@ def _free(n: int, host: str) -> list[int]:
     return free_ports(n, "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host)
 
 
-def serve(source: str | Path, *, overrides=(), detach: bool = False, on_ready=None, replicas: int = 1,
-          **server_kwargs) -> ServerState | list[ServerState] | None:
+def serve(
+    source: str | Path, *, overrides=(), detach: bool = False, on_ready=None, replicas: int = 1, **server_kwargs
+) -> ServerState | list[ServerState] | None:
     """Serve ``source`` until interrupted (or, with ``detach``, start it in the background and return its state:
     one :class:`ServerState`, or a list of them with ``replicas`` > 1).
 
@@ -249,8 +296,9 @@ def _detach_frontdoor(t: ServeTarget, states: list[ServerState], *, free_port: b
     port = _free(1, t.serving.frontend.host)[0] if free_port else None
     log_path = Path(st.log_path).with_name(Path(st.log_path).stem + "-frontdoor.log")
     try:
-        st.frontdoor_pid, st.frontdoor_url = start_detached(st.grpc_url, st.metrics_url, t.repository, t.serving,
-                                                            log_path, port=port)
+        st.frontdoor_pid, st.frontdoor_url = start_detached(
+            st.grpc_url, st.metrics_url, t.repository, t.serving, log_path, port=port
+        )
     except BaseException:
         stop_detached_all(t.repository)
         raise

@@ -39,11 +39,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Literal
 
 from ..errors import ServerError, UsageError
+from ..net import connect_host, grpc_address, http_url
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,15 @@ RUN_DIR_ENV = "RTK_RUN_DIR"  # where state files and logs go instead (a read-onl
 def run_dir(repository: Path) -> Path:
     """``<repo parent>/.rtk-triton``, or ``$RTK_RUN_DIR`` when set."""
     return Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else repository.parent / STATE_DIR
+
+
 LOG_TAIL_LINES = 30
 # Lines the bundled server prints on a host without a GPU; harmless (it probes for CUDA and finds none).
 _NOISE = ("CudaDriverHelper has not been initialized",)
 
 
 # -- finding the binary -----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TritonBinary:
@@ -156,7 +161,9 @@ def prepare_bundled_backends(root: Path, cache_dir: Path | None = None) -> tuple
     stub = root / "python_backend_stubs" / xy / "triton_python_backend_stub"
     if not stub.is_file():
         have = sorted(p.name for p in (root / "python_backend_stubs").glob("*"))
-        raise ServerError(f"the bundled tritonserver has no python backend stub for Python {xy} (it has {have}); use one of those")
+        raise ServerError(
+            f"the bundled tritonserver has no python backend stub for Python {xy} (it has {have}); use one of those"
+        )
     links = {
         "backends/python/libtriton_python.so": root / "backends/python/libtriton_python.so",
         "backends/python/triton_python_backend_utils.py": root / "backends/python/triton_python_backend_utils.py",
@@ -182,6 +189,7 @@ def prepare_bundled_backends(root: Path, cache_dir: Path | None = None) -> tuple
 
 
 # -- ports ------------------------------------------------------------------------------------
+
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports that were free a moment ago (the kernel's choice)."""
@@ -211,6 +219,7 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 
 # -- the server -------------------------------------------------------------------------------
 
+
 class _Endpoints:
     """URLs of a server from its ``host`` and ports (shared by the live server and its state file)."""
 
@@ -221,15 +230,15 @@ class _Endpoints:
 
     @property
     def http_url(self) -> str:
-        return f"http://{_connect_host(self.host)}:{self.http_port}"
+        return http_url(self.host, self.http_port)
 
     @property
     def grpc_url(self) -> str:
-        return f"{_connect_host(self.host)}:{self.grpc_port}"
+        return grpc_address(self.host, self.grpc_port)
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_connect_host(self.host)}:{self.metrics_port}/metrics"
+        return f"{http_url(self.host, self.metrics_port)}/metrics"
 
 
 @dataclass
@@ -254,15 +263,6 @@ def state_path(repository: str | os.PathLike) -> Path:
     return run_dir(repo) / f"{repo.name}.json"
 
 
-def _connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to ``host``."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -280,10 +280,10 @@ class Launch:
     """
 
     ranks: int = 1
-    mpirun: bool = False              # under mpirun even with one rank (the llmapi target with tp x pp > 1)
-    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
+    mpirun: bool = False  # under mpirun even with one rank (the llmapi target with tp x pp > 1)
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
     server_args: tuple[str, ...] = ()  # flags for every rank
-    llm_model: str = "tensorrt_llm"   # the only model ranks > 0 load
+    llm_model: str = "tensorrt_llm"  # the only model ranks > 0 load
     allow_run_as_root: bool | None = None  # None: when running as root (NGC containers do; mpirun refuses otherwise)
 
     @property
@@ -326,8 +326,10 @@ class TritonServer(_Endpoints):
         self._configured = tritonserver
         self.host = host
         if None in (http_port, grpc_port, metrics_port):
-            picked = iter(free_ports(3, _connect_host(host).strip("[]")))
-            http_port, grpc_port, metrics_port = (p if p is not None else next(picked) for p in (http_port, grpc_port, metrics_port))
+            picked = iter(free_ports(3, connect_host(host).strip("[]")))
+            http_port, grpc_port, metrics_port = (
+                p if p is not None else next(picked) for p in (http_port, grpc_port, metrics_port)
+            )
         self.http_port, self.grpc_port, self.metrics_port = int(http_port), int(grpc_port), int(metrics_port)
         if model_control_mode not in ("none", "explicit"):
             raise UsageError(f"model_control_mode '{model_control_mode}' is not 'none' or 'explicit'")
@@ -335,7 +337,9 @@ class TritonServer(_Endpoints):
         self.load_models = list(load_models)
         self.exit_timeout_s = int(exit_timeout_s)
         self.cache_config = cache_config
-        self.log_path = Path(log_path) if log_path else run_dir(self.repository) / f"{self.repository.name}-{self.http_port}.log"
+        self.log_path = (
+            Path(log_path) if log_path else run_dir(self.repository) / f"{self.repository.name}-{self.http_port}.log"
+        )
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
@@ -356,9 +360,12 @@ class TritonServer(_Endpoints):
         cmd = [
             str(b.path),
             f"--model-repository={self.repository}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
             f"--model-control-mode={control}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
@@ -390,12 +397,15 @@ class TritonServer(_Endpoints):
         return {**self.binary.environment(), **self.launch.env}
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self, *, detach: bool = False) -> "TritonServer":
+    def start(self, *, detach: bool = False) -> TritonServer:
         """Launch the process (does not wait). ``detach``: survive this Python process."""
         if self.process is not None and self.process.poll() is None:
             raise ServerError(f"tritonserver is already running (pid {self.process.pid})")
         if not self.repository.is_dir():
-            raise UsageError(f"model repository '{self.repository}' is not a directory; build it first (rtk build) or pass the right path")
+            raise UsageError(
+                f"model repository '{self.repository}' is not a directory; build it first (rtk build) "
+                "or pass the right path"
+            )
         for what, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
             _check_port_free(self.host or "0.0.0.0", port, what)
         cmd = self.command()
@@ -405,7 +415,9 @@ class TritonServer(_Endpoints):
         attached_here = not detach and threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
             cmd,
-            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
             env=self.environment(),
             # Own session: Ctrl-C reaches us, and we stop the server in order.  When attached, the
             # kernel also sends it SIGTERM if this process dies without stopping it.
@@ -421,7 +433,7 @@ class TritonServer(_Endpoints):
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/ready"
         return _http_status(self.http_url + path) == 200
 
-    def wait_ready(self, timeout: float | None = None, models: Iterable[str] = ()) -> "TritonServer":
+    def wait_ready(self, timeout: float | None = None, models: Iterable[str] = ()) -> TritonServer:
         """Poll until the server (and ``models``) are ready; raise ServerError with the log tail otherwise."""
         if self.process is None:
             raise ServerError("tritonserver was not started; call start() first")
@@ -431,13 +443,22 @@ class TritonServer(_Endpoints):
         while True:
             code = self.process.poll()
             if code is not None:
-                raise ServerError(f"tritonserver exited with code {code} before it was ready.\n{self._tail_for_error()}")
+                raise ServerError(
+                    f"tritonserver exited with code {code} before it was ready.\n{self._tail_for_error()}"
+                )
             if self.is_ready() and all(self.model_ready(m) for m in models):
                 if self.process.poll() is None:  # the answer came from our process, not a stale one
                     return self
             if time.monotonic() > deadline:
-                waiting = "server" if not self.is_ready() else "models " + ", ".join(m for m in models if not self.model_ready(m))
-                raise ServerError(f"tritonserver was not ready after {timeout:.0f} s (waiting for {waiting}).\n{self._tail_for_error()}")
+                waiting = (
+                    "server"
+                    if not self.is_ready()
+                    else "models " + ", ".join(m for m in models if not self.model_ready(m))
+                )
+                raise ServerError(
+                    f"tritonserver was not ready after {timeout:.0f} s (waiting for {waiting}).\n"
+                    f"{self._tail_for_error()}"
+                )
             time.sleep(0.05)
 
     def stop(self, timeout: float | None = None) -> int | None:
@@ -468,7 +489,7 @@ class TritonServer(_Endpoints):
     def _tail_for_error(self) -> str:
         return f"Last lines of {self.log_path}:\n{self.log_tail()}"
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         self.start()
         try:
             self.wait_ready()
@@ -485,9 +506,15 @@ class TritonServer(_Endpoints):
         if self.process is None:
             raise ServerError("tritonserver was not started")
         return ServerState(
-            pid=self.process.pid, repository=str(self.repository), binary=str(self.binary.path), host=self.host,
-            http_port=self.http_port, grpc_port=self.grpc_port, metrics_port=self.metrics_port,
-            log_path=str(self.log_path), started_unix=time.time(),
+            pid=self.process.pid,
+            repository=str(self.repository),
+            binary=str(self.binary.path),
+            host=self.host,
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            metrics_port=self.metrics_port,
+            log_path=str(self.log_path),
+            started_unix=time.time(),
         )
 
     def start_detached(self, timeout: float | None = None, models: Iterable[str] = ()) -> ServerState:
@@ -495,8 +522,9 @@ class TritonServer(_Endpoints):
         return start_detached_group([self], timeout, models)[0]
 
 
-def start_detached_group(servers: list[TritonServer], timeout: float | None = None,
-                         models: Iterable[str] = ()) -> list[ServerState]:
+def start_detached_group(
+    servers: list[TritonServer], timeout: float | None = None, models: Iterable[str] = ()
+) -> list[ServerState]:
     """Start servers of one repository that outlive this process, wait until all are ready, then write
     their one state file.  If any fails, every one started is stopped and nothing is recorded."""
     repository = servers[0].repository
