@@ -23,3 +23,20 @@ def http_url(host: str, port: int) -> str:
 def grpc_address(host: str, port: int) -> str:
     """``host:port`` as tritonclient's gRPC client takes it."""
     return f"{connect_host(host)}:{port}"
+
+
+class Endpoints:
+    """URLs of a Triton server from its ``host``, ``http_port``, ``grpc_port`` and ``metrics_port`` attributes
+    (mixed into the serving spec, the live server and its state file)."""
+
+    @property
+    def http_url(self) -> str:
+        return http_url(self.host, self.http_port)
+
+    @property
+    def grpc_url(self) -> str:
+        return grpc_address(self.host, self.grpc_port)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{http_url(self.host, self.metrics_port)}/metrics"

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
-from .net import grpc_address, http_url
+from .net import Endpoints, http_url
 from .slo.metrics import FRACTION_METRICS, LATENCY_OBJECTIVES, OBJECTIVE_METRICS, OBJECTIVE_STATS
 from .targets import TARGET_NAMES, TARGETS
 
@@ -327,19 +327,7 @@ class JobsSpec(Section):
         return _secret_source(v)
 
 
-class ServingSpec(Section):
-    @property
-    def http_url(self) -> str:
-        return http_url(self.host, self.http_port)
-
-    @property
-    def grpc_url(self) -> str:
-        return grpc_address(self.host, self.grpc_port)
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{http_url(self.host, self.metrics_port)}/metrics"
-
+class ServingSpec(Section, Endpoints):
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:

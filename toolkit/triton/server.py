@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import ServerError, UsageError
-from ..net import connect_host, grpc_address, http_url
+from ..net import Endpoints, connect_host
 
 log = logging.getLogger(__name__)
 
@@ -220,29 +220,8 @@ def _check_port_free(host: str, port: int, what: str) -> None:
 # -- the server -------------------------------------------------------------------------------
 
 
-class _Endpoints:
-    """URLs of a server from its ``host`` and ports (shared by the live server and its state file)."""
-
-    host: str
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-
-    @property
-    def http_url(self) -> str:
-        return http_url(self.host, self.http_port)
-
-    @property
-    def grpc_url(self) -> str:
-        return grpc_address(self.host, self.grpc_port)
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{http_url(self.host, self.metrics_port)}/metrics"
-
-
 @dataclass
-class ServerState(_Endpoints):
+class ServerState(Endpoints):
     """What a detached server leaves behind so another process can find and stop it."""
 
     pid: int
@@ -291,7 +270,7 @@ class Launch:
         return self.mpirun or self.ranks > 1
 
 
-class TritonServer(_Endpoints):
+class TritonServer(Endpoints):
     """One tritonserver process serving ``repository``.
 
     ``with TritonServer(repo, http_port=..., grpc_port=..., metrics_port=...) as srv:`` starts it,
