@@ -172,6 +172,9 @@ def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, 
         for i in range(6):
             t = await m.begin(chat(f"turn {i} " + "word " * 60), "w", "")
             assert len(t.prompt_ids) <= 400 and t.history[0]["role"] == "system"
+            # What was dropped (for window_policy summarize): whole turns, oldest first, never the system prompt.
+            assert len(t.dropped_messages) == 2 * t.dropped
+            assert [m["role"] for m in t.dropped_messages] == ["user", "assistant"] * t.dropped
             s = await m.commit(t, tokens.encode(" ok"), " ok", {})
         system = {"role": "system", "content": "Be brief.", "tokens": len(tokens.encode("Be brief."))}
         assert s.dropped_turns > 0 and s.messages[0] == system
@@ -242,7 +245,7 @@ def turn(fd, served, text, *, key="key-alice", sid="s1", stream=False):
             "temperature": 0, "stream": stream}
     if sid:
         body["session_id"] = sid
-    h = {"Authorization": f"Bearer {key}"}
+    h = {"Authorization": f"Bearer {key}"} if key else {}
     if not stream:
         r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=h, timeout=120)
         assert r.status_code == 200, r.text
@@ -329,3 +332,36 @@ def test_rtk_sessions_lists_shows_and_deletes(tmp_path):
     assert r.exit_code == 0 and "deleted" in r.output
     r = runner.invoke(cli, ["sessions", "show", str(spec), "chat-7"])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_summarize_replaces_dropped_turns_with_the_models_summary(served, monkeypatch):
+    from toolkit.frontdoor import FrontDoorServer, create_app
+    from toolkit.frontdoor.config import config_from
+    from toolkit.frontdoor.sessions import SUMMARY_PREFIX
+
+    cfg = config_from(served["repo"])
+    cfg.sessions = SessionsSpec(path=str(served["db"]), window_policy="summarize", summary_max_tokens=16)
+    with FrontDoorServer(create_app(cfg, served["triton"].grpc_url), "127.0.0.1", free_port()) as fd:
+        long = "tell me about the harbour and its boats " * 10  # about 80 tokens a turn: the third overflows
+        for i in range(3):
+            turn(fd, served, f"{i}: {long}", key="", sid="summed")
+        s = wait_for_session(fd, "summed", lambda s: any(m.get("summary") for m in s["messages"]))
+        note = s["messages"][0]
+        assert note["role"] == "system" and note["content"].startswith(SUMMARY_PREFIX)
+        assert s["dropped_turns"] >= 1 and s["messages"][1]["content"].startswith(("1:", "2:"))
+        turn(fd, served, "and the lighthouse?", key="", sid="summed")  # the next prompt carries the summary
+        s = httpx.get(fd.url + "/v1/sessions/summed").json()
+        assert s["turns"] == 4 and s["messages"][0].get("summary")
+        assert s["stats"][-1]["reused_ids"] == 0  # the summary changed the history: re-rendered once
+
+
+def wait_for_session(fd, sid, ok, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = httpx.get(f"{fd.url}/v1/sessions/{sid}").json()
+        if ok(s):
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
