@@ -32,6 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..slo.outcome import PRIMARY_TIER as PRIMARY
+from ..slo.outcome import TIER_FIELD, TIER_HEADER
 from .admission import Estimator
 from .config import FrontDoorConfig, config_from
 from .filter import Rules, TritonClassifier, check_request, filtered
@@ -43,8 +45,6 @@ from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 
 log = logging.getLogger("rtk.frontdoor")
 DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
-TIER_HEADER = "x-rtk-tier"
-PRIMARY = "primary"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -364,11 +364,11 @@ class FrontDoor:
         u = usage(a.prompt_tokens, a.completion_tokens)
         headers = {TIER_HEADER: tier}
         if not req.stream:
-            return JSONResponse(full_response(req, a.text, a.finish_reason, u, {"rtk_tier": tier}), headers=headers)
+            return JSONResponse(full_response(req, a.text, a.finish_reason, u, {TIER_FIELD: tier}), headers=headers)
 
         async def gen():
             yield sse(chunk(req, a.text, first=True))
-            yield sse(chunk(req, None, a.finish_reason, extra={"rtk_tier": tier}))
+            yield sse(chunk(req, None, a.finish_reason, extra={TIER_FIELD: tier}))
             if req.include_usage:
                 yield sse(usage_chunk(req, u))
             yield b"data: [DONE]\n\n"
@@ -394,7 +394,7 @@ class FrontDoor:
             async def collect():
                 text = "".join([p async for p in pieces])
                 return JSONResponse(
-                    full_response(req, text, reason(), final_usage(), {"rtk_tier": tier}),
+                    full_response(req, text, reason(), final_usage(), {TIER_FIELD: tier}),
                     headers=headers,
                 )
 
@@ -405,7 +405,7 @@ class FrontDoor:
             async for p in pieces:
                 yield sse(chunk(req, p, first=first))
                 first = False
-            yield sse(chunk(req, None, reason(), first=first, extra={"rtk_tier": tier}))
+            yield sse(chunk(req, None, reason(), first=first, extra={TIER_FIELD: tier}))
             if req.include_usage:
                 yield sse(usage_chunk(req, final_usage()))
             yield b"data: [DONE]\n\n"
@@ -465,7 +465,7 @@ class FrontDoor:
                 except BaseException:
                     await finish(True)
                     raise
-                return JSONResponse(full_response(req, text, reason, u, {"rtk_tier": PRIMARY}), headers=headers)
+                return JSONResponse(full_response(req, text, reason, u, {TIER_FIELD: PRIMARY}), headers=headers)
 
             return _Deferred(collect)
 
@@ -489,7 +489,7 @@ class FrontDoor:
                     )
                     return
                 reason, u = await finish(False)
-                yield sse(chunk(req, None, reason, first=first_chunk, extra={"rtk_tier": PRIMARY}))
+                yield sse(chunk(req, None, reason, first=first_chunk, extra={TIER_FIELD: PRIMARY}))
                 if req.include_usage:
                     yield sse(usage_chunk(req, u))
                 yield b"data: [DONE]\n\n"
