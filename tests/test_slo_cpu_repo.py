@@ -42,11 +42,6 @@ def cpu_repo(tmp_path_factory, tiny_llama_dir):
         yield dict(repo=repo, server=server)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cpu tensorrt_llm model refuses min_tokens > 1 and the ensemble does not "
-    "declare it yet (fidelity issue item 2: the full upstream interface on the cpu target)",
-)
 @pytest.mark.parametrize("endpoint", ["ensemble", "tensorrt_llm"])
 def test_run_slo_on_the_cpu_repository_serves_the_requested_length(cpu_repo, endpoint):
     srv = cpu_repo["server"]

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import spec_for
 from tritonclient.grpc import model_config_pb2 as mc
 
 from toolkit.triton import config as triton_config
 from toolkit.triton.emit import TOKENIZER_IN_REPO, write_repository
-
-from conftest import spec_for
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = json.loads((ROOT / "tests/data/trtllm_1_2_1_triton_models.json").read_text())
@@ -45,9 +44,13 @@ def read_repo(root: Path) -> dict[str, mc.ModelConfig]:
 
 @pytest.fixture(scope="module")
 def cpu_repo(tmp_path_factory, tiny_llama_dir):
-    spec = spec_for("cfg", tiny_llama_dir, quantization={"format": "none"},
-                    build={"max_batch_size": 6, "max_input_len": 300, "max_seq_len": 512, "max_num_tokens": 128},
-                    serving={"max_queue_size": 5, "queue_timeout_ms": 2000, "instance_count": 2, "context_policy": "reject"})
+    spec = spec_for(
+        "cfg",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build={"max_batch_size": 6, "max_input_len": 300, "max_seq_len": 512, "max_num_tokens": 128},
+        serving={"max_queue_size": 5, "queue_timeout_ms": 2000, "instance_count": 2, "context_policy": "reject"},
+    )
     root = tmp_path_factory.mktemp("repo")
     engine = tmp_path_factory.mktemp("engine")
     models = write_repository(spec, root, engine_dir=engine, tokenizer_src=tiny_llama_dir)
@@ -88,60 +91,94 @@ def test_cpu_tensorrt_llm_config_names_the_spec_values(cpu_repo):
     assert pre.parameters["max_input_len"].string_value == "300"
 
 
-def test_cpu_tensorrt_llm_tensors_match_the_cpp_backend(cpu_repo):
-    """Every tensor the cpu model declares exists in TensorRT-LLM's template with the same type and shape."""
+def typed(tensors) -> dict[str, list]:
+    return {t.name: [mc.DataType.Name(t.data_type), list(t.dims)] for t in tensors}
+
+
+def upstream_typed(section: str, kind: str, resolve: dict[str, str]) -> dict[str, list]:
+    """Upstream's tensors with placeholder dtypes ("$dtype", "$logits") resolved."""
+    return {n: [resolve.get(v[0], v[0]), v[1]] for n, v in UPSTREAM[section][kind].items()}
+
+
+# the tiny Llama is bf16; the cpu engine's logits are float32
+CPU_PLACEHOLDERS = {"$dtype": "TYPE_BF16", "$logits": "TYPE_FP32"}
+
+
+def test_cpu_tensorrt_llm_has_the_whole_cpp_backend_interface(cpu_repo):
+    """Every input and output of TensorRT-LLM's template, with its type and shape (the model serves or
+    refuses each), plus rtk's optional extensions."""
     cfg = read_repo(cpu_repo[1])["tensorrt_llm"]
-    ours_in = {t.name: [mc.DataType.Name(t.data_type), list(t.dims)] for t in cfg.input}
-    ours_out = {t.name: [mc.DataType.Name(t.data_type), list(t.dims)] for t in cfg.output}
     extensions = {"dropped_turns", "preceding_ids", "request_key"}
-    for name, typed in ours_in.items():
-        if name not in extensions:
-            assert UPSTREAM["cpp"]["inputs"][name] == typed, name
-    for name, typed in ours_out.items():
-        if name not in extensions:
-            assert UPSTREAM["cpp"]["outputs"][name] == typed, name
+    ours_in, ours_out = typed(cfg.input), typed(cfg.output)
+    assert {n: v for n, v in ours_in.items() if n not in extensions} == upstream_typed(
+        "cpp", "inputs", CPU_PLACEHOLDERS
+    )
+    assert {n: v for n, v in ours_out.items() if n not in extensions} == upstream_typed(
+        "cpp", "outputs", CPU_PLACEHOLDERS
+    )
     required = {t.name for t in cfg.input if not t.optional}
     assert required == set(UPSTREAM["cpp"]["required_inputs"]) | {"input_ids"}
-    for must in ("streaming", "stop", "stop_words_list", "end_id", "runtime_top_k", "runtime_top_p", "temperature",
-                 "seed", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens"):
-        assert must in ours_in
-    for must in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
-                 "num_input_tokens", "num_output_tokens"):
-        assert must in ours_out
+    assert all(t.optional for t in cfg.input if t.name in extensions)
 
 
-# Tensor names of TensorRT-LLM's inflight_batcher_llm ensemble / pre / post templates
-# (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/{ensemble,preprocessing,postprocessing}/config.pbtxt).
-UPSTREAM_ENSEMBLE_IO = {
-    "ensemble": ({"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "bad_words": "TYPE_STRING", "stop_words": "TYPE_STRING",
-                  "end_id": "TYPE_INT32", "pad_id": "TYPE_INT32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
-                  "temperature": "TYPE_FP32", "seed": "TYPE_UINT64", "stream": "TYPE_BOOL", "exclude_input_in_output": "TYPE_BOOL",
-                  "return_perf_metrics": "TYPE_BOOL", "return_num_input_tokens": "TYPE_BOOL", "return_num_output_tokens": "TYPE_BOOL"},
-                 {"text_output": "TYPE_STRING", "arrival_time_ns": "TYPE_INT64", "first_token_time_ns": "TYPE_INT64",
-                  "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32"}),
-    "preprocessing": ({"QUERY": "TYPE_STRING", "REQUEST_OUTPUT_LEN": "TYPE_INT32", "BAD_WORDS_DICT": "TYPE_STRING",
-                       "STOP_WORDS_DICT": "TYPE_STRING", "END_ID": "TYPE_INT32", "PAD_ID": "TYPE_INT32"},
-                      {"INPUT_ID": "TYPE_INT32", "REQUEST_INPUT_LEN": "TYPE_INT32", "BAD_WORDS_IDS": "TYPE_INT32",
-                       "STOP_WORDS_IDS": "TYPE_INT32", "REQUEST_OUTPUT_LEN": "TYPE_INT32", "OUT_END_ID": "TYPE_INT32", "OUT_PAD_ID": "TYPE_INT32"}),
-    "postprocessing": ({"TOKENS_BATCH": "TYPE_INT32", "SEQUENCE_LENGTH": "TYPE_INT32"}, {"OUTPUT": "TYPE_STRING"}),
-}
-
-
-def test_client_facing_tensor_names_are_upstream_ones(cpu_repo):
+def test_ensemble_and_bls_take_and_return_upstreams_whole_interface(cpu_repo):
     configs = read_repo(cpu_repo[1])
-    for model, (inputs, outputs) in UPSTREAM_ENSEMBLE_IO.items():
-        have_in = {t.name: mc.DataType.Name(t.data_type) for t in configs[model].input}
-        have_out = {t.name: mc.DataType.Name(t.data_type) for t in configs[model].output}
-        assert inputs.items() <= have_in.items(), model
-        assert outputs.items() <= have_out.items(), model
-    bls_in = {t.name for t in configs["tensorrt_llm_bls"].input}
-    assert set(UPSTREAM_ENSEMBLE_IO["ensemble"][0]) <= bls_in
-    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    llm_table_type = typed(configs["tensorrt_llm"].input)["prompt_embedding_table"][0]
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        cfg = configs[model]
+        want_in = upstream_typed(model, "inputs", CPU_PLACEHOLDERS)
+        # The one deviation: upstream's template writes TYPE_FP16 for prompt_embedding_table, which
+        # must equal the tensorrt_llm model's type (the model dtype) for the ensemble to load.
+        want_in["prompt_embedding_table"][0] = llm_table_type
+        assert typed(cfg.input) == want_in, model
+        assert {n: v for n, v in typed(cfg.output).items() if n != "dropped_turns"} == upstream_typed(
+            model, "outputs", CPU_PLACEHOLDERS
+        ), model
+        required = {t.name for t in cfg.input if not t.optional}
+        assert required == {"text_input"}  # max_tokens defaults to serving.default_max_tokens
+        assert required < set(UPSTREAM[model]["required_inputs"])
+        ragged = {t.name for t in cfg.input if t.allow_ragged_batch}
+        assert ragged == set(UPSTREAM[model]["ragged_inputs"]), model
+    bls = configs["tensorrt_llm_bls"]
+    assert {t.name for t in bls.input if t.HasField("reshape")} == set(UPSTREAM["tensorrt_llm_bls"]["reshaped_inputs"])
+    assert not any(t.HasField("reshape") for t in configs["ensemble"].input)
+    assert bls.model_transaction_policy.decoupled
+
+
+def test_pre_and_postprocessing_tensors_are_upstream_ones(cpu_repo):
+    configs = read_repo(cpu_repo[1])
+    for model in ("preprocessing", "postprocessing"):
+        cfg = configs[model]
+        for kind, tensors in (("inputs", cfg.input), ("outputs", cfg.output)):
+            rtk_only = {"DROPPED_TURNS", "PRECEDING_IDS", "REQUEST_KEY"}
+            ours = {n: v for n, v in typed(tensors).items() if n not in rtk_only}
+            assert ours.items() <= UPSTREAM[model][kind].items(), (model, kind)
+    # everything upstream's ensemble feeds preprocessing exists here
+    pre_inputs = {t.name for t in configs["preprocessing"].input}
+    assert set(UPSTREAM["ensemble"]["steps"]["preprocessing"]["input_map"]) <= pre_inputs
+    assert typed(configs["postprocessing"].input).items() >= UPSTREAM["postprocessing"]["inputs"].items()
+
+
+def test_ensemble_steps_map_tensors_as_upstreams_ensemble(cpu_repo):
+    ens = read_repo(cpu_repo[1])["ensemble"]
+    steps = {s.model_name: s for s in ens.ensemble_scheduling.step}
+    up = UPSTREAM["ensemble"]["steps"]
+    assert dict(steps["preprocessing"].input_map) == up["preprocessing"]["input_map"]
+    llm_in = dict(steps["tensorrt_llm"].input_map)
+    # decoder_input_ids / _lengths carry an encoder-decoder model's decoder prompt; preprocessing refuses
+    # decoder_text_input (rtk serves decoder-only models), so they are not wired
+    want = {k: v for k, v in up["tensorrt_llm"]["input_map"].items() if not k.startswith("decoder_input")}
+    assert {k: v for k, v in llm_in.items() if k != "dropped_turns"} == want
+    assert dict(steps["tensorrt_llm"].output_map).items() >= up["tensorrt_llm"]["output_map"].items()
+    assert dict(steps["postprocessing"].output_map) == up["postprocessing"]["output_map"]
 
 
 def test_ensemble_steps_wire_existing_tensors_of_matching_types(cpu_repo):
     """Every step maps to inputs/outputs its model declares, with the ensemble tensor's type."""
-    configs = read_repo(cpu_repo[1])
+    check_wiring(read_repo(cpu_repo[1]))
+
+
+def check_wiring(configs):
     ens = configs["ensemble"]
     types = {t.name: t.data_type for t in ens.input}
     produced = set(types)
@@ -161,6 +198,8 @@ def test_ensemble_steps_wire_existing_tensors_of_matching_types(cpu_repo):
         assert required <= set(step.input_map), step.model_name
     for out in ens.output:
         assert out.name in produced and types[out.name] == out.data_type
+    used = {tensor for step in ens.ensemble_scheduling.step for tensor in step.input_map.values()}
+    assert {t.name for t in ens.input} <= used  # every client input reaches a model
     # Everything preprocessing makes for the response travels through tensorrt_llm (decoupled-origin rule).
     post_inputs = set(ens.ensemble_scheduling.step[2].input_map.values())
     assert post_inputs <= set(ens.ensemble_scheduling.step[1].output_map.values())
@@ -169,10 +208,23 @@ def test_ensemble_steps_wire_existing_tensors_of_matching_types(cpu_repo):
 def test_trt_engine_repository_config_parses_and_names_the_spec(tiny_llama_dir, tmp_path):
     """The trt-engine target's repository: the C++ backend config (from toolkit/targets/trt_engine.py) with
     the spec's values, and an ensemble without the cpu model's extensions."""
-    spec = spec_for("trt", tiny_llama_dir, build={"target": "trt-engine", "max_batch_size": 16, "kv_cache_free_gpu_mem_fraction": 0.75,
-                                                  "enable_kv_cache_reuse": False, "enable_chunked_context": True},
-                    serving={"batching_strategy": "inflight_batching", "batch_scheduler_policy": "max_utilization",
-                             "max_queue_size": 7, "instance_count": 1})
+    spec = spec_for(
+        "trt",
+        tiny_llama_dir,
+        build={
+            "target": "trt-engine",
+            "max_batch_size": 16,
+            "kv_cache_free_gpu_mem_fraction": 0.75,
+            "enable_kv_cache_reuse": False,
+            "enable_chunked_context": True,
+        },
+        serving={
+            "batching_strategy": "inflight_batching",
+            "batch_scheduler_policy": "max_utilization",
+            "max_queue_size": 7,
+            "instance_count": 1,
+        },
+    )
     engine = tmp_path / "engine"
     engine.mkdir()
     write_repository(spec, tmp_path / "repo", engine_dir=engine, tokenizer_src=tiny_llama_dir)
@@ -189,6 +241,23 @@ def test_trt_engine_repository_config_parses_and_names_the_spec(tiny_llama_dir, 
     assert "dropped_turns" not in llm_step.input_map and "preceding_ids" not in llm_step.output_map
     assert {t.name for t in ens.output} >= {"text_output", "first_token_time_ns"}
     assert "dropped_turns" not in {t.name for t in ens.output}
+    check_wiring({name: cfg for name, cfg in configs.items()})
+
+
+def test_trt_engine_ensemble_types_follow_the_engine(tiny_llama_dir, tmp_path):
+    """The ensemble's logits outputs take the engine's logits dtype and its prompt table the model dtype,
+    as the C++ tensorrt_llm model does: the ensemble loads only when the types agree."""
+    spec = spec_for("trt", tiny_llama_dir, build={"target": "trt-engine"}, model={"dtype": "float16"})
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"pretrained_config": {"logits_dtype": "bfloat16"}}))
+    write_repository(spec, tmp_path / "repo", engine_dir=engine, tokenizer_src=tiny_llama_dir)
+    configs = read_repo(tmp_path / "repo")
+    for model in ("ensemble", "tensorrt_llm_bls", "tensorrt_llm"):
+        io = {t.name: mc.DataType.Name(t.data_type) for t in [*configs[model].input, *configs[model].output]}
+        assert io["context_logits"] == io["generation_logits"] == "TYPE_BF16", model
+        assert io["prompt_embedding_table"] == "TYPE_FP16", model
+    check_wiring(configs)
 
 
 # -- text handling ------------------------------------------------------------------------------
@@ -200,7 +269,10 @@ def test_streamed_chunks_join_to_the_full_decoding_with_whole_characters(tokeniz
     ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
     singles = [tokenizer.decode([i]) for i in ids]
     assert any("\ufffd" in s for s in singles), "the text should split some character across tokens"
-    chunks = [rtk_text.decode_delta(tokenizer, ids[max(0, k - rtk_text.PRECEDING_WINDOW):k], ids[k:k + 1]) for k in range(len(ids))]
+    chunks = [
+        rtk_text.decode_delta(tokenizer, ids[max(0, k - rtk_text.PRECEDING_WINDOW) : k], ids[k : k + 1])
+        for k in range(len(ids))
+    ]
     assert "".join(chunks) == tokenizer.decode(ids) == MULTIBYTE
     assert all("\ufffd" not in c for c in chunks)
     for c in chunks:
@@ -222,21 +294,29 @@ def test_chat_is_rendered_with_the_template_and_plain_text_is_not(tokenizer):
     assert text == tokenizer.apply_chat_template(json.loads(chat), tokenize=False, add_generation_prompt=True)
     plain, _ = rtk_text.encode_prompt(tokenizer, "What is the capital of France?", window=512, policy="reject")
     assert tokenizer.decode(plain) == "What is the capital of France?"
-    assert rtk_text.parse_query('{"messages": [{"role": "user", "content": "hi"}]}') == [{"role": "user", "content": "hi"}]
+    assert rtk_text.parse_query('{"messages": [{"role": "user", "content": "hi"}]}') == [
+        {"role": "user", "content": "hi"}
+    ]
     assert rtk_text.parse_query("[1, 2] is a list") is None
 
 
 def conversation(turns: int) -> list[dict]:
     msgs = [{"role": "system", "content": "You are terse."}]
     for i in range(turns):
-        msgs += [{"role": "user", "content": f"Question {i}: " + "tell me more " * 20},
-                 {"role": "assistant", "content": f"Answer {i}: " + "here is more " * 20}]
+        msgs += [
+            {"role": "user", "content": f"Question {i}: " + "tell me more " * 20},
+            {"role": "assistant", "content": f"Answer {i}: " + "here is more " * 20},
+        ]
     return msgs + [{"role": "user", "content": "And finally, what is the capital of France?"}]
 
 
 def test_truncate_oldest_keeps_the_system_prompt_and_the_newest_turns(tokenizer):
     msgs = conversation(6)
-    full = len(tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+    full = len(
+        tokenizer.encode(
+            tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+    )
     window = full // 2
     ids, dropped = rtk_text.encode_prompt(tokenizer, json.dumps(msgs), window=window, policy="truncate_oldest")
     assert len(ids) <= window and 1 <= dropped < 6
@@ -244,10 +324,20 @@ def test_truncate_oldest_keeps_the_system_prompt_and_the_newest_turns(tokenizer)
     assert "You are terse." in text and "what is the capital of France?" in text
     assert "Question 0:" not in text and f"Answer {5}:" in text
     # exactly the oldest `dropped` turns went: one more turn would have fitted otherwise
-    kept = [msgs[0]] + msgs[1 + 2 * dropped:]
-    assert ids == tokenizer.encode(tokenizer.apply_chat_template(kept, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-    longer = [msgs[0]] + msgs[1 + 2 * (dropped - 1):]
-    assert len(tokenizer.encode(tokenizer.apply_chat_template(longer, tokenize=False, add_generation_prompt=True), add_special_tokens=False)) > window
+    kept = [msgs[0]] + msgs[1 + 2 * dropped :]
+    assert ids == tokenizer.encode(
+        tokenizer.apply_chat_template(kept, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+    longer = [msgs[0]] + msgs[1 + 2 * (dropped - 1) :]
+    assert (
+        len(
+            tokenizer.encode(
+                tokenizer.apply_chat_template(longer, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+        )
+        > window
+    )
 
 
 def test_reject_policy_and_impossible_prompts_get_clear_errors(tokenizer):
@@ -269,6 +359,9 @@ def test_word_lists_round_trip_in_tensorrt_llm_format(tokenizer):
     arr = rtk_text.word_list(tokenizer, [["Paris", " France", ""]])
     assert arr.shape[:2] == (1, 2) and arr.dtype == np.int32
     words = rtk_text.parse_word_list(arr[0])
-    assert words == [tokenizer.encode("Paris", add_special_tokens=False), tokenizer.encode(" France", add_special_tokens=False)]
+    assert words == [
+        tokenizer.encode("Paris", add_special_tokens=False),
+        tokenizer.encode(" France", add_special_tokens=False),
+    ]
     empty = rtk_text.word_list(tokenizer, [[]])
     assert empty.tolist() == [[[0], [-1]]] and rtk_text.parse_word_list(empty[0]) == []

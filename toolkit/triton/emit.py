@@ -38,8 +38,9 @@ from . import gpu_models
 MODELS_SRC = Path(__file__).parent / "models"
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"  # relative to the repository root
 # Bumped when what rtk writes into a repository changes incompatibly (2: the cpu model.py imports
-# toolkit.targets.cpu; repositories from before import toolkit.build.cpu).
-REPOSITORY_FORMAT = 2
+# toolkit.targets.cpu; repositories from before import toolkit.build.cpu; 3: upstream's whole
+# ensemble / BLS interface and a one-dimensional text_output).
+REPOSITORY_FORMAT = 3
 # serving fields that say how a server runs, not what the repository holds: not part of the emit key,
 # and a repository served with other values for them needs no new emit.
 SERVER_ONLY_FIELDS = frozenset({"host", "http_port", "grpc_port", "metrics_port", "tritonserver", "repository",
@@ -121,7 +122,8 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, local_files_only=True)
     rtk_cpu = backend == "rtk-cpu"
-    settings = cfgs.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=rtk_cpu)
+    settings = cfgs.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=rtk_cpu,
+                                 logits_dtype="float32" if rtk_cpu else gpu_models.engine_logits_dtype(engine_dir))
     warm = spec.serving.warmup
 
     pre = cfgs.preprocessing(spec, settings)

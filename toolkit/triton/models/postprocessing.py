@@ -12,11 +12,9 @@ marks the *next* step's request instead.  So a cancelled postprocessing request 
 request named by ``REQUEST_KEY`` (sent by the cpu ``tensorrt_llm``) with a ``stop`` request.
 """
 
-
 import numpy as np
-import triton_python_backend_utils as pb_utils
-
 import rtk_text
+import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
@@ -40,10 +38,15 @@ class TritonPythonModel:
             tokens = tokens[0] if tokens.ndim == 3 else tokens.reshape(1, -1) if tokens.ndim < 2 else tokens
             lengths = lengths.reshape(-1)
             texts = []
-            for beam, n in zip(tokens, lengths):
+            for beam, n in zip(tokens, lengths, strict=False):
                 ids = beam[: int(n)].tolist()
-                texts.append(rtk_text.decode_delta(self.tokenizer, preceding, ids, skip_special_tokens=self.skip_special).encode("utf-8"))
-            out = np.array([texts], dtype=np.object_)  # [batch=1, beams]
+                texts.append(
+                    rtk_text.decode_delta(self.tokenizer, preceding, ids, skip_special_tokens=self.skip_special).encode(
+                        "utf-8"
+                    )
+                )
+            # One-dimensional, as upstream's ``np.array(req_outputs)``: clients read ``text_output[0]``.
+            out = np.array(texts, dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
         return responses
 
@@ -53,7 +56,8 @@ class TritonPythonModel:
         if key is not None:
             key = key.as_numpy().reshape(-1)[0]
             stop = pb_utils.InferenceRequest(
-                model_name=self.llm, request_id=key.decode() if isinstance(key, bytes) else str(key),
+                model_name=self.llm,
+                request_id=key.decode() if isinstance(key, bytes) else str(key),
                 requested_output_names=["output_ids"],
                 inputs=[
                     pb_utils.Tensor("input_ids", np.zeros((1, 1), dtype=np.int32)),
@@ -64,4 +68,6 @@ class TritonPythonModel:
             )
             for _ in stop.exec(decoupled=True):
                 pass
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+        )

@@ -3,15 +3,16 @@
 Tensor names are those of TensorRT-LLM's ``inflight_batcher_llm/preprocessing`` (NVIDIA/TensorRT-LLM
 ``triton_backend/all_models/inflight_batcher_llm/preprocessing/``), plus ``DROPPED_TURNS``.
 ``QUERY`` is a plain prompt or a JSON chat (see rtk_text.py); the prompt is fitted to the context
-window with the ``context_policy`` parameter.  Bad requests get an INVALID_ARG error naming the
-input and what to change; the other requests of the batch are served.
+window with the ``context_policy`` parameter.  ``EMBEDDING_BIAS_WORDS`` / ``_WEIGHTS`` become
+``EMBEDDING_BIAS`` (empty when not sent) and ``PROMPT_TABLE_EXTRA_ID`` is passed on as
+``OUT_PROMPT_TABLE_EXTRA_IDS``; ``DECODER_QUERY`` (encoder-decoder models) is refused: rtk's targets
+serve decoder-only models.  Bad requests get an INVALID_ARG error naming the input and what to
+change; the other requests of the batch are served.
 """
 
-
 import numpy as np
-import triton_python_backend_utils as pb_utils
-
 import rtk_text
+import triton_python_backend_utils as pb_utils
 
 
 def _opt(request, name):
@@ -41,6 +42,7 @@ class TritonPythonModel:
         self.default_max_tokens = int(p.get("default_max_tokens", "128"))
         self.end_id = rtk_text.end_id_of(self.tokenizer)
         self.pad_id = rtk_text.pad_id_of(self.tokenizer)
+        self.target = p.get("target", "?")
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -49,6 +51,11 @@ class TritonPythonModel:
         try:
             raw = _opt(request, "QUERY")
             texts = _strings(raw)
+            if any(_strings(_opt(request, "DECODER_QUERY"))):
+                raise rtk_text.PromptError(
+                    f"input 'decoder_text_input' is for encoder-decoder models; target '{self.target}' serves "
+                    "decoder-only models: leave it unset"
+                )
             if not texts:
                 raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
             max_tokens = int(_scalar(request, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
@@ -60,10 +67,17 @@ class TritonPythonModel:
             pad_id = int(_scalar(request, "PAD_ID", self.pad_id))
             stop = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "STOP_WORDS_DICT"))])
             bad = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "BAD_WORDS_DICT"))])
+            weights = _opt(request, "EMBEDDING_BIAS_WEIGHTS")
+            bias = rtk_text.embedding_bias(
+                self.tokenizer,
+                _strings(_opt(request, "EMBEDDING_BIAS_WORDS")),
+                [] if weights is None else weights.reshape(-1).tolist(),
+            )
+            extra_id = _opt(request, "PROMPT_TABLE_EXTRA_ID")
         except rtk_text.PromptError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
-        return pb_utils.InferenceResponse([
+        outputs = [
             pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
             pb_utils.Tensor("REQUEST_INPUT_LEN", i32(len(ids))),
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", i32(max_tokens)),
@@ -71,6 +85,12 @@ class TritonPythonModel:
             pb_utils.Tensor("STOP_WORDS_IDS", stop),
             pb_utils.Tensor("OUT_END_ID", i32(end_id)),
             pb_utils.Tensor("OUT_PAD_ID", i32(pad_id)),
+            pb_utils.Tensor("EMBEDDING_BIAS", bias.reshape(1, -1)),
             pb_utils.Tensor("DROPPED_TURNS", i32(dropped)),
-        ])
-
+        ]
+        if extra_id is not None:  # like upstream: only when sent, one extra id per prompt token
+            extra = int(extra_id.reshape(-1)[0])
+            outputs.append(
+                pb_utils.Tensor("OUT_PROMPT_TABLE_EXTRA_IDS", np.full((1, len(ids)), extra, dtype=np.uint64))
+            )
+        return pb_utils.InferenceResponse(outputs)

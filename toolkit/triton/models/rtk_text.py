@@ -24,7 +24,8 @@ the tests import it directly.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -74,6 +75,7 @@ def pad_id_of(tokenizer) -> int:
 
 
 # -- prompts and chat -------------------------------------------------------------------------
+
 
 def parse_query(text: str) -> list[dict] | None:
     """The chat messages in ``text``, or None when it is a plain prompt."""
@@ -168,6 +170,7 @@ def prompt_window(max_input_len: int, max_seq_len: int, max_tokens: int) -> int:
 
 # -- stop / bad words -------------------------------------------------------------------------
 
+
 def word_list(tokenizer, words_per_request: Sequence[Sequence[str]]) -> np.ndarray:
     """``[batch, 2, N]`` int32 in TensorRT-LLM's word-list format (``[[0], [-1]]`` for no words)."""
     flat_ids, offsets = [], []
@@ -186,7 +189,7 @@ def word_list(tokenizer, words_per_request: Sequence[Sequence[str]]) -> np.ndarr
     width = max(1, max(len(i) for i in flat_ids) if flat_ids else 1)
     out = np.zeros((len(flat_ids), 2, width), dtype=np.int32)
     out[:, 1, :] = -1
-    for b, (ids, offs) in enumerate(zip(flat_ids, offsets)):
+    for b, (ids, offs) in enumerate(zip(flat_ids, offsets, strict=True)):
         out[b, 0, : len(ids)] = ids
         out[b, 1, : len(offs)] = offs
     return out
@@ -206,6 +209,7 @@ def parse_word_list(arr: np.ndarray) -> list[list[int]]:
 
 # -- detokenization ---------------------------------------------------------------------------
 
+
 def _complete(text: str) -> str:
     """``text`` without a trailing incomplete UTF-8 character (decoded as U+FFFD)."""
     return text.rstrip(REPLACEMENT)
@@ -224,10 +228,73 @@ def decode_delta(tokenizer, preceding: Sequence[int], new: Sequence[int], *, ski
     base = _complete(tokenizer.decode(preceding, **kw)) if preceding else ""
     full = _complete(tokenizer.decode(preceding + [int(t) for t in new], **kw))
     if full.startswith(base):
-        return full[len(base):]
+        return full[len(base) :]
     # A tokenizer whose decoding of a prefix is not a prefix of the decoding (rare cleanup rules):
     # fall back to the longest common prefix so nothing is repeated.
     i = 0
     while i < min(len(base), len(full)) and base[i] == full[i]:
         i += 1
     return full[i:]
+
+
+# -- request values ---------------------------------------------------------------------------
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+# What a valid value of each sampling input is (TensorRT-LLM's names; the client names of
+# ensemble / BLS are aliases).  The CPU engine checks the same rules (toolkit/runtime/sampling.py).
+SAMPLING_RULES = {
+    "temperature": ("a number >= 0 (0 = greedy)", lambda v: _finite(v) and v >= 0),
+    "runtime_top_p": ("a number in (0, 1]", lambda v: _finite(v) and 0 < v <= 1),
+    "runtime_top_k": ("an integer >= 0 (0 = no limit)", lambda v: v >= 0),
+    "seed": ("an unsigned 64-bit integer", lambda v: 0 <= v < 2**64),
+    "min_tokens": ("an integer >= 0", lambda v: v >= 0),
+    "repetition_penalty": ("a number > 0 (1 = off)", lambda v: _finite(v) and v > 0),
+    "presence_penalty": ("a finite number (0 = off)", _finite),
+    "frequency_penalty": ("a finite number (0 = off)", _finite),
+    "len_penalty": ("a finite number (1 = off)", _finite),
+    "beam_width": ("an integer >= 1", lambda v: v >= 1),
+    "num_return_sequences": ("an integer >= 1", lambda v: v >= 1),
+}
+CLIENT_ALIASES = {"top_p": "runtime_top_p", "top_k": "runtime_top_k", "length_penalty": "len_penalty"}
+LLM_TO_CLIENT = {v: k for k, v in CLIENT_ALIASES.items()}
+
+
+def input_name(name: str) -> str:
+    """``'runtime_top_p' (the client's 'top_p')``: a tensorrt_llm input as a client of ensemble / BLS knows it."""
+    client = LLM_TO_CLIENT.get(name)
+    return f"'{name}'" + (f" (the client's '{client}')" if client else "")
+
+
+def check_sampling(values: dict, where: str) -> None:
+    """Raise PromptError naming the first input of ``values`` (name -> value or None) that is invalid."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        what, ok = SAMPLING_RULES[CLIENT_ALIASES.get(name, name)]
+        number = value.item() if hasattr(value, "item") else value
+        if not ok(float(number) if isinstance(number, float) else number):
+            raise PromptError(f"input {input_name(name)} is {number}; it must be {what} ({where})")
+
+
+def embedding_bias(tokenizer, words: Sequence[str], weights: Sequence[float]) -> np.ndarray:
+    """TensorRT-LLM's ``EMBEDDING_BIAS``: a ``[vocab]`` float32 vector adding each word's weight to
+    each of its tokens (preprocessing's ``_get_embedding_bias``; here the words are encoded without
+    special tokens, so a BOS token is never biased); empty when no words are given."""
+    if len(words) != len(weights):
+        raise PromptError(
+            f"embedding_bias_words has {len(words)} words but embedding_bias_weights has {len(weights)} "
+            "weights; send one weight per word"
+        )
+    if not len(words):
+        return np.zeros((0,), dtype=np.float32)
+    bias = np.zeros((len(tokenizer),), dtype=np.float32)
+    for word, weight in zip(words, weights, strict=True):
+        if not math.isfinite(float(weight)):
+            raise PromptError(f"embedding_bias_weights has {weight} for '{word}'; send finite numbers")
+        for t in tokenizer.encode(word, add_special_tokens=False):
+            bias[t] += float(weight)
+    return bias

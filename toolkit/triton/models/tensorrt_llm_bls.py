@@ -10,6 +10,13 @@ for streaming on GPU targets, whose C++ ``tensorrt_llm`` has no ``preceding_ids`
 
 Each request runs in its own thread (the model is decoupled); when the client cancels, the inner
 request is stopped with TensorRT-LLM's ``stop`` input under the same request id.
+
+The client interface is upstream's whole ``tensorrt_llm_bls/config.pbtxt``: sampling, penalties,
+``min_tokens``, ``num_return_sequences`` (one response per sequence, with ``sequence_index``),
+``return_log_probs``, LoRA, prompt tables, guided decoding and embedding bias go to ``tensorrt_llm``,
+which serves them or refuses them naming the input; the engine's outputs come back under their own
+names.  The multimodal and draft-model inputs are refused here (rtk serves no encoder or draft model),
+and invalid sampling values are refused before anything runs.
 """
 
 import json
@@ -17,20 +24,89 @@ import threading
 import uuid
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
-
 import rtk_text
+import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PERF = rtk_text.PERF_OUTPUTS
-# client input -> (tensorrt_llm input, dtype)
+# client input -> (tensorrt_llm input, dtype), scalars
 PASS_THROUGH = {
-    "top_k": ("runtime_top_k", np.int32), "top_p": ("runtime_top_p", np.float32),
-    "temperature": ("temperature", np.float32), "seed": ("seed", np.uint64),
+    "top_k": ("runtime_top_k", np.int32),
+    "top_p": ("runtime_top_p", np.float32),
+    "temperature": ("temperature", np.float32),
+    "seed": ("seed", np.uint64),
+    "length_penalty": ("len_penalty", np.float32),
+    "repetition_penalty": ("repetition_penalty", np.float32),
+    "min_tokens": ("min_tokens", np.int32),
+    "presence_penalty": ("presence_penalty", np.float32),
+    "frequency_penalty": ("frequency_penalty", np.float32),
+    "beam_width": ("beam_width", np.int32),
+    "num_return_sequences": ("num_return_sequences", np.int32),
+    "prompt_vocab_size": ("prompt_vocab_size", np.int32),
+    "lora_task_id": ("lora_task_id", np.uint64),
+    "return_log_probs": ("return_log_probs", np.bool_),
+    "return_context_logits": ("return_context_logits", np.bool_),
+    "return_generation_logits": ("return_generation_logits", np.bool_),
     "return_perf_metrics": ("return_perf_metrics", np.bool_),
     "return_num_input_tokens": ("return_num_input_tokens", np.bool_),
     "return_num_output_tokens": ("return_num_output_tokens", np.bool_),
 }
+# client inputs handed to tensorrt_llm as they are (tensors)
+PASS_THROUGH_TENSORS = (
+    "prompt_embedding_table",
+    "lora_weights",
+    "lora_config",
+    "guided_decoding_guide_type",
+    "guided_decoding_guide",
+)
+# tensorrt_llm outputs returned to the client under the same name (config.ENGINE_OUTPUTS)
+ENGINE_OUTPUTS = (
+    "cum_log_probs",
+    "output_log_probs",
+    "context_logits",
+    "generation_logits",
+    "batch_index",
+    "sequence_index",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    *PERF,
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+)
+# sampling inputs checked here (rtk_text.SAMPLING_RULES), before anything runs
+CHECKED = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+    "beam_width",
+    "num_return_sequences",
+)
+# inputs for models rtk does not serve: refused unless absent or empty
+NOT_SERVED = {
+    "decoder_text_input": "is for encoder-decoder models",
+    "image_input": "needs a multimodal encoder",
+    "image_bytes_input": "needs a multimodal encoder",
+    "image_url_input": "needs a multimodal encoder",
+    "video_bytes_input": "needs a multimodal encoder",
+    "num_draft_tokens": "needs a draft model",
+    "use_draft_logits": "needs a draft model",
+}
+
+
+class InnerError(Exception):
+    def __init__(self, error):
+        super().__init__(error.message())
+        self.error = error
 
 
 def _opt(request, name):
@@ -58,6 +134,7 @@ class TritonPythonModel:
         self.default_max_tokens = int(p.get("default_max_tokens", "128"))
         self.skip_special = p.get("skip_special_tokens", "true").lower() == "true"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+        self.where = f"model 'tensorrt_llm_bls', target '{p.get('target', '?')}'"
 
     def execute(self, requests):
         if not self.decoupled:
@@ -71,6 +148,8 @@ class TritonPythonModel:
             return self._generate(request, sender)
         except rtk_text.PromptError as exc:
             error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        except InnerError as exc:  # tensorrt_llm's error, with its code (INVALID_ARG stays INVALID_ARG)
+            error = pb_utils.TritonError(exc.error.message(), exc.error.code())
         except pb_utils.TritonModelException as exc:
             error = pb_utils.TritonError(str(exc))
         except Exception as exc:  # report, never leave the client waiting
@@ -81,7 +160,16 @@ class TritonPythonModel:
         sender.send(response, flags=FINAL)
         return None
 
+    def _refuse_not_served(self, request):
+        for name, why in NOT_SERVED.items():
+            a = _opt(request, name)
+            if a is None or a.size == 0 or (a.dtype == np.object_ and not any(a.reshape(-1))) or not a.any():
+                continue
+            raise rtk_text.PromptError(f"input '{name}' {why}; {self.where} has none: leave it unset")
+
     def _generate(self, request, sender):
+        self._refuse_not_served(request)
+        rtk_text.check_sampling({name: _scalar(request, name) for name in CHECKED}, self.where)
         texts = _strings(_opt(request, "text_input"))
         if not texts:
             raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
@@ -105,24 +193,41 @@ class TritonPythonModel:
         stop_words = _strings(_opt(request, "stop_words"))
         if stop_words:
             inputs.append(pb_utils.Tensor("stop_words_list", rtk_text.word_list(self.tokenizer, [stop_words])))
-        if _strings(_opt(request, "bad_words")):
-            inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "bad_words"))])))
+        bad_words = _strings(_opt(request, "bad_words"))
+        if bad_words:
+            inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [bad_words])))
+        weights = _opt(request, "embedding_bias_weights")
+        bias = rtk_text.embedding_bias(
+            self.tokenizer,
+            _strings(_opt(request, "embedding_bias_words")),
+            [] if weights is None else weights.reshape(-1).tolist(),
+        )
+        if bias.size:
+            inputs.append(pb_utils.Tensor("embedding_bias", bias.reshape(1, -1)))
+        extra_id = _opt(request, "prompt_table_extra_id")
+        if extra_id is not None and extra_id.size:
+            ids = np.full((1, len(prompt)), int(extra_id.reshape(-1)[0]), dtype=np.uint64)
+            inputs.append(pb_utils.Tensor("prompt_table_extra_ids", ids))
         for name, (target, dtype) in PASS_THROUGH.items():
             v = _scalar(request, name)
             if v is not None:
                 inputs.append(pb_utils.Tensor(target, np.array([[v]], dtype=dtype)))
+        for name in PASS_THROUGH_TENSORS:  # handed on as they came (a BF16 table has no numpy type)
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None:
+                inputs.append(t)
         inner_id = uuid.uuid4().hex  # never a client's id: two clients may reuse one
-        outputs = ["output_ids", "sequence_length", *PERF, "num_input_tokens", "num_output_tokens"]
+        outputs = ["output_ids", "sequence_length", *ENGINE_OUTPUTS]
         llm_request = pb_utils.InferenceRequest(
             model_name=self.llm, inputs=inputs, requested_output_names=outputs, request_id=inner_id
         )
 
-        history = list(prompt)  # tokens decoded so far, for decode_delta
-        collected, last_extras = [], []
+        history = {}  # sequence index -> tokens decoded so far, for decode_delta
+        collected, last_extras = {}, {}
         cancelled = False
         for response in llm_request.exec(decoupled=True):
             if response.has_error():
-                raise pb_utils.TritonModelException(response.error().message())
+                raise InnerError(response.error())
             if sender is not None and not cancelled and sender.is_cancelled():
                 cancelled = True
                 self._stop(inner_id)
@@ -131,37 +236,57 @@ class TritonPythonModel:
                 continue  # the empty final response
             n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
             new = ids_t.as_numpy().reshape(-1)[:n].tolist()
-            extras = [t for t in (pb_utils.get_output_tensor_by_name(response, o) for o in outputs[2:]) if t is not None]
+            index_t = pb_utils.get_output_tensor_by_name(response, "sequence_index")
+            index = 0 if index_t is None else int(index_t.as_numpy().reshape(-1)[0])
+            extras = [
+                t for t in (pb_utils.get_output_tensor_by_name(response, o) for o in ENGINE_OUTPUTS) if t is not None
+            ]
             if stream:
                 if cancelled:
                     continue
-                text = rtk_text.decode_delta(self.tokenizer, history[-rtk_text.PRECEDING_WINDOW:], new, skip_special_tokens=self.skip_special)
-                history += new
+                seen = history.setdefault(index, list(prompt))
+                text = rtk_text.decode_delta(
+                    self.tokenizer, seen[-rtk_text.PRECEDING_WINDOW :], new, skip_special_tokens=self.skip_special
+                )
+                seen += new
                 sender.send(self._response(text, extras, dropped))
             else:
-                collected = new  # non-streaming: one response with everything
-                last_extras = extras
+                collected[index] = collected.get(index, []) + new  # non-streaming: one response per sequence
+                last_extras[index] = extras
         if stream or cancelled:
             sender.send(flags=FINAL)
             return None
-        text = rtk_text.decode_delta(self.tokenizer, prompt[-rtk_text.PRECEDING_WINDOW:], collected, skip_special_tokens=self.skip_special)
-        if not exclude_input:  # like TensorRT-LLM: the prompt comes back unless excluded
-            text = rtk_text.decode_delta(self.tokenizer, [], prompt, skip_special_tokens=self.skip_special) + text
-        response = self._response(text, last_extras, dropped)
+        responses = []
+        for index in sorted(collected):
+            text = rtk_text.decode_delta(
+                self.tokenizer,
+                prompt[-rtk_text.PRECEDING_WINDOW :],
+                collected[index],
+                skip_special_tokens=self.skip_special,
+            )
+            if not exclude_input:  # like TensorRT-LLM: the prompt comes back unless excluded
+                text = rtk_text.decode_delta(self.tokenizer, [], prompt, skip_special_tokens=self.skip_special) + text
+            responses.append(self._response(text, last_extras[index], dropped))
         if sender is None:
-            return response
-        sender.send(response, flags=FINAL)
+            return responses[0] if responses else pb_utils.InferenceResponse([])
+        for i, response in enumerate(responses):
+            sender.send(response, flags=FINAL if i == len(responses) - 1 else 0)
+        if not responses:
+            sender.send(flags=FINAL)
         return None
 
     def _response(self, text, extras, dropped):
-        out = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        # One-dimensional, as upstream's postprocessing returns it: clients read ``text_output[0]``.
+        out = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
         out += [pb_utils.Tensor(t.name(), t.as_numpy()) for t in extras]
         out.append(pb_utils.Tensor("dropped_turns", np.array([[dropped]], dtype=np.int32)))
         return pb_utils.InferenceResponse(out)
 
     def _stop(self, inner_id):
         stop = pb_utils.InferenceRequest(
-            model_name=self.llm, request_id=inner_id, requested_output_names=["output_ids"],
+            model_name=self.llm,
+            request_id=inner_id,
+            requested_output_names=["output_ids"],
             inputs=[
                 pb_utils.Tensor("input_ids", np.zeros((1, 1), dtype=np.int32)),
                 pb_utils.Tensor("input_lengths", np.ones((1, 1), dtype=np.int32)),

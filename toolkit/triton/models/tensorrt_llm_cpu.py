@@ -20,6 +20,16 @@ INVALID_ARG error; the others keep being served.
 
 Sampling follows TensorRT-LLM: greedy unless ``runtime_top_k`` > 1, ``runtime_top_p`` in (0, 1)
 or ``temperature`` > 0 is sent (temperature defaults to 1.0 when only top-k/top-p are sent).
+``min_tokens``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` and
+``embedding_bias`` are applied as TensorRT-LLM applies them (toolkit/runtime/sampling.py);
+``return_log_probs`` adds ``output_log_probs`` (the new tokens') and ``cum_log_probs`` (their running
+sum); ``num_return_sequences`` n > 1 runs n engine requests (seeds ``seed``, ``seed + 1``, ...) whose
+responses carry ``sequence_index``; ``return_perf_metrics`` adds the ``kv_cache_*`` counters.  The
+model declares every input of the C++ backend: one it does not serve (beam search, LoRA, prompt
+tables, guided decoding, logits outputs, draft / encoder / multimodal inputs) is accepted absent,
+empty or at its default value, and any other value is refused with INVALID_ARG naming the input
+and the target, never ignored.  Invalid sampling values (NaN or negative temperature, top_p outside
+(0, 1], ...) are refused the same way.
 """
 
 import json
@@ -28,12 +38,54 @@ import time
 import uuid
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
-
 import rtk_text
+import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PERF = rtk_text.PERF_OUTPUTS
+# Inputs this model reads; every other input must be absent, empty, or equal to its entry in DEFAULTS.
+SERVED = frozenset(
+    {
+        "input_ids",
+        "input_lengths",
+        "request_output_len",
+        "end_id",
+        "pad_id",
+        "streaming",
+        "stop",
+        "exclude_input_in_output",
+        "return_perf_metrics",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "runtime_top_k",
+        "runtime_top_p",
+        "temperature",
+        "seed",
+        "min_tokens",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "return_log_probs",
+        "num_return_sequences",
+        "stop_words_list",
+        "bad_words_list",
+        "embedding_bias",
+        "dropped_turns",
+    }
+)
+# TensorRT-LLM's defaults of the inputs it does not serve (tensorrt_llm/layers/defaultDecodingParams.h).
+DEFAULTS = {
+    "beam_width": 1,
+    "len_penalty": 1.0,
+    "early_stopping": 1,
+    "beam_search_diversity_rate": 0.0,
+    "runtime_top_p_min": 1e-6,
+    "runtime_top_p_decay": 1.0,
+    "runtime_top_p_reset_ids": -1,
+    "return_context_logits": False,
+    "return_generation_logits": False,
+    "prompt_vocab_size": 0,
+}
 
 
 class BadRequest(ValueError):
@@ -52,28 +104,65 @@ def _scalar(request, name, default=None, kind=int):
     return kind(a.reshape(-1)[0])
 
 
+class _Group:
+    """One Triton request: its response sender, shared by the ``num_return_sequences`` engine requests."""
+
+    __slots__ = ("sender", "lock", "closed", "pending", "streams")
+
+    def __init__(self, sender, n):
+        self.sender, self.pending, self.streams = sender, n, []
+        # Guards the sender: is_cancelled() on a sender whose final response has gone crashes
+        # tritonserver 2.51 (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so the cancel
+        # watcher and the final send never overlap, and nothing touches the sender after it.
+        self.lock = threading.Lock()
+        self.closed = False
+
+
 class _Stream:
-    """One Triton request in the engine."""
+    """One engine request (one returned sequence of a Triton request)."""
 
-    __slots__ = ("request", "sender", "triton_id", "engine_id", "prompt", "streaming", "exclude_input", "want_perf",
-                 "want_in", "want_out", "dropped", "end_id", "generated", "sent", "arrival_ns", "first_token_ns",
-                 "last_token_ns", "done", "finished_event", "final_response", "stop_sequences", "lock", "closed")
+    __slots__ = (
+        "request",
+        "sender",
+        "group",
+        "index",
+        "triton_id",
+        "engine_id",
+        "prompt",
+        "streaming",
+        "exclude_input",
+        "want_perf",
+        "want_in",
+        "want_out",
+        "want_log_probs",
+        "dropped",
+        "end_id",
+        "generated",
+        "log_probs",
+        "kv",
+        "sent",
+        "arrival_ns",
+        "first_token_ns",
+        "last_token_ns",
+        "done",
+        "finished_event",
+        "final_response",
+        "stop_sequences",
+    )
 
-    def __init__(self, request, sender, triton_id, prompt):
-        self.request, self.sender, self.triton_id, self.prompt = request, sender, triton_id, prompt
+    def __init__(self, request, group, index, triton_id, prompt):
+        self.request, self.group, self.index, self.triton_id, self.prompt = request, group, index, triton_id, prompt
+        self.sender = group.sender
         self.engine_id = None
         self.generated = []
+        self.log_probs = []
+        self.kv = None  # (reused, total) blocks, from the engine while the request runs
         self.sent = 0
         self.arrival_ns = time.time_ns()
         self.first_token_ns = self.last_token_ns = None
         self.done = False
         self.finished_event = threading.Event()
         self.final_response = None
-        # Guards the sender: is_cancelled() on a sender whose final response has gone crashes
-        # tritonserver 2.51 (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so the cancel
-        # watcher and the final send never overlap, and nothing touches the sender after it.
-        self.lock = threading.Lock()
-        self.closed = False
 
 
 class TritonPythonModel:
@@ -85,11 +174,14 @@ class TritonPythonModel:
         self.queue_timeout_ns = int(float(p.get("queue_timeout_ms") or 0) * 1e6)
         self.check_period = float(p.get("cancellation_check_period_ms") or 50) / 1e3
         self.logger = pb_utils.Logger
+        self.where = f"model 'tensorrt_llm', target '{p.get('target') or 'cpu'}'"
 
-        from toolkit.targets.cpu import load_engine
         from toolkit.runtime.engine import BackgroundEngine
+        from toolkit.targets.cpu import load_engine
 
-        self.engine = load_engine(p["engine_dir"], scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict")
+        self.engine = load_engine(
+            p["engine_dir"], scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict"
+        )
         self.config = self.engine.config
         self.background = BackgroundEngine(self.engine)
         self.lock = threading.Lock()
@@ -112,7 +204,11 @@ class TritonPythonModel:
             except _QueueFull as exc:
                 self._reply_error(request, sender, str(exc), pb_utils.TritonError.UNAVAILABLE, streams)
             except Exception as exc:  # the engine refused it (toolkit.errors.UsageError) or failed
-                code = pb_utils.TritonError.INVALID_ARG if type(exc).__name__ in ("UsageError", "SpecError") else pb_utils.TritonError.INTERNAL
+                code = (
+                    pb_utils.TritonError.INVALID_ARG
+                    if type(exc).__name__ in ("UsageError", "SpecError")
+                    else pb_utils.TritonError.INTERNAL
+                )
                 self._reply_error(request, sender, f"{exc}", code, streams)
             else:
                 streams.append(stream)
@@ -138,8 +234,6 @@ class TritonPythonModel:
             streams.append(response)
 
     def _submit(self, request, sender):
-        from toolkit.runtime.engine import GenerationRequest, SamplingParams
-
         triton_id = request.request_id()
         if _scalar(request, "stop", False, bool):
             self._stop(triton_id)
@@ -152,62 +246,156 @@ class TritonPythonModel:
         ids = ids.reshape(-1)
         n = _scalar(request, "input_lengths", ids.size)
         if n is None or n < 1 or n > ids.size:
-            raise BadRequest(f"input_lengths {n} does not match input_ids ({ids.size} ids); send the number of prompt tokens")
+            raise BadRequest(
+                f"input_lengths {n} does not match input_ids ({ids.size} ids); send the number of prompt tokens"
+            )
         prompt = [int(t) for t in ids[:n]]
         max_new = _scalar(request, "request_output_len")
         if max_new is None or max_new < 1:
             raise BadRequest(f"request_output_len is {max_new}; ask for at least 1 token")
-        for name in ("beam_width", "num_return_sequences"):
-            v = _scalar(request, name, 1)
-            if v != 1:
-                raise BadRequest(f"{name} {v} is not supported by the cpu target; send 1")
-        if _scalar(request, "min_tokens", 0) > 1:
-            raise BadRequest("min_tokens is not supported by the cpu target; leave it unset")
+        self._refuse_unserved(request)
         bad = _opt(request, "bad_words_list")
         if bad is not None and rtk_text.parse_word_list(bad):
-            raise BadRequest("bad_words_list is not supported by the cpu target; leave bad_words unset")
-
-        top_k = _scalar(request, "runtime_top_k", 0)
-        top_p = _scalar(request, "runtime_top_p", 1.0, float)
-        temperature = _scalar(request, "temperature", None, float)
-        sample = (top_k or 0) > 1 or 0.0 < top_p < 1.0 or (temperature or 0.0) > 0.0
-        if not sample:
-            sampling = SamplingParams(temperature=0.0)
-        else:
-            sampling = SamplingParams(
-                temperature=1.0 if temperature is None or temperature <= 0 else temperature,
-                top_k=max(0, top_k or 0), top_p=top_p if 0.0 < top_p <= 1.0 else 1.0,
-                seed=_scalar(request, "seed", None),
+            raise BadRequest(f"input 'bad_words_list' is not supported ({self.where}); leave bad_words unset")
+        num_sequences = _scalar(request, "num_return_sequences", 1)
+        sampling = self._sampling(request)
+        if num_sequences > 1 and not self.decoupled:
+            raise BadRequest(
+                f"num_return_sequences {num_sequences} needs the decoupled model ({self.where}); "
+                "serve with streaming enabled, or send 1"
             )
         stop_words = _opt(request, "stop_words_list")
 
-        s = _Stream(request, sender, triton_id, prompt)
-        s.streaming = bool(_scalar(request, "streaming", False, bool)) and self.decoupled
-        s.exclude_input = bool(_scalar(request, "exclude_input_in_output", False, bool))
-        s.want_perf = bool(_scalar(request, "return_perf_metrics", False, bool))
-        s.want_in = bool(_scalar(request, "return_num_input_tokens", False, bool))
-        s.want_out = bool(_scalar(request, "return_num_output_tokens", False, bool))
-        s.dropped = _scalar(request, "dropped_turns", None)
-        s.end_id = _scalar(request, "end_id", None)
-        s.stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
-
-        req = GenerationRequest(
-            prompt_ids=prompt, max_new_tokens=int(max_new), end_id=s.end_id, stop_sequences=s.stop_sequences,
-            sampling=sampling, request_id=uuid.uuid4().hex,
-        )
+        group = _Group(sender, num_sequences)
+        streaming = bool(_scalar(request, "streaming", False, bool)) and self.decoupled
+        stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
+        end_id = _scalar(request, "end_id", None)
+        for i in range(num_sequences):
+            s = _Stream(request, group, i, triton_id, prompt)
+            s.streaming = streaming
+            s.exclude_input = bool(_scalar(request, "exclude_input_in_output", False, bool))
+            s.want_perf = bool(_scalar(request, "return_perf_metrics", False, bool))
+            s.want_in = bool(_scalar(request, "return_num_input_tokens", False, bool))
+            s.want_out = bool(_scalar(request, "return_num_output_tokens", False, bool))
+            s.want_log_probs = sampling.log_probs
+            s.dropped = _scalar(request, "dropped_turns", None)
+            s.end_id = end_id
+            s.stop_sequences = stop_sequences
+            group.streams.append(s)
+        reqs = [self._engine_request(prompt, int(max_new), s, sampling, i) for i, s in enumerate(group.streams)]
         with self.lock:
-            if self.max_queue and len(self.streams) >= self.config.max_batch_size + self.max_queue:
+            if self.max_queue and len(self.streams) + num_sequences > self.config.max_batch_size + self.max_queue:
                 raise _QueueFull("Exceeds maximum queue size (serving.max_queue_size); retry later")
             # Registered before submit: the engine thread may call back before submit returns.
-            s.engine_id = req.request_id
-            self.streams[s.engine_id] = s
+            for s, req in zip(group.streams, reqs, strict=True):
+                s.engine_id = req.request_id
+                self.streams[s.engine_id] = s
         try:
-            self.background.submit(req, lambda event, _s=s: self._on_event(_s, event))
+            for s, req in zip(group.streams, reqs, strict=True):
+                self.background.submit(req, lambda event, _s=s: self._on_event(_s, event))
         except BaseException:
-            with self.lock:
-                self.streams.pop(s.engine_id, None)
+            for s in group.streams:  # a request starts whole or not at all
+                self._finish(s)
+                self.background.cancel(s.engine_id)
             raise
-        return s
+        return group.streams[0]
+
+    def _engine_request(self, prompt, max_new, s, sampling, index):
+        import dataclasses
+
+        from toolkit.runtime.engine import GenerationRequest
+
+        if index and sampling.seed is not None:  # sequence i draws with seed + i
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
+        return GenerationRequest(
+            prompt_ids=prompt,
+            max_new_tokens=max_new,
+            end_id=s.end_id,
+            stop_sequences=s.stop_sequences,
+            sampling=sampling,
+            request_id=uuid.uuid4().hex,
+        )
+
+    def _refuse_unserved(self, request):
+        """INVALID_ARG for an input this model does not serve sent with a value other than its default."""
+        for tensor in request.inputs():
+            name = tensor.name()
+            if name in SERVED:
+                continue
+            try:
+                value = tensor.as_numpy()
+            except Exception:  # a type numpy lacks (the BF16 prompt_embedding_table): never the default
+                raise BadRequest(
+                    f"input {rtk_text.input_name(name)} is not supported ({self.where}); leave it unset"
+                ) from None
+            if value.size == 0 or (value.dtype == np.object_ and not any(value.reshape(-1))):
+                continue
+            if name in DEFAULTS and value.size == 1:
+                v, default = value.reshape(-1)[0], DEFAULTS[name]
+                if isinstance(default, float) and np.isclose(float(v), default, rtol=1e-6, atol=0.0):
+                    continue
+                if not isinstance(default, float) and v == default:
+                    continue
+                raise BadRequest(
+                    f"input {rtk_text.input_name(name)} is {v.item() if hasattr(v, 'item') else v}; "
+                    f"only {default} is supported ({self.where})"
+                )
+            raise BadRequest(f"input {rtk_text.input_name(name)} is not supported ({self.where}); leave it unset")
+
+    def _sampling(self, request):
+        """SamplingParams from the request, every value checked (INVALID_ARG naming the input)."""
+        from toolkit.runtime.engine import SamplingParams
+
+        values = {
+            "temperature": _scalar(request, "temperature", None, float),
+            "runtime_top_k": _scalar(request, "runtime_top_k", None),
+            "runtime_top_p": _scalar(request, "runtime_top_p", None, float),
+            "seed": _scalar(request, "seed", None),
+            "min_tokens": _scalar(request, "min_tokens", None),
+            "repetition_penalty": _scalar(request, "repetition_penalty", None, float),
+            "presence_penalty": _scalar(request, "presence_penalty", None, float),
+            "frequency_penalty": _scalar(request, "frequency_penalty", None, float),
+            "num_return_sequences": _scalar(request, "num_return_sequences", None),
+        }
+        try:
+            rtk_text.check_sampling(values, self.where)
+        except rtk_text.PromptError as exc:
+            raise BadRequest(str(exc)) from None
+        top_k = values["runtime_top_k"] or 0
+        top_p = 1.0 if values["runtime_top_p"] is None else values["runtime_top_p"]
+        temperature = values["temperature"]
+        penalties = dict(
+            min_tokens=values["min_tokens"] or 0,
+            repetition_penalty=1.0 if values["repetition_penalty"] is None else values["repetition_penalty"],
+            presence_penalty=values["presence_penalty"] or 0.0,
+            frequency_penalty=values["frequency_penalty"] or 0.0,
+            embedding_bias=self._embedding_bias(request),
+            log_probs=bool(_scalar(request, "return_log_probs", False, bool)),
+        )
+        if not (top_k > 1 or top_p < 1.0 or (temperature or 0.0) > 0.0):
+            return SamplingParams(temperature=0.0, **penalties)
+        return SamplingParams(
+            temperature=1.0 if not temperature else temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=values["seed"],
+            **penalties,
+        )
+
+    def _embedding_bias(self, request):
+        bias = _opt(request, "embedding_bias")
+        if bias is None or bias.size == 0 or not bias.any():
+            return None
+        import torch
+
+        bias = bias.reshape(-1).astype(np.float32)
+        vocab = self.engine.model_config.vocab_size
+        if bias.size > vocab or not np.isfinite(bias).all():
+            raise BadRequest(
+                f"input 'embedding_bias' has {bias.size} values; send at most {vocab} finite values, "
+                f"one per token id ({self.where})"
+            )
+        return torch.from_numpy(bias)
 
     def _stop(self, triton_id):
         if not triton_id:
@@ -224,58 +412,95 @@ class TritonPythonModel:
             return
         if event.error:
             self._finish(s)
-            self._send(s, pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error, pb_utils.TritonError.INTERNAL)), final=True)
+            self._fail(
+                s, pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error, pb_utils.TritonError.INTERNAL))
+            )
             return
         now = event.time_ns
         new = []
         if event.token_id is not None and event.finish_reason != "end_id":  # TensorRT-LLM leaves end_id out
             s.generated.append(int(event.token_id))
             new = [int(event.token_id)]
+            if s.want_log_probs:
+                lp = getattr(event, "log_prob", None)
+                s.log_probs.append(float("nan") if lp is None else lp)
         if event.token_id is not None:
             s.first_token_ns = s.first_token_ns or now
             s.last_token_ns = now
         if not event.finished:
+            if s.want_perf:
+                try:  # this runs on the engine thread, between steps
+                    stats = self.engine.request_stats(s.engine_id)
+                    s.kv = (stats["reused_blocks"], stats["blocks"])
+                except Exception:
+                    pass
             if s.streaming and new:
-                self._send(s, self._response(s, new, len(s.prompt) + len(s.generated) - len(new)), final=False)
+                self._send(
+                    s, self._response(s, new, len(s.prompt) + len(s.generated) - len(new), len(new)), final=False
+                )
             return
         self._finish(s)
         if event.finish_reason == "cancelled":
             if s.streaming:
                 self._send(s, None, final=True)
             else:
-                self._send(s, pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)), final=True)
+                self._fail(
+                    s,
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                    ),
+                )
             return
         if s.streaming:
-            self._send(s, self._response(s, new, len(s.prompt) + len(s.generated) - len(new)), final=True)
+            self._send(s, self._response(s, new, len(s.prompt) + len(s.generated) - len(new), len(new)), final=True)
         elif s.exclude_input:
-            self._send(s, self._response(s, s.generated, len(s.prompt)), final=True)
+            self._send(s, self._response(s, s.generated, len(s.prompt), len(s.generated)), final=True)
         else:
-            self._send(s, self._response(s, s.prompt + s.generated, 0), final=True)
+            self._send(s, self._response(s, s.prompt + s.generated, 0, len(s.generated)), final=True)
 
     def _finish(self, s):
         s.done = True
         with self.lock:
             self.streams.pop(s.engine_id, None)
 
-    def _response(self, s, tokens, start):
-        """A response carrying ``tokens``, which sit at position ``start`` of prompt + generated."""
+    def _response(self, s, tokens, start, new_count):
+        """A response carrying ``tokens``, which sit at position ``start`` of prompt + generated; the last
+        ``new_count`` generated tokens are the ones it reports log-probabilities of."""
         everything = s.prompt + s.generated
+        i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
         out = [
             pb_utils.Tensor("output_ids", np.array([[tokens]], dtype=np.int32).reshape(1, 1, len(tokens))),
-            pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
-            pb_utils.Tensor("preceding_ids", np.array([everything[max(0, start - rtk_text.PRECEDING_WINDOW):start]], dtype=np.int32)),
+            pb_utils.Tensor("sequence_length", i32(len(tokens))),
+            pb_utils.Tensor(
+                "preceding_ids",
+                np.array([everything[max(0, start - rtk_text.PRECEDING_WINDOW) : start]], dtype=np.int32),
+            ),
+            pb_utils.Tensor("batch_index", i32(0)),
+            pb_utils.Tensor("sequence_index", i32(s.index)),
         ]
+        if s.want_log_probs:
+            new = s.log_probs[len(s.log_probs) - new_count :] if new_count else []
+            out += [
+                pb_utils.Tensor("output_log_probs", np.array(new, dtype=np.float32).reshape(1, 1, len(new))),
+                pb_utils.Tensor("cum_log_probs", np.array([[sum(s.log_probs)]], dtype=np.float32)),
+            ]
         if s.want_perf:
             t = self._times(s)
             out += [pb_utils.Tensor(name, np.array([[t[name]]], dtype=np.int64)) for name in PERF]
+            if s.kv is not None:
+                reused, total = s.kv
+                out += [
+                    pb_utils.Tensor("kv_cache_alloc_new_blocks", i32(total - reused)),
+                    pb_utils.Tensor("kv_cache_reused_blocks", i32(reused)),
+                    pb_utils.Tensor("kv_cache_alloc_total_blocks", i32(total)),
+                ]
         if s.want_in:
-            out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(s.prompt)]], dtype=np.int32)))
+            out.append(pb_utils.Tensor("num_input_tokens", i32(len(s.prompt))))
         if s.want_out:
-            out.append(pb_utils.Tensor("num_output_tokens", np.array([[len(s.generated)]], dtype=np.int32)))
+            out.append(pb_utils.Tensor("num_output_tokens", i32(len(s.generated))))
         out.append(pb_utils.Tensor("request_key", np.array([[s.engine_id.encode()]], dtype=np.object_)))
         if s.dropped is not None:
-            out.append(pb_utils.Tensor("dropped_turns", np.array([[s.dropped]], dtype=np.int32)))
+            out.append(pb_utils.Tensor("dropped_turns", i32(s.dropped)))
         return pb_utils.InferenceResponse(out)
 
     def _times(self, s):
@@ -292,34 +517,54 @@ class TritonPythonModel:
         }
 
     def _send(self, s, response, *, final):
+        """Send ``response`` of stream ``s``; ``final``: ``s`` is done (the Triton request is done when all
+        its streams are)."""
         if not self.decoupled:
             if final:
                 s.final_response = response
                 s.finished_event.set()
             return
-        with s.lock:
-            if s.closed:
+        g = s.group
+        with g.lock:
+            if g.closed:
                 return
-            s.closed = final
+            last = False
+            if final:
+                g.pending -= 1
+                last = g.pending <= 0
+            g.closed = last
             try:
-                if response is None:
-                    s.sender.send(flags=FINAL)
-                else:
-                    s.sender.send(response, flags=FINAL if final else 0)
+                if response is not None:
+                    g.sender.send(response, flags=FINAL if last else 0)
+                elif last:
+                    g.sender.send(flags=FINAL)
             except Exception as exc:  # the client went away
                 self.logger.log_warn(f"tensorrt_llm: could not send a response: {exc}")
                 failed = True
             else:
                 failed = False
-        if failed and not s.done:
-            self.background.cancel(s.engine_id)
+        if failed:
+            for other in g.streams:
+                if not other.done:
+                    self.background.cancel(other.engine_id)
+
+    def _fail(self, s, response):
+        """End the whole Triton request of ``s`` with the error ``response`` (its other streams are cancelled)."""
+        for other in s.group.streams:
+            if other is not s and not other.done:
+                self._finish(other)
+                self.background.cancel(other.engine_id)
+        with s.group.lock:
+            s.group.pending = 1
+        self._send(s, response, final=True)
 
     def _client_cancelled(self, s):
-        with s.lock:
-            if s.closed:
+        g = s.group
+        with g.lock:
+            if g.closed:
                 return False
             try:
-                return s.sender.is_cancelled()
+                return g.sender.is_cancelled()
             except Exception:
                 return False
 
@@ -329,15 +574,22 @@ class TritonPythonModel:
         (``nv_trt_llm_kv_cache_block_metrics``, ``nv_trt_llm_request_metrics``), per instance."""
         base = {"model": args["model_name"], "version": args["model_version"], "instance": args["model_instance_name"]}
         kv = pb_utils.MetricFamily(
-            name="nv_trt_llm_kv_cache_block_metrics", description="KV cache blocks of rtk's CPU engine",
+            name="nv_trt_llm_kv_cache_block_metrics",
+            description="KV cache blocks of rtk's CPU engine",
             kind=pb_utils.MetricFamily.GAUGE,
         )
         req = pb_utils.MetricFamily(
-            name="nv_trt_llm_request_metrics", description="requests in rtk's CPU engine", kind=pb_utils.MetricFamily.GAUGE
+            name="nv_trt_llm_request_metrics",
+            description="requests in rtk's CPU engine",
+            kind=pb_utils.MetricFamily.GAUGE,
         )
         self.metric_families = (kv, req)  # keep them alive
-        self.kv_gauges = {t: kv.Metric(labels={**base, "kv_cache_block_type": t}) for t in ("max", "free", "used", "tokens_per")}
-        self.req_gauges = {t: req.Metric(labels={**base, "request_type": t}) for t in ("active", "max", "scheduled", "waiting")}
+        self.kv_gauges = {
+            t: kv.Metric(labels={**base, "kv_cache_block_type": t}) for t in ("max", "free", "used", "tokens_per")
+        }
+        self.req_gauges = {
+            t: req.Metric(labels={**base, "request_type": t}) for t in ("active", "max", "scheduled", "waiting")
+        }
         self.last_metrics = {}
         self.metrics_failed = False
         self.kv_gauges["tokens_per"].set(self.config.tokens_per_block)
@@ -347,8 +599,12 @@ class TritonPythonModel:
         """Set the gauges that changed (each set is a message to the server process)."""
         stats = self.engine.kv_stats()
         values = {
-            ("kv", "max"): stats["blocks_total"], ("kv", "free"): stats["blocks_free"], ("kv", "used"): stats["blocks_used"],
-            ("req", "active"): active, ("req", "scheduled"): stats.get("running", 0), ("req", "waiting"): stats.get("waiting", 0),
+            ("kv", "max"): stats["blocks_total"],
+            ("kv", "free"): stats["blocks_free"],
+            ("kv", "used"): stats["blocks_used"],
+            ("req", "active"): active,
+            ("req", "scheduled"): stats.get("running", 0),
+            ("req", "waiting"): stats.get("waiting", 0),
         }
         for key, value in values.items():
             if self.last_metrics.get(key) != value:
@@ -382,8 +638,15 @@ class TritonPythonModel:
                     if scheduled is None:
                         self._finish(s)
                         self.background.cancel(s.engine_id)
-                        self._send(s, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                            "Request timeout expired (serving.queue_timeout_ms)", pb_utils.TritonError.UNAVAILABLE)), final=True)
+                        self._fail(
+                            s,
+                            pb_utils.InferenceResponse(
+                                error=pb_utils.TritonError(
+                                    "Request timeout expired (serving.queue_timeout_ms)",
+                                    pb_utils.TritonError.UNAVAILABLE,
+                                )
+                            ),
+                        )
 
     def finalize(self):
         self.closing.set()
