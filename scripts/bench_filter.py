@@ -37,8 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-PATTERNS = [r"\b\d{3}-\d{2}-\d{4}\b", r"\bpass(word)?\s*[:=]", r"(?:api|secret)[_-]?key", r"\bkill\s+all\b",
-            r"\b(?:drop|truncate)\s+table\b", r"bearer\s+[a-z0-9]{20,}", r"<script\b", r"\bcredit\s+card\b"]
+PATTERNS = [
+    r"\b\d{3}-\d{2}-\d{4}\b",
+    r"\bpass(word)?\s*[:=]",
+    r"(?:api|secret)[_-]?key",
+    r"\bkill\s+all\b",
+    r"\b(?:drop|truncate)\s+table\b",
+    r"bearer\s+[a-z0-9]{20,}",
+    r"<script\b",
+    r"\bcredit\s+card\b",
+]
 
 FRONT_DOOR = """
 import sys, time, json
@@ -77,8 +85,13 @@ def start_front_door(grpc_url: str, flt: dict) -> tuple[subprocess.Popen, str]:
 async def grpc_request(backend, n_tokens: int) -> tuple[float, list[float], int]:
     from toolkit.frontdoor.protocol import GenRequest
 
-    req = GenRequest(kind="chat", model="fake", messages=[{"role": "user", "content": "hello there"}],
-                     max_tokens=n_tokens, stream=True)
+    req = GenRequest(
+        kind="chat",
+        model="fake",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=n_tokens,
+        stream=True,
+    )
     sent = time.perf_counter()
     stream = backend.stream(req)
     times, nbytes = [], 0
@@ -93,8 +106,12 @@ async def grpc_request(backend, n_tokens: int) -> tuple[float, list[float], int]
 
 
 async def http_request(client, url: str, n_tokens: int) -> tuple[float, list[float], int]:
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": n_tokens,
-            "stream": True}
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": n_tokens,
+        "stream": True,
+    }
     sent = time.perf_counter()
     times, nbytes = [], 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -141,8 +158,7 @@ async def measure(args, triton, words) -> int:
     await backend.open()
     doors = {
         "frontdoor": start_front_door(grpc_url, {}),
-        "front+filter": start_front_door(grpc_url, {"keywords": words, "patterns": PATTERNS,
-                                                    "hold_back_chars": 32}),
+        "front+filter": start_front_door(grpc_url, {"keywords": words, "patterns": PATTERNS, "hold_back_chars": 32}),
     }
     client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64))
     paths = {
@@ -170,8 +186,20 @@ async def measure(args, triton, words) -> int:
                 ttft = [t[0] - s for s, t, _ in reqs]
                 itl = [b - a for _, t, _ in reqs for a, b in zip(t, t[1:], strict=False)]
                 added = [(x - base) / args.tokens * 1e3 for x in e2e]
-                rows.append((c, name, len(reqs), pct(ttft, 50) * 1e3, pct(ttft, 99) * 1e3, pct(itl, 50) * 1e3,
-                             pct(itl, 99) * 1e3, pct(e2e, 50) * 1e3, pct(added, 50), pct(added, 99)))
+                rows.append(
+                    (
+                        c,
+                        name,
+                        len(reqs),
+                        pct(ttft, 50) * 1e3,
+                        pct(ttft, 99) * 1e3,
+                        pct(itl, 50) * 1e3,
+                        pct(itl, 99) * 1e3,
+                        pct(e2e, 50) * 1e3,
+                        pct(added, 50),
+                        pct(added, 99),
+                    )
+                )
     finally:
         await client.aclose()
         await backend.close()
@@ -180,10 +208,14 @@ async def measure(args, triton, words) -> int:
             p.wait(10)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
-          f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32")
-    print("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
-          "| added/token p50 ms | added/token p99 ms |")
+    print(
+        f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
+        f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32"
+    )
+    print(
+        "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
+        "| added/token p50 ms | added/token p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | " + " | ".join(f"{v:.2f}" for v in r[3:]) + " |")

@@ -240,8 +240,14 @@ def frontdoor_one(url, model, n):
     import httpx
 
     local = threading.local()
-    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": n, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": n,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
     def one():
         if not hasattr(local, "client"):
@@ -266,8 +272,18 @@ def start_frontdoor(repo, server):
     from toolkit.triton.server import free_ports
 
     (port,) = free_ports(1)
-    cmd = [sys.executable, "-m", "toolkit.frontdoor", str(repo), "--triton-grpc", server.grpc_url,
-           "--metrics-url", server.metrics_url, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "toolkit.frontdoor",
+        str(repo),
+        "--triton-grpc",
+        server.grpc_url,
+        "--metrics-url",
+        server.metrics_url,
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     if not line.startswith("ready"):
@@ -397,8 +413,10 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     for c in args.concurrency:
         e, f = results["ensemble"][c], results["frontdoor"][c]
-        print(f"| {c} | {(statistics.median(f.ttft) - statistics.median(e.ttft)) * ms:+.2f} | "
-              f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} |")
+        print(
+            f"| {c} | {(statistics.median(f.ttft) - statistics.median(e.ttft)) * ms:+.2f} | "
+            f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} |"
+        )
     print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")

@@ -38,14 +38,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-TOPICS = ["the river delta", "a mountain railway", "the old lighthouse", "a desert observatory", "the night market",
-          "a glacier expedition", "the coral reef survey", "an orbital station"]
+TOPICS = [
+    "the river delta",
+    "a mountain railway",
+    "the old lighthouse",
+    "a desert observatory",
+    "the night market",
+    "a glacier expedition",
+    "the coral reef survey",
+    "an orbital station",
+]
 
 
 def message(turn: int, words: int) -> str:
-    base = (f"Turn {turn}. Here are my notes about {TOPICS[turn % len(TOPICS)]}: the team arrived early, "
-            "checked the equipment, wrote down what they saw, compared it with last year's records and argued "
-            "about what had changed and why. ")
+    base = (
+        f"Turn {turn}. Here are my notes about {TOPICS[turn % len(TOPICS)]}: the team arrived early, "
+        "checked the equipment, wrote down what they saw, compared it with last year's records and argued "
+        "about what had changed and why. "
+    )
     text = base
     while len(text.split()) < words:
         text += base
@@ -83,22 +93,35 @@ def run_config(repo: Path, model: str, args, *, exact_ids: bool, db: Path) -> di
     with running_server(repo, ready_timeout_s=600) as triton:
         cfg = config_from(repo)
         cfg.sessions = SessionsSpec(path=str(db), exact_ids=exact_ids)
-        with FrontDoorServer(create_app(cfg, triton.grpc_url), "127.0.0.1", free_port()) as fd, \
-                httpx.Client(timeout=300) as client:
+        with (
+            FrontDoorServer(create_app(cfg, triton.grpc_url), "127.0.0.1", free_port()) as fd,
+            httpx.Client(timeout=300) as client,
+        ):
             ttfts = [[] for _ in range(8)]
             last = None
             for c in range(args.conversations + 1):  # the first conversation warms up and is not counted
                 sid = f"bench-{uuid.uuid4().hex[:12]}"
                 for t in range(8):
-                    body = {"model": model, "session_id": sid, "max_tokens": args.max_tokens, "temperature": 0,
-                            "stream": True, "messages": [{"role": "user", "content": message(t + 8 * c, args.words)}]}
+                    body = {
+                        "model": model,
+                        "session_id": sid,
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0,
+                        "stream": True,
+                        "messages": [{"role": "user", "content": message(t + 8 * c, args.words)}],
+                    }
                     v = ttft_of(client, fd.url, body)
                     if c:
                         ttfts[t].append(v)
                 last = client.get(f"{fd.url}/v1/sessions/{sid}").json()
     med = [float(np.median(x)) * 1e3 for x in ttfts]
-    return {"ttft_ms": med, "ratio": med[7] / med[0], "turn8": last["stats"][7], "turn1": last["stats"][0],
-            "tokens": last["tokens"]}
+    return {
+        "ttft_ms": med,
+        "ratio": med[7] / med[0],
+        "turn8": last["stats"][7],
+        "turn1": last["stats"][0],
+        "tokens": last["tokens"],
+    }
 
 
 def main(argv=None) -> int:
@@ -119,32 +142,51 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         for reuse in (True, False):
             tag = "reuse" if reuse else "noreuse"
-            spec = spec_from_dict({
-                "name": f"bench-sessions-{tag}", "model": {"source": str(args.quantized / "hf")},
-                "quantization": {"format": args.format},
-                "build": {"target": "cpu", "max_batch_size": 2, "max_input_len": 1536, "max_seq_len": 2048,
-                          "max_num_tokens": 256, "tokens_per_block": 32, "enable_kv_cache_reuse": reuse},
-                "serving": {"repository": str(tmp / f"repo-{tag}"), "warmup": True},
-            })
+            spec = spec_from_dict(
+                {
+                    "name": f"bench-sessions-{tag}",
+                    "model": {"source": str(args.quantized / "hf")},
+                    "quantization": {"format": args.format},
+                    "build": {
+                        "target": "cpu",
+                        "max_batch_size": 2,
+                        "max_input_len": 1536,
+                        "max_seq_len": 2048,
+                        "max_num_tokens": 256,
+                        "tokens_per_block": 32,
+                        "enable_kv_cache_reuse": reuse,
+                    },
+                    "serving": {"repository": str(tmp / f"repo-{tag}"), "warmup": True},
+                }
+            )
             engine = build(spec, args.quantized, tmp / f"engine-{tag}").path
             repo = emit(spec, engine).path
-            results["reuse" if reuse else "no reuse"] = run_config(repo, spec.name, args, exact_ids=True,
-                                                                   db=tmp / f"{tag}.sqlite")
+            results["reuse" if reuse else "no reuse"] = run_config(
+                repo, spec.name, args, exact_ids=True, db=tmp / f"{tag}.sqlite"
+            )
             if reuse:
                 results["reuse, text"] = run_config(repo, spec.name, args, exact_ids=False, db=tmp / "text.sqlite")
             shutil.rmtree(engine, ignore_errors=True)
 
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"\n{when}  load average {load}  cpus {os.cpu_count()}  model {args.quantized} ({args.format})  "
-          f"{args.conversations} conversations x 8 turns, {args.words}-word messages, {args.max_tokens} tokens out")
-    print("| configuration | " + " | ".join(f"turn {i + 1} TTFT ms" for i in range(8))
-          + " | turn-8 prompt tokens | reused ids | engine reused blocks | turn-8 / turn-1 |")
+    print(
+        f"\n{when}  load average {load}  cpus {os.cpu_count()}  model {args.quantized} ({args.format})  "
+        f"{args.conversations} conversations x 8 turns, {args.words}-word messages, {args.max_tokens} tokens out"
+    )
+    print(
+        "| configuration | "
+        + " | ".join(f"turn {i + 1} TTFT ms" for i in range(8))
+        + " | turn-8 prompt tokens | reused ids | engine reused blocks | turn-8 / turn-1 |"
+    )
     print("|---|" + "---|" * 12)
     for name, r in results.items():
         t8 = r["turn8"]
-        print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in r["ttft_ms"])
-              + f" | {t8['prompt_tokens']} | {t8['reused_ids']} | {t8['kv_reused_blocks']} | {r['ratio']:.2f} |")
+        print(
+            f"| {name} | "
+            + " | ".join(f"{v:.0f}" for v in r["ttft_ms"])
+            + f" | {t8['prompt_tokens']} | {t8['reused_ids']} | {t8['kv_reused_blocks']} | {r['ratio']:.2f} |"
+        )
     return 0
 
 

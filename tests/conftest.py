@@ -96,7 +96,8 @@ def smollm2_fp8_dir(tmp_path_factory, smollm2_dir) -> Path:
     from toolkit.quantize import quantize
 
     spec = spec_for(
-        "smollm2-fp8", smollm2_dir,
+        "smollm2-fp8",
+        smollm2_dir,
         quantization={"format": "fp8", "calibration": {"num_samples": 16, "max_length": 128}, "eval_samples": 16},
     )
     return quantize(spec, checkpoint=smollm2_dir, output=tmp_path_factory.mktemp("smollm2-fp8") / "quantized").path

@@ -40,8 +40,11 @@ TOKEN = "hf_rtkTestSentinelToken0123456789"
 
 
 def gpu_spec(**build) -> dict:
-    return {"name": "llama-3.1-8b", "model": {"source": "hf:meta-llama/Llama-3.1-8B-Instruct"},
-            "build": {"target": "trt-engine", "max_batch_size": 64, "max_num_tokens": 8192, **build}}
+    return {
+        "name": "llama-3.1-8b",
+        "model": {"source": "hf:meta-llama/Llama-3.1-8B-Instruct"},
+        "build": {"target": "trt-engine", "max_batch_size": 64, "max_num_tokens": 8192, **build},
+    }
 
 
 def with_deploy(data: dict, **deploy) -> dict:
@@ -51,23 +54,43 @@ def with_deploy(data: dict, **deploy) -> dict:
 CPU = yaml.safe_load((EXAMPLES / "smollm2-cpu.yaml").read_text())
 CASES = {
     "cpu-hpa": CPU,
-    "cpu-frontdoor-keda": {**with_deploy(CPU, autoscaling={"kind": "keda"}, secrets={"frontend_api_keys": "rtk-keys"}),
-                           "serving": {**CPU["serving"], "frontend": {"api_keys": "env:RTK_API_KEYS"}}},
-    "trt-tp2-s3-keda": with_deploy(gpu_spec(tp_size=2), autoscaling={"kind": "keda", "target": 1.5},
-                                   storage={"kind": "object-storage", "uri": "s3://models/llama",
-                                            "credentials_secret": "s3-creds"},
-                                   secrets={"hf_token": "hf-token", "image_pull": "ngc"}),
-    "trt-tp8pp2-lws-hpa": with_deploy(gpu_spec(tp_size=8, pp_size=2), secrets={"hf_token": "hf-token"},
-                                      node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
-    "trt-lws-ratio-keda": with_deploy(gpu_spec(tp_size=4, pp_size=2), resources={"gpus_per_node": 4},
-                                      autoscaling={"kind": "keda", "signal": "queue_compute_ratio"}),
-    "trt-instances-custom": {**with_deploy(gpu_spec(), autoscaling={
-        "signal": "custom", "query": 'rtk_frontdoor_inflight{namespace="default"}', "target": 4}),
-        "serving": {"instance_count": 2}},
+    "cpu-frontdoor-keda": {
+        **with_deploy(CPU, autoscaling={"kind": "keda"}, secrets={"frontend_api_keys": "rtk-keys"}),
+        "serving": {**CPU["serving"], "frontend": {"api_keys": "env:RTK_API_KEYS"}},
+    },
+    "trt-tp2-s3-keda": with_deploy(
+        gpu_spec(tp_size=2),
+        autoscaling={"kind": "keda", "target": 1.5},
+        storage={"kind": "object-storage", "uri": "s3://models/llama", "credentials_secret": "s3-creds"},
+        secrets={"hf_token": "hf-token", "image_pull": "ngc"},
+    ),
+    "trt-tp8pp2-lws-hpa": with_deploy(
+        gpu_spec(tp_size=8, pp_size=2),
+        secrets={"hf_token": "hf-token"},
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    ),
+    "trt-lws-ratio-keda": with_deploy(
+        gpu_spec(tp_size=4, pp_size=2),
+        resources={"gpus_per_node": 4},
+        autoscaling={"kind": "keda", "signal": "queue_compute_ratio"},
+    ),
+    "trt-instances-custom": {
+        **with_deploy(
+            gpu_spec(),
+            autoscaling={"signal": "custom", "query": 'rtk_frontdoor_inflight{namespace="default"}', "target": 4},
+        ),
+        "serving": {"instance_count": 2},
+    },
     "llmapi-none-gs": with_deploy(
-        {**gpu_spec(tp_size=2), "build": {"target": "llmapi", "tp_size": 2, "max_num_tokens": 4096},
-         "quantization": {"format": "int4_awq"}},
-        autoscaling={"kind": "none"}, replicas=3, storage={"kind": "object-storage", "uri": "gs://bucket/qwen"}),
+        {
+            **gpu_spec(tp_size=2),
+            "build": {"target": "llmapi", "tp_size": 2, "max_num_tokens": 4096},
+            "quantization": {"format": "int4_awq"},
+        },
+        autoscaling={"kind": "none"},
+        replicas=3,
+        storage={"kind": "object-storage", "uri": "gs://bucket/qwen"},
+    ),
 }
 
 
@@ -77,6 +100,7 @@ def bundles():
 
 
 # -- validators -----------------------------------------------------------------------------------
+
 
 def _strict(schema):
     """A CRD's structural schema as the API server applies it with strict field validation."""
@@ -112,13 +136,15 @@ def validate(obj: dict, k8s_version: str) -> None:
     if key in CRD_FILES:
         crd_validator(*key).validate(obj)
         # The CRD schema leaves metadata open; check it as the API server does (ObjectMeta, strict).
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]},
-                                     k8s_version, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, k8s_version, strict=True
+        )
     else:
         kubernetes_validate.validate(obj, k8s_version, strict=True)
 
 
 # -- every manifest is valid ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("k8s_version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -137,23 +163,38 @@ def test_every_manifest_validates(bundles, case, k8s_version):
 
 def test_all_kinds_are_covered(bundles):
     kinds = {o["kind"] for b in bundles.values() for o in b.manifests.values()}
-    assert kinds == {"ConfigMap", "Deployment", "LeaderWorkerSet", "Service", "PodMonitor", "PrometheusRule",
-                     "HorizontalPodAutoscaler", "ScaledObject"}
+    assert kinds == {
+        "ConfigMap",
+        "Deployment",
+        "LeaderWorkerSet",
+        "Service",
+        "PodMonitor",
+        "PrometheusRule",
+        "HorizontalPodAutoscaler",
+        "ScaledObject",
+    }
 
 
-@pytest.mark.parametrize("kind, breakage", [
-    ("Deployment", lambda o: o["spec"]["template"]["spec"]["containers"][0].update(startupprobe={})),
-    ("Deployment", lambda o: o["spec"].update(replicas="two")),
-    ("Service", lambda o: o["spec"]["ports"][0].update(port="http")),
-    ("HorizontalPodAutoscaler", lambda o: o["spec"]["metrics"][0]["pods"]["target"].update(averagevalue="2")),
-    ("LeaderWorkerSet", lambda o: o["spec"]["leaderWorkerTemplate"].update(sise=2)),
-    ("LeaderWorkerSet", lambda o: o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
-     .update(ports=[{"containerPort": "http"}])),
-    ("PodMonitor", lambda o: o["spec"]["podMetricsEndpoints"][0].update(scheme="tcp")),
-    ("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"][0].pop("expr")),
-    ("ScaledObject", lambda o: o["spec"].update(minReplicaCount="one")),
-    ("ScaledObject", lambda o: o["metadata"]["labels"].update(replicas=2)),  # label values are strings
-])
+@pytest.mark.parametrize(
+    "kind, breakage",
+    [
+        ("Deployment", lambda o: o["spec"]["template"]["spec"]["containers"][0].update(startupprobe={})),
+        ("Deployment", lambda o: o["spec"].update(replicas="two")),
+        ("Service", lambda o: o["spec"]["ports"][0].update(port="http")),
+        ("HorizontalPodAutoscaler", lambda o: o["spec"]["metrics"][0]["pods"]["target"].update(averagevalue="2")),
+        ("LeaderWorkerSet", lambda o: o["spec"]["leaderWorkerTemplate"].update(sise=2)),
+        (
+            "LeaderWorkerSet",
+            lambda o: o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0].update(
+                ports=[{"containerPort": "http"}]
+            ),
+        ),
+        ("PodMonitor", lambda o: o["spec"]["podMetricsEndpoints"][0].update(scheme="tcp")),
+        ("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"][0].pop("expr")),
+        ("ScaledObject", lambda o: o["spec"].update(minReplicaCount="one")),
+        ("ScaledObject", lambda o: o["metadata"]["labels"].update(replicas=2)),  # label values are strings
+    ],
+)
 def test_validators_reject_broken_manifests(bundles, kind, breakage):
     """The validation above can fail: an unknown (misspelt) field or a wrong type is caught for each kind.
     (Schemas do not carry the API server's value checks: port ranges, name syntax, enum values.)"""
@@ -165,6 +206,7 @@ def test_validators_reject_broken_manifests(bundles, kind, breakage):
 
 
 # -- what the manifests say -----------------------------------------------------------------------
+
 
 def _objects(bundle, kind):
     return [o for o in bundle.manifests.values() if o["kind"] == kind]
@@ -179,10 +221,17 @@ def _pod_templates(bundle):
     return [("leader", lwt["leaderTemplate"]), ("worker", lwt["workerTemplate"])]
 
 
-@pytest.mark.parametrize("case, gpus_per_pod, pods_per_replica", [
-    ("cpu-hpa", 0, 1), ("trt-tp2-s3-keda", 2, 1), ("trt-instances-custom", 1, 1), ("llmapi-none-gs", 2, 1),
-    ("trt-tp8pp2-lws-hpa", 8, 2), ("trt-lws-ratio-keda", 4, 2),
-])
+@pytest.mark.parametrize(
+    "case, gpus_per_pod, pods_per_replica",
+    [
+        ("cpu-hpa", 0, 1),
+        ("trt-tp2-s3-keda", 2, 1),
+        ("trt-instances-custom", 1, 1),
+        ("llmapi-none-gs", 2, 1),
+        ("trt-tp8pp2-lws-hpa", 8, 2),
+        ("trt-lws-ratio-keda", 4, 2),
+    ],
+)
 def test_gpu_requests_equal_world_size(bundles, case, gpus_per_pod, pods_per_replica):
     bundle = bundles[case]
     spec = spec_from_dict(copy.deepcopy(CASES[case]))
@@ -226,8 +275,11 @@ def test_single_node_selectors_match_the_pods(bundles):
             continue
         (dep,) = _objects(bundle, "Deployment")
         pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-        for selector in (dep["spec"]["selector"]["matchLabels"], _objects(bundle, "Service")[0]["spec"]["selector"],
-                         _objects(bundle, "PodMonitor")[0]["spec"]["selector"]["matchLabels"]):
+        for selector in (
+            dep["spec"]["selector"]["matchLabels"],
+            _objects(bundle, "Service")[0]["spec"]["selector"],
+            _objects(bundle, "PodMonitor")[0]["spec"]["selector"]["matchLabels"],
+        ):
             assert selector.items() <= pod_labels.items(), name
 
 
@@ -271,8 +323,14 @@ def test_pod_command_is_the_one_rtk_serve_runs(case):
     from toolkit.triton.server import TritonBinary
 
     spec = pod_spec(spec_from_dict(copy.deepcopy(CASES[case])))
-    t = launch.ServeTarget(repository=Path(spec.serving.repository), target=TARGETS[spec.build.target],
-                           build=spec.build, serving=spec.serving, engine_dir=None, models=[])
+    t = launch.ServeTarget(
+        repository=Path(spec.serving.repository),
+        target=TARGETS[spec.build.target],
+        build=spec.build,
+        serving=spec.serving,
+        engine_dir=None,
+        models=[],
+    )
     server = launch.make_server(t)
     server._binary = TritonBinary(Path("/opt/tritonserver/bin/tritonserver"), "system")  # the NGC image's
     server.launch = dataclasses.replace(server.launch, allow_run_as_root=True)  # NGC containers run as root
@@ -348,7 +406,7 @@ def test_hpa_metric_is_the_recorded_signal(bundles, case):
 
 def test_default_signal_is_waiting_requests(bundles):
     (rule,) = _objects(bundles["cpu-hpa"], "PrometheusRule")
-    assert 'nv_trt_llm_request_metrics{' in rule["spec"]["groups"][0]["rules"][0]["expr"]
+    assert "nv_trt_llm_request_metrics{" in rule["spec"]["groups"][0]["rules"][0]["expr"]
     assert 'request_type="waiting"' in rule["spec"]["groups"][0]["rules"][0]["expr"]
 
 
@@ -366,6 +424,7 @@ def test_keda_queries_the_recorded_signal(bundles):
 
 
 # -- secrets and bad input through the CLI ---------------------------------------------------------
+
 
 def _run(tmp_path, monkeypatch, data, *args):
     monkeypatch.chdir(tmp_path)
@@ -393,14 +452,25 @@ def test_hf_token_is_only_a_secret_reference(tmp_path, monkeypatch):
     assert manifest["complete"] and "k8s/10-leaderworkerset.yaml" in manifest["files"]
 
 
-@pytest.mark.parametrize("deploy, build, field", [
-    ({"autoscaling": {"min_replicas": 5, "max_replicas": 2}}, {}, "deploy.autoscaling.max_replicas"),
-    ({"storage": {"kind": "object-storage", "uri": "ftp://x/y"}}, {}, "deploy.storage.uri"),
-    ({"resources": {"gpus_per_node": 3}}, {"tp_size": 4}, "deploy.resources.gpus_per_node"),  # 4 ranks on 3-GPU nodes
-    ({"resources": {"gpus_per_node": 2}}, {"target": "llmapi", "tp_size": 4}, "deploy.resources.gpus_per_node"),
-    ({}, {"target": "llmapi"}, "deploy.autoscaling.signal"),  # llmapi exports no nv_trt_llm_request_metrics
-    ({"secrets": {"frontend_api_keys": "keys"}}, {"target": "cpu", "max_num_tokens": 512}, "serving.frontend.api_keys"),
-])
+@pytest.mark.parametrize(
+    "deploy, build, field",
+    [
+        ({"autoscaling": {"min_replicas": 5, "max_replicas": 2}}, {}, "deploy.autoscaling.max_replicas"),
+        ({"storage": {"kind": "object-storage", "uri": "ftp://x/y"}}, {}, "deploy.storage.uri"),
+        (
+            {"resources": {"gpus_per_node": 3}},
+            {"tp_size": 4},
+            "deploy.resources.gpus_per_node",
+        ),  # 4 ranks on 3-GPU nodes
+        ({"resources": {"gpus_per_node": 2}}, {"target": "llmapi", "tp_size": 4}, "deploy.resources.gpus_per_node"),
+        ({}, {"target": "llmapi"}, "deploy.autoscaling.signal"),  # llmapi exports no nv_trt_llm_request_metrics
+        (
+            {"secrets": {"frontend_api_keys": "keys"}},
+            {"target": "cpu", "max_num_tokens": 512},
+            "serving.frontend.api_keys",
+        ),
+    ],
+)
 def test_bad_spec_exits_2_naming_the_field_and_writes_nothing(tmp_path, monkeypatch, deploy, build, field):
     data = gpu_spec(**build)
     if data["build"]["target"] == "llmapi":

@@ -16,23 +16,30 @@ def test_defaults():
     assert d.secrets.hf_token is None and d.image is None
 
 
-@pytest.mark.parametrize("deploy, field, hint", [
-    ({"namespace": "Prod_NS"}, "deploy.namespace", "Kubernetes name"),
-    ({"replicas": -1}, "deploy.replicas", "greater than or equal"),
-    ({"resources": {"memory": "lots"}}, "deploy.resources.memory", "quantity"),
-    ({"resources": {"gpus_per_node": 0}}, "deploy.resources.gpus_per_node", "greater than or equal"),
-    ({"storage": {"kind": "object-storage"}}, "deploy.storage.uri", "s3://"),
-    ({"storage": {"kind": "object-storage", "uri": "http://bucket/x"}}, "deploy.storage.uri", "s3://"),
-    ({"storage": {"uri": "s3://bucket/x"}}, "deploy.storage.uri", "object-storage"),
-    ({"storage": {"mount_path": "models"}}, "deploy.storage.mount_path", "absolute"),
-    ({"autoscaling": {"kind": "vpa"}}, "deploy.autoscaling.kind", "'hpa'"),
-    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "deploy.autoscaling.max_replicas", "below min_replicas"),
-    ({"autoscaling": {"signal": "custom"}}, "deploy.autoscaling.query", "custom"),
-    ({"autoscaling": {"target": 0}}, "deploy.autoscaling.target", "greater than 0"),
-    ({"secrets": {"hf_token": "hf_abcdefSECRET"}}, "deploy.secrets.hf_token", "name of a Secret"),
-    ({"startup_timeout_s": 5}, "deploy.startup_timeout_s", "greater than or equal"),
-    ({"replica": 2}, "deploy.replica", "unknown field"),
-])
+@pytest.mark.parametrize(
+    "deploy, field, hint",
+    [
+        ({"namespace": "Prod_NS"}, "deploy.namespace", "Kubernetes name"),
+        ({"replicas": -1}, "deploy.replicas", "greater than or equal"),
+        ({"resources": {"memory": "lots"}}, "deploy.resources.memory", "quantity"),
+        ({"resources": {"gpus_per_node": 0}}, "deploy.resources.gpus_per_node", "greater than or equal"),
+        ({"storage": {"kind": "object-storage"}}, "deploy.storage.uri", "s3://"),
+        ({"storage": {"kind": "object-storage", "uri": "http://bucket/x"}}, "deploy.storage.uri", "s3://"),
+        ({"storage": {"uri": "s3://bucket/x"}}, "deploy.storage.uri", "object-storage"),
+        ({"storage": {"mount_path": "models"}}, "deploy.storage.mount_path", "absolute"),
+        ({"autoscaling": {"kind": "vpa"}}, "deploy.autoscaling.kind", "'hpa'"),
+        (
+            {"autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+            "deploy.autoscaling.max_replicas",
+            "below min_replicas",
+        ),
+        ({"autoscaling": {"signal": "custom"}}, "deploy.autoscaling.query", "custom"),
+        ({"autoscaling": {"target": 0}}, "deploy.autoscaling.target", "greater than 0"),
+        ({"secrets": {"hf_token": "hf_abcdefSECRET"}}, "deploy.secrets.hf_token", "name of a Secret"),
+        ({"startup_timeout_s": 5}, "deploy.startup_timeout_s", "greater than or equal"),
+        ({"replica": 2}, "deploy.replica", "unknown field"),
+    ],
+)
 def test_bad_values_name_the_field(deploy, field, hint):
     with pytest.raises(SpecError) as exc:
         spec_from_dict({"name": "m", "deploy": deploy})

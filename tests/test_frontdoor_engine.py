@@ -31,9 +31,19 @@ def served(tmp_path_factory, tiny_llama_dir):
     from toolkit.triton.emit import emit
 
     root = tmp_path_factory.mktemp("fd_engine")
-    spec = spec_for("tiny-fd", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
-                    serving={"repository": str(root / "repo"), "context_policy": "reject", "default_max_tokens": 8,
-                             "max_queue_size": 1, "warmup": False})
+    spec = spec_for(
+        "tiny-fd",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build=BUILD,
+        serving={
+            "repository": str(root / "repo"),
+            "context_policy": "reject",
+            "default_max_tokens": 8,
+            "max_queue_size": 1,
+            "warmup": False,
+        },
+    )
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     repo = emit(spec, engine).path
@@ -62,9 +72,16 @@ def test_the_answer_is_tritons_answer(served):
     r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()
-    direct = httpx.post(f"{served['triton'].http_url}/v2/models/ensemble/generate", timeout=60, json={
-        "text_input": json.dumps(messages), "max_tokens": 8, "exclude_input_in_output": True,
-        "return_num_input_tokens": True}).json()
+    direct = httpx.post(
+        f"{served['triton'].http_url}/v2/models/ensemble/generate",
+        timeout=60,
+        json={
+            "text_input": json.dumps(messages),
+            "max_tokens": 8,
+            "exclude_input_in_output": True,
+            "return_num_input_tokens": True,
+        },
+    ).json()
     assert got["choices"][0]["message"]["content"] == direct["text_output"]
     assert got["usage"]["prompt_tokens"] == direct["num_input_tokens"]
     assert got["usage"]["completion_tokens"] == 8 and got["choices"][0]["finish_reason"] == "length"
@@ -72,8 +89,12 @@ def test_the_answer_is_tritons_answer(served):
 
 def test_a_client_that_leaves_frees_its_kv_blocks(served):
     metrics = served["triton"].metrics_url
-    body = {"model": served["model"], "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 140, "stream": True}
+    body = {
+        "model": served["model"],
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 140,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as c, c.stream("POST", served["fd"] + "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -88,8 +109,11 @@ def test_a_client_that_leaves_frees_its_kv_blocks(served):
 
 def test_tritons_queue_full_is_429_never_400(served):
     # max_batch_size 2 + max_queue_size 1: the 4th simultaneous request is refused by the engine.
-    body = {"model": served["model"], "messages": [{"role": "user", "content": "Count to a hundred."}],
-            "max_tokens": 120}
+    body = {
+        "model": served["model"],
+        "messages": [{"role": "user", "content": "Count to a hundred."}],
+        "max_tokens": 120,
+    }
     results = []
 
     def one():
@@ -113,8 +137,11 @@ def test_a_prompt_over_the_window_is_400_naming_messages(served):
     r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages"
-    ok = httpx.post(served["fd"] + "/v1/chat/completions", timeout=60,
-                    json={**body, "messages": [{"role": "user", "content": "hi"}]})
+    ok = httpx.post(
+        served["fd"] + "/v1/chat/completions",
+        timeout=60,
+        json={**body, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert ok.status_code == 200
 
 

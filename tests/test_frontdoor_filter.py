@@ -195,8 +195,12 @@ ANSWER = [f" tok{1005 + i}" for i in range(12)]
 
 
 def ask(fd, *, stream: bool, content: str = PROMPT, max_tokens: int = 12):
-    body = {"model": "fake", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": stream}
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
     if not stream:
         r = httpx.post(fd.url + "/v1/chat/completions", json=body, timeout=30)
         return r, r.json()

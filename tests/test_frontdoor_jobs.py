@@ -86,8 +86,11 @@ class Receiver:
         async def hook(request):
             body = await request.body()
             self.got.append({"headers": dict(request.headers), "body": body, "at": time.time()})
-            return PlainTextResponse("no", status_code=500) if len(self.got) <= self.fail_first else PlainTextResponse(
-                "ok")
+            return (
+                PlainTextResponse("no", status_code=500)
+                if len(self.got) <= self.fail_first
+                else PlainTextResponse("ok")
+            )
 
         async def moved(request):
             self.got.append({"redirected": True})
@@ -119,8 +122,14 @@ def job_config(tmp_path, **jobs):
     from toolkit.frontdoor import FrontDoorConfig
     from toolkit.spec import JobsSpec
 
-    spec = {"path": str(tmp_path / "jobs.sqlite"), "callback_secret": "env:RTK_TEST_CB_SECRET",
-            "allow_private_callbacks": True, "poll_s": 0.1, "callback_backoff_s": 0.2, **jobs}
+    spec = {
+        "path": str(tmp_path / "jobs.sqlite"),
+        "callback_secret": "env:RTK_TEST_CB_SECRET",
+        "allow_private_callbacks": True,
+        "poll_s": 0.1,
+        "callback_backoff_s": 0.2,
+        **jobs,
+    }
     return FrontDoorConfig(model_name="fake", jobs=JobsSpec(**spec), max_seq_len=256, default_max_tokens=8)
 
 
@@ -141,9 +150,10 @@ def test_a_job_finishes_and_its_callback_is_retried_with_one_idempotency_key(tri
     from toolkit.frontdoor import FrontDoorServer, create_app
 
     monkeypatch.setenv("RTK_TEST_CB_SECRET", SECRET)
-    with Receiver(fail_first=2) as rx, FrontDoorServer(
-        create_app(job_config(tmp_path), triton.grpc_url), "127.0.0.1", free_port()
-    ) as fd:
+    with (
+        Receiver(fail_first=2) as rx,
+        FrontDoorServer(create_app(job_config(tmp_path), triton.grpc_url), "127.0.0.1", free_port()) as fd,
+    ):
         r = httpx.post(fd.url + "/v1/jobs", json=body(callback_url=rx.url + "/hook"))
         assert r.status_code == 202 and r.headers["location"] == f"/v1/jobs/{r.json()['id']}"
         jid = r.json()["id"]
@@ -210,8 +220,9 @@ def test_a_front_door_killed_mid_job_finishes_it_after_a_restart(triton, tmp_pat
 
     def start():
         code = FRONT_DOOR_PROCESS.format(tests=tests, tmp=str(tmp_path), grpc=triton.grpc_url, port=port)
-        p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         line = p.stdout.readline()
         assert "ready" in line, line + p.stdout.read()
         threading.Thread(target=p.stdout.read, daemon=True).start()
@@ -230,8 +241,12 @@ def test_a_front_door_killed_mid_job_finishes_it_after_a_restart(triton, tmp_pat
         assert rx.got == []
         second = start()
         try:
-            done = wait_for(lambda: (j := httpx.get(f"http://127.0.0.1:{port}/v1/jobs/{jid}").json())["status"]
-                            == "succeeded" and j, timeout_s=60)
+            done = wait_for(
+                lambda: (
+                    (j := httpx.get(f"http://127.0.0.1:{port}/v1/jobs/{jid}").json())["status"] == "succeeded" and j
+                ),
+                timeout_s=60,
+            )
             assert done["runs"] == 2 and done["result"]["usage"]["completion_tokens"] == 60
             wait_for(lambda: len(rx.got) == 2)  # the first delivery failed and was retried
             assert {g["headers"]["idempotency-key"] for g in rx.got} == {f"{jid}:2"}

@@ -43,9 +43,21 @@ def redis_url(tmp_path_factory):
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server); Redis sessions untested")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path_factory.mktemp("redis"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 10
@@ -141,7 +153,8 @@ def test_the_next_turn_starts_with_the_exact_ids_the_engine_saw(tmp_path, tokens
         m = manager(tmp_path, tokens)
         t1 = await m.begin(chat("Hi there"), "s", "")
         assert t1.reused_ids == 0 and t1.prompt_ids == tokens.encode(
-            tokens.render([{"role": "user", "content": "Hi there"}], generation_prompt=True))
+            tokens.render([{"role": "user", "content": "Hi there"}], generation_prompt=True)
+        )
         # Generated ids whose decoding re-tokenises differently (" Hel" + "lo" vs " Hello"): kept as generated.
         gen = tokens.encode(" Hel") + tokens.encode("lo") + [tokens.end_id]
         reply = tokens.tok.decode(gen, skip_special_tokens=True)
@@ -165,8 +178,12 @@ def test_the_next_turn_starts_with_the_exact_ids_the_engine_saw(tmp_path, tokens
 def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, tokens):
     async def go():
         m = manager(tmp_path, tokens)
-        sys = GenRequest(kind="chat", model="m", max_tokens=16, messages=[
-            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 60}])
+        sys = GenRequest(
+            kind="chat",
+            model="m",
+            max_tokens=16,
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 60}],
+        )
         t = await m.begin(sys, "w", "")
         await m.commit(t, tokens.encode(" ok"), " ok", {})
         for i in range(6):
@@ -198,8 +215,14 @@ def test_a_reply_that_breaks_the_content_filter_is_not_stored(tmp_path, tokens):
     from toolkit.frontdoor.filter import Rules
     from toolkit.spec import FilterSpec
 
-    m = SessionManager(SessionsSpec(), SQLiteSessions(tmp_path / "f.sqlite", 60), tokens, window=400,
-                       max_seq_len=512, rules=Rules.from_spec(FilterSpec(keywords=["open sesame"])))
+    m = SessionManager(
+        SessionsSpec(),
+        SQLiteSessions(tmp_path / "f.sqlite", 60),
+        tokens,
+        window=400,
+        max_seq_len=512,
+        rules=Rules.from_spec(FilterSpec(keywords=["open sesame"])),
+    )
     assert asyncio.run(m.allowed("the door opens"))
     assert not asyncio.run(m.allowed("say OPEN\u200b Sesame"))
 
@@ -218,8 +241,13 @@ def served(tmp_path_factory, tiny_llama_dir):
     from toolkit.triton.emit import emit
 
     root = tmp_path_factory.mktemp("sessions_engine")
-    spec = spec_for("tiny-sessions", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
-                    serving={"repository": str(root / "repo"), "default_max_tokens": 8, "warmup": False})
+    spec = spec_for(
+        "tiny-sessions",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build=BUILD,
+        serving={"repository": str(root / "repo"), "default_max_tokens": 8, "warmup": False},
+    )
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     repo = emit(spec, engine).path
@@ -241,8 +269,13 @@ def front_door(served, monkeypatch):
 
 
 def turn(fd, served, text, *, key="key-alice", sid="s1", stream=False):
-    body = {"model": served["model"], "messages": [{"role": "user", "content": text}], "max_tokens": 8,
-            "temperature": 0, "stream": stream}
+    body = {
+        "model": served["model"],
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    }
     if sid:
         body["session_id"] = sid
     h = {"Authorization": f"Bearer {key}"} if key else {}
@@ -293,8 +326,16 @@ def test_others_sessions_need_the_admin_key(served, monkeypatch):
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
         assert httpx.get(fd.url + "/v1/sessions").status_code == 401  # API keys are configured
         # Bob cannot continue it either.
-        r = httpx.post(fd.url + "/v1/chat/completions", headers=bob, timeout=60, json={
-            "model": served["model"], "messages": [{"role": "user", "content": "hi"}], "session_id": "alice-only"})
+        r = httpx.post(
+            fd.url + "/v1/chat/completions",
+            headers=bob,
+            timeout=60,
+            json={
+                "model": served["model"],
+                "messages": [{"role": "user", "content": "hi"}],
+                "session_id": "alice-only",
+            },
+        )
         assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
         listed = httpx.get(fd.url + "/v1/sessions?all=1", headers=admin).json()["data"]
         assert "alice-only" in [s["id"] for s in listed]
@@ -311,16 +352,24 @@ def test_rtk_sessions_lists_shows_and_deletes(tmp_path):
 
     db = tmp_path / "cli.sqlite"
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"name: cli-sessions\nmodel: {{source: builtin:smollm2-135m-instruct}}\n"
-                    f"serving: {{sessions: {{path: {db}}}}}\n")
+    spec.write_text(
+        f"name: cli-sessions\nmodel: {{source: builtin:smollm2-135m-instruct}}\nserving: {{sessions: {{path: {db}}}}}\n"
+    )
     runner = CliRunner()
     r = runner.invoke(cli, ["sessions", "list", str(spec)])
     assert r.exit_code == 2 and "no sessions yet" in r.output
 
     async def seed():
         store = SQLiteSessions(db, 86_400)
-        await store.put(Session("chat-7", owner=owner_of("someone"), ids=[1, 2, 3], turns=1,
-                                messages=[{"role": "user", "content": "bonjour", "tokens": 2}]))
+        await store.put(
+            Session(
+                "chat-7",
+                owner=owner_of("someone"),
+                ids=[1, 2, 3],
+                turns=1,
+                messages=[{"role": "user", "content": "bonjour", "tokens": 2}],
+            )
+        )
         await store.close()
 
     asyncio.run(seed())

@@ -23,8 +23,13 @@ BUILD = {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128, "max_num_
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("replicas")
-    spec = spec_for("tiny", tiny_llama_dir, quantization={"format": "none"}, build=BUILD,
-                    serving={"repository": str(root / "repo"), "default_max_tokens": 4})
+    spec = spec_for(
+        "tiny",
+        tiny_llama_dir,
+        quantization={"format": "none"},
+        build=BUILD,
+        serving={"repository": str(root / "repo"), "default_max_tokens": 4},
+    )
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     return emit(spec, engine).path
@@ -40,8 +45,9 @@ def _alive(pid: int) -> bool:
 
 def _generate(http_url: str) -> str:
     body = json.dumps({"text_input": "hello", "max_tokens": 4, "stream": True}).encode()
-    req = urllib.request.Request(f"{http_url}/v2/models/ensemble/generate_stream", body,
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{http_url}/v2/models/ensemble/generate_stream", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.status == 200
         return resp.read().decode()
@@ -63,8 +69,14 @@ def test_replicas_are_for_the_cpu_target(repo):
     from toolkit.targets import TARGETS
     from toolkit.triton import launch
 
-    t = launch.ServeTarget(repository=Path(repo), target=TARGETS["trt-engine"], build=BuildSpec(target="trt-engine"),
-                           serving=ServingSpec(), engine_dir=None, models=[])
+    t = launch.ServeTarget(
+        repository=Path(repo),
+        target=TARGETS["trt-engine"],
+        build=BuildSpec(target="trt-engine"),
+        serving=ServingSpec(),
+        engine_dir=None,
+        models=[],
+    )
     with pytest.raises(UsageError, match="instance_count"):
         launch.make_replicas(t, 2)
     cpu = launch.resolve(repo)
@@ -93,7 +105,7 @@ def test_two_replicas_serve_and_stop_together(repo):
             assert _alive(st.pid)
             assert '"text_output"' in _generate(st.http_url)
             metrics = urllib.request.urlopen(st.metrics_url, timeout=10).read().decode()
-            assert 'nv_trt_llm_request_metrics{' in metrics  # each replica exports the autoscaling signal
+            assert "nv_trt_llm_request_metrics{" in metrics  # each replica exports the autoscaling signal
         # A second start is refused while the replicas run.
         again = runner.invoke(cli, ["serve", str(repo), "--detach", "--timeout", "60"])
         assert again.exit_code == 4 and "already serves" in again.output

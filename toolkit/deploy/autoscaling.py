@@ -36,17 +36,29 @@ def signal(spec: Spec, layout: Layout) -> Signal:
     job = f'job="{scrape_job(layout)}"'
     if a.signal == "waiting_requests":
         if layout.target == "llmapi":
-            raise SpecError("the llmapi target's Triton model exports no nv_trt_llm_request_metrics; use "
-                            "signal: custom with the front door's queue metric", field="deploy.autoscaling.signal")
-        return Signal("namespace_pod:nv_trt_llm_waiting_requests:sum", "rtk_waiting_requests",
-                      f'sum by (namespace, pod) (nv_trt_llm_request_metrics{{{job}, request_type="waiting"}})', 2.0)
+            raise SpecError(
+                "the llmapi target's Triton model exports no nv_trt_llm_request_metrics; use "
+                "signal: custom with the front door's queue metric",
+                field="deploy.autoscaling.signal",
+            )
+        return Signal(
+            "namespace_pod:nv_trt_llm_waiting_requests:sum",
+            "rtk_waiting_requests",
+            f'sum by (namespace, pod) (nv_trt_llm_request_metrics{{{job}, request_type="waiting"}})',
+            2.0,
+        )
     if a.signal == "queue_compute_ratio":
         queue = f"sum by (namespace, pod) (rate(nv_inference_queue_duration_us{{{job}}}[1m]))"
         compute = f"sum by (namespace, pod) (rate(nv_inference_compute_infer_duration_us{{{job}}}[1m]))"
-        return Signal("namespace_pod:nv_inference_queue_compute:ratio", "rtk_queue_compute_ratio",
-                      f"{queue} / clamp_min({compute}, 1)", 1.0)
-    return Signal("namespace_pod:rtk_autoscaling_signal:custom", "rtk_custom_signal",
-                  f"sum by (namespace, pod) ({a.query})", 1.0)
+        return Signal(
+            "namespace_pod:nv_inference_queue_compute:ratio",
+            "rtk_queue_compute_ratio",
+            f"{queue} / clamp_min({compute}, 1)",
+            1.0,
+        )
+    return Signal(
+        "namespace_pod:rtk_autoscaling_signal:custom", "rtk_custom_signal", f"sum by (namespace, pod) ({a.query})", 1.0
+    )
 
 
 def target_value(spec: Spec, sig: Signal) -> float:
@@ -62,14 +74,22 @@ def quantity(value: float) -> str:
 def prometheus_rule(spec: Spec, layout: Layout) -> dict:
     sig = signal(spec, layout)
     return {
-        "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-        "metadata": {"name": layout.name, "namespace": layout.namespace,
-                     "labels": {**layout.labels, **spec.deploy.autoscaling.prometheus_labels}},
-        "spec": {"groups": [{
-            "name": f"{layout.name}.autoscaling",
-            "interval": "15s",
-            "rules": [{"record": sig.record, "expr": sig.expr, "labels": {DEPLOYMENT_LABEL: layout.name}}],
-        }]},
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": layout.name,
+            "namespace": layout.namespace,
+            "labels": {**layout.labels, **spec.deploy.autoscaling.prometheus_labels},
+        },
+        "spec": {
+            "groups": [
+                {
+                    "name": f"{layout.name}.autoscaling",
+                    "interval": "15s",
+                    "rules": [{"record": sig.record, "expr": sig.expr, "labels": {DEPLOYMENT_LABEL: layout.name}}],
+                }
+            ]
+        },
     }
 
 
@@ -83,26 +103,39 @@ def _behavior(spec: Spec) -> dict:
     a = spec.deploy.autoscaling
     return {
         # Up: at most one replica (a pod or a whole group) a minute; each loads its engine for minutes.
-        "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_s, "selectPolicy": "Max",
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
-        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s, "selectPolicy": "Max",
-                      "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+        "scaleUp": {
+            "stabilizationWindowSeconds": a.scale_up_stabilization_s,
+            "selectPolicy": "Max",
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": a.scale_down_stabilization_s,
+            "selectPolicy": "Max",
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
+        },
     }
 
 
 def hpa(spec: Spec, layout: Layout) -> dict:
     a, sig = spec.deploy.autoscaling, signal(spec, layout)
     return {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": layout.name, "namespace": layout.namespace, "labels": dict(layout.labels)},
         "spec": {
             "scaleTargetRef": _scale_target(layout),
             "minReplicas": a.min_replicas,
             "maxReplicas": a.max_replicas,
             # Pods metric: averaged over the scale target's pods (a LeaderWorkerSet's scale selector is its leaders).
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": sig.metric},
-                "target": {"type": "AverageValue", "averageValue": quantity(target_value(spec, sig))}}}],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": sig.metric},
+                        "target": {"type": "AverageValue", "averageValue": quantity(target_value(spec, sig))},
+                    },
+                }
+            ],
             "behavior": _behavior(spec),
         },
     }
@@ -112,19 +145,24 @@ def adapter_rules(spec: Spec, layout: Layout) -> dict:
     """prometheus-adapter configuration that serves the recorded series as the HPA's per-pod metric.
     Merge ``rules`` into the adapter's config (the Helm chart's ``rules.custom``)."""
     sig = signal(spec, layout)
-    return {"rules": [{
-        "seriesQuery": f'{sig.record}{{namespace!="",pod!=""}}',
-        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-        "name": {"matches": f"^{sig.record}$", "as": sig.metric},
-        "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
-    }]}
+    return {
+        "rules": [
+            {
+                "seriesQuery": f'{sig.record}{{namespace!="",pod!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                "name": {"matches": f"^{sig.record}$", "as": sig.metric},
+                "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+            }
+        ]
+    }
 
 
 def scaled_object(spec: Spec, layout: Layout) -> dict:
     a, sig = spec.deploy.autoscaling, signal(spec, layout)
     query = f'sum({sig.record}{{namespace="{layout.namespace}", {DEPLOYMENT_LABEL}="{layout.name}"}})'
     return {
-        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
         "metadata": {"name": layout.name, "namespace": layout.namespace, "labels": dict(layout.labels)},
         "spec": {
             "scaleTargetRef": _scale_target(layout),
@@ -134,8 +172,16 @@ def scaled_object(spec: Spec, layout: Layout) -> dict:
             "cooldownPeriod": a.scale_down_stabilization_s,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
             # AverageValue: the query's total is divided by the replicas, as the HPA's Pods metric is.
-            "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
-                "serverAddress": a.prometheus_url, "query": query,
-                "threshold": f"{target_value(spec, sig):g}"}}],
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": a.prometheus_url,
+                        "query": query,
+                        "threshold": f"{target_value(spec, sig):g}",
+                    },
+                }
+            ],
         },
     }

@@ -71,9 +71,16 @@ def triton_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     launch = target.triton_launch(spec.build, spec.serving) if target.triton_launch else Launch()
     launch = dataclasses.replace(launch, allow_run_as_root=True)  # NGC images run as root; mpirun needs the flag
     s = spec.serving
-    server = TritonServer(spec.serving.repository, binary=TritonBinary(Path(TRITONSERVER_IN_NGC), "system"),
-                          host=s.host, http_port=s.http_port, grpc_port=s.grpc_port, metrics_port=s.metrics_port,
-                          launch=launch, extra_args=SERVE_EXTRA_ARGS)
+    server = TritonServer(
+        spec.serving.repository,
+        binary=TritonBinary(Path(TRITONSERVER_IN_NGC), "system"),
+        host=s.host,
+        http_port=s.http_port,
+        grpc_port=s.grpc_port,
+        metrics_port=s.metrics_port,
+        launch=launch,
+        extra_args=SERVE_EXTRA_ARGS,
+    )
     return server.command(), dict(launch.env)
 
 
@@ -81,40 +88,57 @@ def leader_script(argv: list[str], layout: Layout) -> str:
     """Wait for every worker's sshd, then ``exec`` rtk's mpirun line with the group's hosts."""
     assert argv[0] == "mpirun"
     flags = [a for a in argv[1:] if a == "--allow-run-as-root"]
-    programs = argv[1 + len(flags):]
+    programs = argv[1 + len(flags) :]
     ssh = f"ssh -p {SSH_PORT} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
-    mpirun = ["mpirun", *flags, "--host", "$RTK_MPI_HOSTS", "--mca", "plm_rsh_agent", "ssh",
-              "--mca", "plm_rsh_args", ssh.removeprefix("ssh "), *programs]
+    mpirun = [
+        "mpirun",
+        *flags,
+        "--host",
+        "$RTK_MPI_HOSTS",
+        "--mca",
+        "plm_rsh_agent",
+        "ssh",
+        "--mca",
+        "plm_rsh_args",
+        ssh.removeprefix("ssh "),
+        *programs,
+    ]
     line = " ".join('"$RTK_MPI_HOSTS"' if a == "$RTK_MPI_HOSTS" else shlex.quote(a) for a in mpirun)
-    return "\n".join([
-        "set -euo pipefail",
-        _install_ssh_keys(),
-        'leader="${LWS_LEADER_ADDRESS%%.*}"; domain="${LWS_LEADER_ADDRESS#*.}"',
-        f'RTK_MPI_HOSTS="$LWS_LEADER_ADDRESS:{layout.gpus_per_pod}"',
-        'for i in $(seq 1 $((LWS_GROUP_SIZE - 1))); do',
-        '  worker="$leader-$i.$domain"',
-        f'  until {ssh} "$worker" true 2>/dev/null; do echo "waiting for $worker"; sleep 5; done',
-        f'  RTK_MPI_HOSTS="$RTK_MPI_HOSTS,$worker:{layout.gpus_per_pod}"',
-        "done",
-        f"exec {line}",
-    ])
+    return "\n".join(
+        [
+            "set -euo pipefail",
+            _install_ssh_keys(),
+            'leader="${LWS_LEADER_ADDRESS%%.*}"; domain="${LWS_LEADER_ADDRESS#*.}"',
+            f'RTK_MPI_HOSTS="$LWS_LEADER_ADDRESS:{layout.gpus_per_pod}"',
+            "for i in $(seq 1 $((LWS_GROUP_SIZE - 1))); do",
+            '  worker="$leader-$i.$domain"',
+            f'  until {ssh} "$worker" true 2>/dev/null; do echo "waiting for $worker"; sleep 5; done',
+            f'  RTK_MPI_HOSTS="$RTK_MPI_HOSTS,$worker:{layout.gpus_per_pod}"',
+            "done",
+            f"exec {line}",
+        ]
+    )
 
 
 def worker_command() -> list[str]:
     """A worker runs sshd; the leader's mpirun starts its ranks."""
-    script = "\n".join([
-        "set -euo pipefail",
-        _install_ssh_keys(),
-        # ssh sessions do not inherit the image's environment: hand the ranks the same PATH and libraries.
-        'printf "PATH=%s\\nLD_LIBRARY_PATH=%s\\n" "$PATH" "${LD_LIBRARY_PATH:-}" > ~/.ssh/environment',
-        "mkdir -p /run/sshd && ssh-keygen -A",
-        f"exec /usr/sbin/sshd -D -e -p {SSH_PORT} -o PermitUserEnvironment=yes",
-    ])
+    script = "\n".join(
+        [
+            "set -euo pipefail",
+            _install_ssh_keys(),
+            # ssh sessions do not inherit the image's environment: hand the ranks the same PATH and libraries.
+            'printf "PATH=%s\\nLD_LIBRARY_PATH=%s\\n" "$PATH" "${LD_LIBRARY_PATH:-}" > ~/.ssh/environment',
+            "mkdir -p /run/sshd && ssh-keygen -A",
+            f"exec /usr/sbin/sshd -D -e -p {SSH_PORT} -o PermitUserEnvironment=yes",
+        ]
+    )
     return ["bash", "-c", script]
 
 
 def _install_ssh_keys() -> str:
     """Copy the group's key pair from the Secret (mounted read-only) with the modes ssh insists on."""
-    return (f"install -d -m 700 ~/.ssh && install -m 600 {SSH_SECRET_MOUNT}/id_rsa ~/.ssh/id_rsa && "
-            f"install -m 644 {SSH_SECRET_MOUNT}/id_rsa.pub ~/.ssh/id_rsa.pub && "
-            f"install -m 600 {SSH_SECRET_MOUNT}/authorized_keys ~/.ssh/authorized_keys")
+    return (
+        f"install -d -m 700 ~/.ssh && install -m 600 {SSH_SECRET_MOUNT}/id_rsa ~/.ssh/id_rsa && "
+        f"install -m 644 {SSH_SECRET_MOUNT}/id_rsa.pub ~/.ssh/id_rsa.pub && "
+        f"install -m 600 {SSH_SECRET_MOUNT}/authorized_keys ~/.ssh/authorized_keys"
+    )

@@ -23,8 +23,11 @@ def resource_name(spec: Spec) -> str:
     """``spec.name`` as a DNS-1123 label (lower case, '.' and '_' become '-')."""
     name = re.sub(r"[._]+", "-", spec.name.lower()).strip("-")
     if not name or len(name) > MAX_NAME or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
-        raise SpecError(f"'{spec.name}' cannot name Kubernetes objects (it becomes '{name}'); use at most {MAX_NAME} "
-                        "letters, digits and '-', starting and ending with a letter or digit", field="name")
+        raise SpecError(
+            f"'{spec.name}' cannot name Kubernetes objects (it becomes '{name}'); use at most {MAX_NAME} "
+            "letters, digits and '-', starting and ending with a letter or digit",
+            field="name",
+        )
     return name
 
 
@@ -78,13 +81,18 @@ def plan(spec: Spec) -> Layout:
     if world <= per_node:
         return Layout(name, d.namespace, b.target, world, world, 1)
     if b.target == "llmapi":
-        raise SpecError(f"world size {world} spans nodes of {per_node} GPUs; rtk renders multi-node groups only for "
-                        "the trt-engine target (its MPI launch). Use trt-engine, or raise "
-                        "deploy.resources.gpus_per_node",
-                        field="deploy.resources.gpus_per_node")
+        raise SpecError(
+            f"world size {world} spans nodes of {per_node} GPUs; rtk renders multi-node groups only for "
+            "the trt-engine target (its MPI launch). Use trt-engine, or raise "
+            "deploy.resources.gpus_per_node",
+            field="deploy.resources.gpus_per_node",
+        )
     if world % per_node:
-        raise SpecError(f"world size {world} (tp {b.tp_size} x pp {b.pp_size}) is not a multiple of {per_node}; "
-                        "every node of a group runs the same number of ranks", field="deploy.resources.gpus_per_node")
+        raise SpecError(
+            f"world size {world} (tp {b.tp_size} x pp {b.pp_size}) is not a multiple of {per_node}; "
+            "every node of a group runs the same number of ranks",
+            field="deploy.resources.gpus_per_node",
+        )
     return Layout(name, d.namespace, b.target, world, per_node, math.ceil(world / per_node))
 
 
@@ -107,7 +115,9 @@ def frontend_key_variable(spec: Spec) -> str:
     """The environment variable ``serving.frontend.api_keys`` names (``env:VARIABLE``)."""
     source = spec.serving.frontend.api_keys or ""
     if not source.startswith("env:"):
-        raise SpecError("deploy.secrets.frontend_api_keys gives the keys as an environment variable from a Secret; set "
-                        "serving.frontend.api_keys: env:VARIABLE (the Secret's key is VARIABLE)",
-                        field="serving.frontend.api_keys")
+        raise SpecError(
+            "deploy.secrets.frontend_api_keys gives the keys as an environment variable from a Secret; set "
+            "serving.frontend.api_keys: env:VARIABLE (the Secret's key is VARIABLE)",
+            field="serving.frontend.api_keys",
+        )
     return source[4:]

@@ -10,13 +10,16 @@ SCRAPE_INTERVAL = "15s"
 
 def service(spec: Spec, layout: Layout) -> dict:
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": {"name": layout.service_name, "namespace": layout.namespace, "labels": dict(layout.labels)},
         "spec": {
             "type": spec.deploy.service_type,
             "selector": dict(layout.pod_selector),
-            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
-                      for n, p in ports(spec, frontend=frontend_exposed(spec))],
+            "ports": [
+                {"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
+                for n, p in ports(spec, frontend=frontend_exposed(spec))
+            ],
         },
     }
 
@@ -28,9 +31,13 @@ def pod_monitor(spec: Spec, layout: Layout) -> dict:
     if frontend_exposed(spec):
         endpoints.append({"port": "frontend", "path": "/metrics", "interval": SCRAPE_INTERVAL})
     return {
-        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-        "metadata": {"name": layout.name, "namespace": layout.namespace,
-                     "labels": {**layout.labels, **spec.deploy.autoscaling.prometheus_labels}},
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {
+            "name": layout.name,
+            "namespace": layout.namespace,
+            "labels": {**layout.labels, **spec.deploy.autoscaling.prometheus_labels},
+        },
         "spec": {
             "selector": {"matchLabels": dict(layout.pod_selector)},
             "podMetricsEndpoints": endpoints,

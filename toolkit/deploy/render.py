@@ -25,6 +25,8 @@ class _Dumper(yaml.SafeDumper):
 
 def dump(obj) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)
+
+
 ADAPTER_RULES = "prometheus-adapter-rules.yaml"
 
 
@@ -63,15 +65,22 @@ def render(spec: Spec) -> Bundle:
     if layout.target == "cpu":
         b.extra_files[DOCKERFILE] = cpu_dockerfile()
         if not spec.deploy.image:
-            b.notes.append(f"build and push the image from {DOCKERFILE}, then set deploy.image to its name "
-                           f"(the manifests say {default_image(spec)})")
+            b.notes.append(
+                f"build and push the image from {DOCKERFILE}, then set deploy.image to its name "
+                f"(the manifests say {default_image(spec)})"
+            )
     if spec.serving.frontend.enabled and not frontend_exposed(spec):
-        why = ("it runs in rtk's image (cpu target)" if layout.target != "cpu"
-               else "set deploy.secrets.frontend_api_keys to expose it")
+        why = (
+            "it runs in rtk's image (cpu target)"
+            if layout.target != "cpu"
+            else "set deploy.secrets.frontend_api_keys to expose it"
+        )
         b.notes.append(f"the front door is not exposed: {why}")
     if layout.multi_node:
-        b.notes.append(f"{layout.nodes} nodes per group: create the ssh Secret '{spec.deploy.secrets.ssh}' "
-                       "(docs/deploy.md) and install the LeaderWorkerSet controller")
+        b.notes.append(
+            f"{layout.nodes} nodes per group: create the ssh Secret '{spec.deploy.secrets.ssh}' "
+            "(docs/deploy.md) and install the LeaderWorkerSet controller"
+        )
     return b
 
 
@@ -85,8 +94,12 @@ def write(spec: Spec, output: Path | str | None = None) -> tuple[Path, Bundle]:
     files = bundle.files()
     final = Path(output) if output else default_output(spec)
     section = spec.deploy.model_dump(mode="json")
-    inputs = {"spec_name": spec.name, "target": spec.build.target, "world_size": bundle.layout.world_size,
-              "kubernetes_versions": list(KUBERNETES_VERSIONS)}
+    inputs = {
+        "spec_name": spec.name,
+        "target": spec.build.target,
+        "world_size": bundle.layout.world_size,
+        "kubernetes_versions": list(KUBERNETES_VERSIONS),
+    }
     tools = artifacts.tool_versions()
     key = artifacts.stage_key("deploy", section, {**inputs, "files": artifacts.sha256_json(files)}, tools)
     with artifacts.atomic_stage("deploy", final, key, inputs=inputs, spec_section=section, tools=tools) as out:

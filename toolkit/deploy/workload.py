@@ -28,7 +28,8 @@ def config_map(spec: Spec, layout: Layout) -> dict | None:
     if layout.target != "cpu":
         return None
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": _meta(f"{layout.name}-spec", layout),
         "data": {SPEC_FILE: spec_yaml(spec)},
     }
@@ -36,7 +37,8 @@ def config_map(spec: Spec, layout: Layout) -> dict | None:
 
 def deployment(spec: Spec, layout: Layout) -> dict:
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": _meta(layout.name, layout),
         "spec": {
             **_replicas(spec),
@@ -53,7 +55,8 @@ def deployment(spec: Spec, layout: Layout) -> dict:
 
 def leader_worker_set(spec: Spec, layout: Layout) -> dict:
     return {
-        "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
         "metadata": _meta(layout.name, layout),
         "spec": {
             **_replicas(spec),
@@ -80,6 +83,7 @@ def workload(spec: Spec, layout: Layout) -> dict:
 
 
 # -- pod --------------------------------------------------------------------------------------
+
 
 def _pod(spec: Spec, layout: Layout, *, leader: bool) -> dict:
     d = spec.deploy
@@ -149,8 +153,12 @@ def _probes(spec: Spec) -> dict:
     ready = {"httpGet": {"path": "/v2/health/ready", "port": "http"}}
     live = {"httpGet": {"path": "/v2/health/live", "port": "http"}}
     return {
-        "startupProbe": {**ready, "periodSeconds": STARTUP_PERIOD_S, "timeoutSeconds": 5,
-                         "failureThreshold": math.ceil(spec.deploy.startup_timeout_s / STARTUP_PERIOD_S)},
+        "startupProbe": {
+            **ready,
+            "periodSeconds": STARTUP_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(spec.deploy.startup_timeout_s / STARTUP_PERIOD_S),
+        },
         "readinessProbe": {**ready, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
         "livenessProbe": {**live, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
     }
@@ -181,11 +189,14 @@ def _secret_env(spec: Spec) -> list[dict]:
 
 # -- storage ----------------------------------------------------------------------------------
 
+
 def _volumes(spec: Spec, layout: Layout) -> list[dict]:
     st, r = spec.deploy.storage, spec.deploy.resources
     if st.kind == "pvc":
-        models = {"name": MODELS_VOLUME, "persistentVolumeClaim": {
-            "claimName": st.claim_name or f"{layout.name}-models", "readOnly": st.read_only}}
+        models = {
+            "name": MODELS_VOLUME,
+            "persistentVolumeClaim": {"claimName": st.claim_name or f"{layout.name}-models", "readOnly": st.read_only},
+        }
     else:
         models = {"name": MODELS_VOLUME, "emptyDir": {"sizeLimit": st.cache_size}}
     vols = [models, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}]
@@ -199,8 +210,10 @@ def _volumes(spec: Spec, layout: Layout) -> list[dict]:
 
 def _mounts(spec: Spec, layout: Layout) -> list[dict]:
     st = spec.deploy.storage
-    m = [{"name": MODELS_VOLUME, "mountPath": st.mount_path, "readOnly": st.kind == "pvc" and st.read_only},
-         {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    m = [
+        {"name": MODELS_VOLUME, "mountPath": st.mount_path, "readOnly": st.kind == "pvc" and st.read_only},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    ]
     if layout.target == "cpu":
         m.append({"name": SPEC_VOLUME, "mountPath": SPEC_MOUNT, "readOnly": True})
         m.append({"name": RUN_VOLUME, "mountPath": RUN_MOUNT})
@@ -228,6 +241,7 @@ def _copy_container(spec: Spec) -> dict | None:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
 
 def _replicas(spec: Spec) -> dict:
     """``replicas`` only without autoscaling: with it, re-applying the manifests must not reset the HPA's count."""

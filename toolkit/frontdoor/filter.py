@@ -267,15 +267,20 @@ async def check_request(rules: Rules | None, req) -> str | None:
 
     if rules is None or not rules.check_input:
         return None
-    texts = [("prompt", req.prompt)] if req.kind == "completion" else [
-        (f"messages[{i}].content", m["content"]) for i, m in enumerate(req.messages)
-    ]
+    texts = (
+        [("prompt", req.prompt)]
+        if req.kind == "completion"
+        else [(f"messages[{i}].content", m["content"]) for i, m in enumerate(req.messages)]
+    )
     for param, text in texts:
         try:
             await rules.check_text(text)
         except FilterHit as hit:
             raise APIError(
-                400, f"'{param}' was refused by the content filter (serving.filter {hit.rule}); change the text",
-                param=param, code="content_filter", headers={"x-rtk-filter": hit.rule},
+                400,
+                f"'{param}' was refused by the content filter (serving.filter {hit.rule}); change the text",
+                param=param,
+                code="content_filter",
+                headers={"x-rtk-filter": hit.rule},
             ) from None
     return None

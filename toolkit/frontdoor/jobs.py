@@ -108,8 +108,10 @@ async def check_callback_url(url: str, *, allow_private: bool) -> None:
         ip = ipaddress.ip_address(info[4][0].split("%")[0])
         why = _forbidden(ip)
         if why:
-            raise refuse(f"'{host}' resolves to a {why} address ({ip}); callbacks go to public addresses only "
-                         "(serving.jobs.allow_private_callbacks allows others)")
+            raise refuse(
+                f"'{host}' resolves to a {why} address ({ip}); callbacks go to public addresses only "
+                "(serving.jobs.allow_private_callbacks allows others)"
+            )
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -135,15 +137,24 @@ class Job:
     updated: float = 0.0
 
     def public(self) -> dict:
-        out = {"id": self.id, "object": "job", "status": self.state, "created": int(self.created),
-               "updated": int(self.updated), "runs": self.run}
+        out = {
+            "id": self.id,
+            "object": "job",
+            "status": self.state,
+            "created": int(self.created),
+            "updated": int(self.updated),
+            "runs": self.run,
+        }
         if self.result is not None:
             out["result"] = self.result
         if self.error is not None:
             out["error"] = self.error
         if self.callback_url:
-            out["callback"] = {"status": self.callback_state, "deliveries": self.deliveries,
-                               "idempotency_key": self.idempotency_key}
+            out["callback"] = {
+                "status": self.callback_state,
+                "deliveries": self.deliveries,
+                "idempotency_key": self.idempotency_key,
+            }
         return out
 
     @property
@@ -154,8 +165,24 @@ class Job:
 class JobStore:
     """Jobs in SQLite; calls run in a worker thread."""
 
-    COLUMNS = ("id", "owner", "kind", "body", "callback_url", "state", "run", "result", "result_run", "error",
-               "callback_state", "deliveries", "next_delivery", "next_run", "created", "updated")
+    COLUMNS = (
+        "id",
+        "owner",
+        "kind",
+        "body",
+        "callback_url",
+        "state",
+        "run",
+        "result",
+        "result_run",
+        "error",
+        "callback_state",
+        "deliveries",
+        "next_delivery",
+        "next_run",
+        "created",
+        "updated",
+    )
     JSON = ("body", "result", "error")
 
     def __init__(self, path: Path):
@@ -185,8 +212,9 @@ class JobStore:
     async def put(self, job: Job) -> None:
         job.updated = time.time()
         values = [getattr(job, c) for c in self.COLUMNS]
-        values = [json.dumps(v) if c in self.JSON and v is not None else v for c, v in zip(self.COLUMNS, values,
-                                                                                           strict=True)]
+        values = [
+            json.dumps(v) if c in self.JSON and v is not None else v for c, v in zip(self.COLUMNS, values, strict=True)
+        ]
         marks = ",".join("?" * len(self.COLUMNS))
         await self._run(lambda db: db.execute(f"INSERT OR REPLACE INTO jobs VALUES ({marks})", values))
 
@@ -198,10 +226,12 @@ class JobStore:
         """(jobs to run, callbacks to deliver) whose time has come."""
 
         def q(db):
-            runs = db.execute("SELECT * FROM jobs WHERE state = ? AND next_run <= ? ORDER BY created",
-                              (QUEUED, now)).fetchall()
-            calls = db.execute("SELECT * FROM jobs WHERE callback_state = 'pending' AND next_delivery <= ?",
-                               (now,)).fetchall()
+            runs = db.execute(
+                "SELECT * FROM jobs WHERE state = ? AND next_run <= ? ORDER BY created", (QUEUED, now)
+            ).fetchall()
+            calls = db.execute(
+                "SELECT * FROM jobs WHERE callback_state = 'pending' AND next_delivery <= ?", (now,)
+            ).fetchall()
             return runs, calls
 
         runs, calls = await self._run(q)
@@ -209,14 +239,21 @@ class JobStore:
 
     async def requeue_running(self) -> int:
         """At start: jobs a stopped front door was running run again."""
-        return await self._run(lambda db: db.execute("UPDATE jobs SET state = ?, next_run = 0 WHERE state = ?",
-                                                     (QUEUED, RUNNING)).rowcount)
+        return await self._run(
+            lambda db: db.execute("UPDATE jobs SET state = ?, next_run = 0 WHERE state = ?", (QUEUED, RUNNING)).rowcount
+        )
 
     async def purge(self, ttl_s: float) -> int:
         cutoff = time.time() - ttl_s
-        return await self._run(lambda db: db.execute(
-            "DELETE FROM jobs WHERE state IN (?, ?) AND updated < ? AND (callback_state IS NULL OR callback_state "
-            "!= 'pending')", (SUCCEEDED, FAILED, cutoff)).rowcount)
+        return await self._run(
+            lambda db: (
+                db.execute(
+                    "DELETE FROM jobs WHERE state IN (?, ?) AND updated < ? "
+                    "AND (callback_state IS NULL OR callback_state != 'pending')",
+                    (SUCCEEDED, FAILED, cutoff),
+                ).rowcount
+            )
+        )
 
     async def close(self) -> None:
         await self._run(lambda db: db.close())
@@ -259,8 +296,9 @@ class JobService:
         self.store = JobStore(path)
         if fd.keys:
             fd.keys.append(self._internal_key)
-        self.local = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontdoor",
-                                       timeout=httpx.Timeout(None))
+        self.local = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://frontdoor", timeout=httpx.Timeout(None)
+        )
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.spec.callback_timeout_s), follow_redirects=False)
         resumed = await self.store.requeue_running()
         if resumed:
@@ -289,9 +327,14 @@ class JobService:
                 if self.store is None:
                     raise APIError(404, self.unavailable, code="jobs_unavailable")
                 body = await self._validate(fd, request)
-                job = Job(id="job-" + uuid.uuid4().hex, owner=owner_of(bearer(request) or None),
-                          kind="chat" if "messages" in body else "completion", body=body,
-                          callback_url=body.pop("callback_url", None), created=time.time())
+                job = Job(
+                    id="job-" + uuid.uuid4().hex,
+                    owner=owner_of(bearer(request) or None),
+                    kind="chat" if "messages" in body else "completion",
+                    body=body,
+                    callback_url=body.pop("callback_url", None),
+                    created=time.time(),
+                )
                 job.callback_state = "waiting" if job.callback_url else None
                 await self.store.put(job)
                 self._wake.set()
@@ -307,8 +350,12 @@ class JobService:
                 jid = request.path_params["job_id"]
                 job = await self.store.get(jid)
                 if job is None or job.owner != owner_of(bearer(request) or None):
-                    raise APIError(404, f"job '{jid}' does not exist for this API key (finished jobs are kept "
-                                   f"{self.spec.ttl_s:.0f} s)", param="job_id", code="job_not_found")
+                    raise APIError(
+                        404,
+                        f"job '{jid}' does not exist for this API key (finished jobs are kept {self.spec.ttl_s:.0f} s)",
+                        param="job_id",
+                        code="job_not_found",
+                    )
                 return JSONResponse(job.public())
             except APIError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -320,9 +367,12 @@ class JobService:
 
         raw = await request.body()
         if len(raw) > self.config.frontend.max_request_bytes:
-            raise APIError(413, f"the request body is {len(raw)} bytes; the limit is "
-                           f"{self.config.frontend.max_request_bytes} (serving.frontend.max_request_bytes)",
-                           code="request_too_large")
+            raise APIError(
+                413,
+                f"the request body is {len(raw)} bytes; the limit is "
+                f"{self.config.frontend.max_request_bytes} (serving.frontend.max_request_bytes)",
+                code="request_too_large",
+            )
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -330,18 +380,31 @@ class JobService:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         if body.get("stream"):
-            raise APIError(400, "'stream': a job's result is read with GET /v1/jobs/{id} or sent to callback_url; "
-                           "leave stream unset", param="stream", code="invalid_value")
+            raise APIError(
+                400,
+                "'stream': a job's result is read with GET /v1/jobs/{id} or sent to callback_url; leave stream unset",
+                param="stream",
+                code="invalid_value",
+            )
         kind = "chat" if "messages" in body else "completion"
         rest = {k: v for k, v in body.items() if k != "callback_url"}
-        parse_request(kind, rest, served_model=self.config.model_name, max_seq_len=self.config.max_seq_len,
-                      default_max_tokens=self.config.default_max_tokens)
+        parse_request(
+            kind,
+            rest,
+            served_model=self.config.model_name,
+            max_seq_len=self.config.max_seq_len,
+            default_max_tokens=self.config.default_max_tokens,
+        )
         url = body.get("callback_url")
         if url is not None:
             if self.secret is None:
-                raise APIError(400, "'callback_url': this deployment has no callback secret to sign callbacks "
-                               "with; set serving.jobs.callback_secret (env:VARIABLE or file:PATH)",
-                               param="callback_url", code="invalid_callback_url")
+                raise APIError(
+                    400,
+                    "'callback_url': this deployment has no callback secret to sign callbacks "
+                    "with; set serving.jobs.callback_secret (env:VARIABLE or file:PATH)",
+                    param="callback_url",
+                    code="invalid_callback_url",
+                )
             await check_callback_url(url, allow_private=self.spec.allow_private_callbacks)
         return body
 
@@ -390,8 +453,11 @@ class JobService:
                 job.state, job.result, job.result_run = SUCCEEDED, r.json(), job.run
             else:
                 job.state, job.result_run = FAILED, job.run
-                job.error = r.json().get("error") if r.headers.get("content-type", "").startswith(
-                    "application/json") else {"message": r.text[:500]}
+                job.error = (
+                    r.json().get("error")
+                    if r.headers.get("content-type", "").startswith("application/json")
+                    else {"message": r.text[:500]}
+                )
             if job.state != QUEUED and job.callback_url:
                 job.callback_state, job.next_delivery = "pending", 0.0
             await self.store.put(job)
@@ -409,9 +475,16 @@ class JobService:
             ok = False
             try:
                 await check_callback_url(job.callback_url, allow_private=self.spec.allow_private_callbacks)
-                r = await self.http.post(job.callback_url, content=body, headers={
-                    "Content-Type": "application/json", SIGNATURE_HEADER: sign(self.secret, body),
-                    IDEMPOTENCY_HEADER: job.idempotency_key, ATTEMPT_HEADER: str(job.deliveries)})
+                r = await self.http.post(
+                    job.callback_url,
+                    content=body,
+                    headers={
+                        "Content-Type": "application/json",
+                        SIGNATURE_HEADER: sign(self.secret, body),
+                        IDEMPOTENCY_HEADER: job.idempotency_key,
+                        ATTEMPT_HEADER: str(job.deliveries),
+                    },
+                )
                 ok = 200 <= r.status_code < 300
                 why = f"HTTP {r.status_code}"
             except APIError as exc:

@@ -37,8 +37,10 @@ from .protocol import APIError, GenRequest, bad
 log = logging.getLogger("rtk.frontdoor")
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 LLM_MODEL = "tensorrt_llm"
-SUMMARY_INSTRUCTION = ("Summarise the conversation below in a few sentences. Keep every name, number, fact and "
-                       "decision; write nothing else.")
+SUMMARY_INSTRUCTION = (
+    "Summarise the conversation below in a few sentences. Keep every name, number, fact and "
+    "decision; write nothing else."
+)
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
 REDIS_PREFIX = "rtk:session:"
 
@@ -70,8 +72,16 @@ class Session:
         return cls(**json.loads(text))
 
     def public(self, *, with_messages: bool = True) -> dict:
-        out = {"id": self.id, "object": "session", "created": int(self.created), "updated": int(self.updated),
-               "turns": self.turns, "tokens": len(self.ids), "dropped_turns": self.dropped_turns, "stats": self.stats}
+        out = {
+            "id": self.id,
+            "object": "session",
+            "created": int(self.created),
+            "updated": int(self.updated),
+            "turns": self.turns,
+            "tokens": len(self.ids),
+            "dropped_turns": self.dropped_turns,
+            "stats": self.stats,
+        }
         if with_messages:
             out["messages"] = self.messages
         return out
@@ -110,9 +120,12 @@ class SQLiteSessions:
         return Session.from_json(row[0]) if row else None
 
     async def put(self, s: Session) -> None:
-        await self._run(lambda db: db.execute(
-            "INSERT OR REPLACE INTO sessions (id, owner, updated, body) VALUES (?, ?, ?, ?)",
-            (s.id, s.owner, s.updated, s.to_json())))
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO sessions (id, owner, updated, body) VALUES (?, ?, ?, ?)",
+                (s.id, s.owner, s.updated, s.to_json()),
+            )
+        )
 
     async def delete(self, sid: str) -> bool:
         return (await self._run(lambda db: db.execute("DELETE FROM sessions WHERE id = ?", (sid,)).rowcount)) > 0
@@ -122,10 +135,12 @@ class SQLiteSessions:
 
         def q(db):
             if owner is None:
-                return db.execute("SELECT body FROM sessions WHERE updated >= ? ORDER BY updated DESC",
-                                  (cutoff,)).fetchall()
-            return db.execute("SELECT body FROM sessions WHERE owner = ? AND updated >= ? ORDER BY updated DESC",
-                              (owner, cutoff)).fetchall()
+                return db.execute(
+                    "SELECT body FROM sessions WHERE updated >= ? ORDER BY updated DESC", (cutoff,)
+                ).fetchall()
+            return db.execute(
+                "SELECT body FROM sessions WHERE owner = ? AND updated >= ? ORDER BY updated DESC", (owner, cutoff)
+            ).fetchall()
 
         return [Session.from_json(r[0]) for r in await self._run(q)]
 
@@ -247,8 +262,9 @@ class SessionManager:
     async def load(self, sid: str, owner: str, *, create: bool) -> Session | None:
         s = await self.store.get(sid)
         if s is not None and s.owner != owner:
-            raise APIError(404, f"session '{sid}' does not exist for this API key", param="session_id",
-                           code="session_not_found")
+            raise APIError(
+                404, f"session '{sid}' does not exist for this API key", param="session_id", code="session_not_found"
+            )
         if s is None and create:
             s = Session(id=sid, owner=owner)
         return s
@@ -265,8 +281,11 @@ class SessionManager:
                 break
             shorter = _drop_oldest_turn(history)
             if shorter is None:
-                raise bad("messages", f"the new messages (with the system prompt) have {len(ids)} tokens, more than "
-                          f"the {window} that fit the context window; shorten them or lower max_tokens")
+                raise bad(
+                    "messages",
+                    f"the new messages (with the system prompt) have {len(ids)} tokens, more than "
+                    f"the {window} that fit the context window; shorten them or lower max_tokens",
+                )
             history, dropped = shorter, dropped + 1
         kept = {id(m) for m in history}
         gone = [m for m in s.messages if id(m) not in kept and not m.get("summary")]
@@ -275,7 +294,7 @@ class SessionManager:
     def _prompt(self, s: Session, history: list[dict], new: list[dict], *, exact: bool) -> tuple[list[int], str, int]:
         full = self.tokens.render(history + new, generation_prompt=True)
         if exact and self.spec.exact_ids and s.ids and full.startswith(s.text):
-            suffix = full[len(s.text):]
+            suffix = full[len(s.text) :]
             return s.ids + self.tokens.encode(suffix), full, len(s.ids)
         return self.tokens.encode(full), full, 0
 
@@ -289,7 +308,7 @@ class SessionManager:
         closed = self.tokens.render(turn.history + turn.new_messages + [answer], generation_prompt=False)
         head = turn.prompt_text + reply
         if closed.startswith(head):
-            s.ids = turn.prompt_ids + gen + self.tokens.encode(closed[len(head):])
+            s.ids = turn.prompt_ids + gen + self.tokens.encode(closed[len(head) :])
         else:  # a template that does not render the history as a prefix: exactness is lost for this turn
             s.ids = self.tokens.encode(closed)
         s.text = closed
@@ -331,8 +350,9 @@ def session_id_of(body: dict) -> str | None:
     if sid is None:
         return None
     if not isinstance(sid, str) or not SESSION_ID.match(sid):
-        raise bad("session_id", "must be 1-128 characters: letters, digits and . _ : - (not starting with one of "
-                  "those signs)")
+        raise bad(
+            "session_id", "must be 1-128 characters: letters, digits and . _ : - (not starting with one of those signs)"
+        )
     return sid
 
 
@@ -343,8 +363,9 @@ class SessionStream:
     """A turn sent as token ids to the ``tensorrt_llm`` model; answers like :class:`TritonStream` (text pieces)
     and stores the turn when its final response comes."""
 
-    def __init__(self, backend, manager: SessionManager, turn: Turn, req: GenRequest, *, store: bool = True,
-                 on_stored=None):
+    def __init__(
+        self, backend, manager: SessionManager, turn: Turn, req: GenRequest, *, store: bool = True, on_stored=None
+    ):
         from .triton import TritonStream
 
         self.manager, self.turn, self.req, self.store, self.on_stored = manager, turn, req, store, on_stored
@@ -377,8 +398,12 @@ class SessionStream:
         add("end_id", "INT32", np.array(self.manager.tokens.end_id, dtype=np.int32))
         add("pad_id", "INT32", np.array(self.manager.tokens.pad_id, dtype=np.int32))
         add("streaming", "BOOL", np.array(True))
-        for name in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
-                     "return_perf_metrics"):
+        for name in (
+            "exclude_input_in_output",
+            "return_num_input_tokens",
+            "return_num_output_tokens",
+            "return_perf_metrics",
+        ):
             if name in backend.inputs:
                 add(name, "BOOL", np.array(True))
         if req.temperature:
@@ -427,9 +452,13 @@ class SessionStream:
         piece.completion_tokens = len(self.generated)
         if piece.final:
             self.stream.close()
-            stats = {"prompt_tokens": len(self.turn.prompt_ids), "reused_ids": self.turn.reused_ids,
-                     "completion_tokens": len(self.generated), "kv_reused_blocks": self.reused_blocks,
-                     "dropped_turns": self.turn.dropped}
+            stats = {
+                "prompt_tokens": len(self.turn.prompt_ids),
+                "reused_ids": self.turn.reused_ids,
+                "completion_tokens": len(self.generated),
+                "kv_reused_blocks": self.reused_blocks,
+                "dropped_turns": self.turn.dropped,
+            }
             reply = "".join(self.text)
             if self.store and await self.manager.allowed(reply):
                 try:
@@ -437,8 +466,7 @@ class SessionStream:
                     if self.on_stored is not None:
                         self.on_stored(self.turn)
                 except Exception as exc:  # noqa: BLE001 — the answer still reaches the client
-                    log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1,
-                                exc)
+                    log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1, exc)
         return piece
 
     async def _raw(self):
@@ -501,8 +529,11 @@ class SessionService:
         if not self.spec.enabled:
             self.unavailable = "sessions are off (serving.sessions.enabled: false)"
             return
-        path = Path(self.spec.path) if self.spec.path else (
-            default_sqlite_path(self.config.repository) if self.config.repository else None)
+        path = (
+            Path(self.spec.path)
+            if self.spec.path
+            else (default_sqlite_path(self.config.repository) if self.config.repository else None)
+        )
         if not self.spec.url and path is None:
             self.unavailable = "no session store: set serving.sessions.path or serving.sessions.url"
             return
@@ -533,23 +564,39 @@ class SessionService:
         async with self._opening:
             if self.manager is None:
                 if self.store is None:
-                    raise APIError(400, f"'session_id': {self.unavailable}", param="session_id",
-                                   code="sessions_unavailable")
+                    raise APIError(
+                        400, f"'session_id': {self.unavailable}", param="session_id", code="sessions_unavailable"
+                    )
                 d = self.config.tokenizer_dir
                 if d is None:
-                    raise APIError(400, "'session_id': this deployment has no tokenizer in its repository, so the "
-                                   "front door cannot keep token ids; send the whole conversation instead",
-                                   param="session_id", code="sessions_unavailable")
+                    raise APIError(
+                        400,
+                        "'session_id': this deployment has no tokenizer in its repository, so the "
+                        "front door cannot keep token ids; send the whole conversation instead",
+                        param="session_id",
+                        code="sessions_unavailable",
+                    )
                 tokens = await asyncio.to_thread(ChatTokens, d)
                 backend = TritonBackend(self.grpc_url, LLM_MODEL)
                 await backend.open()
                 self.backend = backend
-                self.manager = SessionManager(self.spec, self.store, tokens, window=self.config.max_input_len,
-                                              max_seq_len=self.config.max_seq_len, rules=self.rules)
+                self.manager = SessionManager(
+                    self.spec,
+                    self.store,
+                    tokens,
+                    window=self.config.max_input_len,
+                    max_seq_len=self.config.max_seq_len,
+                    rules=self.rules,
+                )
         if not self.backend.ready and not await self.backend.check_health():
-            raise APIError(503, f"sessions are served by the '{LLM_MODEL}' model, which is not available "
-                           f"({self.backend.ready_reason}); retry later", kind="server_error", code="unavailable",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"sessions are served by the '{LLM_MODEL}' model, which is not available "
+                f"({self.backend.ready_reason}); retry later",
+                kind="server_error",
+                code="unavailable",
+                headers={"Retry-After": "1"},
+            )
         return self.manager
 
     async def stream(self, req: GenRequest, request) -> SessionStream:
@@ -576,10 +623,12 @@ class SessionService:
             budget = min(manager.window, manager.max_seq_len - self.spec.summary_max_tokens) - 96
             ids = manager.tokens.encode(transcript)
             if len(ids) > budget:  # keep the newest part of what was dropped
-                transcript = manager.tokens.tok.decode(ids[-max(budget, 16):])
+                transcript = manager.tokens.tok.decode(ids[-max(budget, 16) :])
             earlier = f"Earlier summary: {s.summary}\n\n" if s.summary else ""
-            messages = [{"role": "system", "content": SUMMARY_INSTRUCTION},
-                        {"role": "user", "content": f"{earlier}Conversation:\n{transcript}"}]
+            messages = [
+                {"role": "system", "content": SUMMARY_INSTRUCTION},
+                {"role": "user", "content": f"{earlier}Conversation:\n{transcript}"},
+            ]
             summary = (await self._generate(messages, self.spec.summary_max_tokens)).strip()
             if not summary or not await manager.allowed(summary):
                 return
@@ -591,8 +640,12 @@ class SessionService:
             n_system = 0
             while n_system < len(rest) and rest[n_system]["role"] == "system":
                 n_system += 1
-            note = {"role": "system", "content": f"{SUMMARY_PREFIX}{summary}",
-                    "tokens": len(manager.tokens.encode(summary)), "summary": True}
+            note = {
+                "role": "system",
+                "content": f"{SUMMARY_PREFIX}{summary}",
+                "tokens": len(manager.tokens.encode(summary)),
+                "summary": True,
+            }
             s.messages = rest[:n_system] + [note] + rest[n_system:]
             await manager.store.put(s)  # the next turn re-renders (its stored text is no longer a prefix)
         except Exception as exc:  # noqa: BLE001 — a session without a summary still works (truncated)
@@ -646,8 +699,12 @@ class SessionService:
         async def listing(request, owner, admin):
             everyone = request.query_params.get("all") in ("1", "true")
             if everyone and not admin:
-                raise APIError(403, "listing every session needs the admin key (serving.sessions.admin_key)",
-                               param="all", code="admin_key_required")
+                raise APIError(
+                    403,
+                    "listing every session needs the admin key (serving.sessions.admin_key)",
+                    param="all",
+                    code="admin_key_required",
+                )
             found = await self.store.list(None if everyone else owner)
             return JSONResponse({"object": "list", "data": [s.public(with_messages=False) for s in found]})
 
@@ -655,8 +712,12 @@ class SessionService:
             sid = request.path_params["session_id"]
             s = await self.store.get(sid)
             if s is None or (s.owner != owner and not admin):
-                raise APIError(404, f"session '{sid}' does not exist for this API key", param="session_id",
-                               code="session_not_found")
+                raise APIError(
+                    404,
+                    f"session '{sid}' does not exist for this API key",
+                    param="session_id",
+                    code="session_not_found",
+                )
             if request.method == "DELETE":
                 await self.store.delete(sid)
                 return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
@@ -678,8 +739,10 @@ def store_for_spec(spec):
     sp = spec.serving.sessions
     path = Path(sp.path) if sp.path else default_sqlite_path(spec.repository_dir())
     if not sp.url and not path.is_file():
-        raise UsageError(f"no sessions yet for '{spec.name}' ({path} does not exist); they are made by requests "
-                         "with a session_id to its front door")
+        raise UsageError(
+            f"no sessions yet for '{spec.name}' ({path} does not exist); they are made by requests "
+            "with a session_id to its front door"
+        )
     return make_store(sp, path)
 
 

@@ -259,9 +259,15 @@ class TritonStream:
 # What rtk's preprocessing and cpu engine say when the request, not the server, is at fault (Triton's
 # stream carries only the message, not the status code), and the field it is about.
 CLIENT_FAULTS = (
-    ("context window", "{prompt}"), ("chat message", "messages"), ("text_input is empty", "{prompt}"),
-    ("max_tokens", "max_tokens"), ("request_output_len", "max_tokens"), ("is not supported by", None),
-    ("unexpected inference input", None), ("end_id", None), ("stop sequence", "stop"),
+    ("context window", "{prompt}"),
+    ("chat message", "messages"),
+    ("text_input is empty", "{prompt}"),
+    ("max_tokens", "max_tokens"),
+    ("request_output_len", "max_tokens"),
+    ("is not supported by", None),
+    ("unexpected inference input", None),
+    ("end_id", None),
+    ("stop sequence", "stop"),
 )
 
 
