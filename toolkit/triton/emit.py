@@ -43,8 +43,22 @@ TOKENIZER_IN_REPO = "preprocessing/tokenizer"  # relative to the repository root
 REPOSITORY_FORMAT = 3
 # serving fields that say how a server runs, not what the repository holds: not part of the emit key,
 # and a repository served with other values for them needs no new emit.
-SERVER_ONLY_FIELDS = frozenset({"host", "http_port", "grpc_port", "metrics_port", "tritonserver", "repository",
-                                "frontend", "guard", "cache", "filter", "sessions", "jobs"})
+SERVER_ONLY_FIELDS = frozenset(
+    {
+        "host",
+        "http_port",
+        "grpc_port",
+        "metrics_port",
+        "tritonserver",
+        "repository",
+        "frontend",
+        "guard",
+        "cache",
+        "filter",
+        "sessions",
+        "jobs",
+    }
+)
 WARMUP_PROMPT = [{"role": "user", "content": "Warm-up: say hello."}]
 
 
@@ -60,7 +74,9 @@ def emit(
     engine_dir = Path(engine_dir) if engine_dir else default_output(spec, "build")
     output = Path(output) if output else spec.repository_dir()
     if not engine_dir.is_dir():
-        raise SourceError(f"engine directory '{engine_dir}' does not exist; run `rtk build SPEC` first (or pass --engine)")
+        raise SourceError(
+            f"engine directory '{engine_dir}' does not exist; run `rtk build SPEC` first (or pass --engine)"
+        )
     engine_manifest = read_manifest(engine_dir)
     if not engine_manifest or not engine_manifest.get("complete"):
         raise SourceError(f"'{engine_dir}' has no complete build manifest; rebuild it with `rtk build SPEC`")
@@ -70,8 +86,11 @@ def emit(
             f"'{spec.build.target}'; rebuild or fix the spec"
         )
     tok_src = Path(tokenizer_dir) if tokenizer_dir else _find_tokenizer(spec, engine_dir)
-    section = {"build": spec.build.model_dump(), "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS),
-               "name": spec.name}
+    section = {
+        "build": spec.build.model_dump(),
+        "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS),
+        "name": spec.name,
+    }
     inputs = {
         "engine": engine_manifest.get("key"),
         "engine_dir": str(engine_dir.resolve()),
@@ -84,8 +103,16 @@ def emit(
         models = write_repository(spec, out.tmp, engine_dir=engine_dir.resolve(), tokenizer_src=tok_src)
         out.manifest.update(target=spec.build.target, models=models, repository_format=REPOSITORY_FORMAT)
 
-    return run_stage("emit", output, section=section, inputs=inputs, tools=tools, write=write, force=force,
-                     complete=lambda d: not target_of(spec).ensemble or (d / cfgs.ENSEMBLE / "1").is_dir())
+    return run_stage(
+        "emit",
+        output,
+        section=section,
+        inputs=inputs,
+        tools=tools,
+        write=write,
+        force=force,
+        complete=lambda d: not target_of(spec).ensemble or (d / cfgs.ENSEMBLE / "1").is_dir(),
+    )
 
 
 def render_sources() -> list[Path]:
@@ -122,8 +149,12 @@ def write_repository(spec: Spec, root: Path, *, engine_dir: Path, tokenizer_src:
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False, local_files_only=True)
     rtk_cpu = backend == "rtk-cpu"
-    settings = cfgs.RepoSettings(tokenizer_dir=TOKENIZER_IN_REPO, engine_dir=str(engine_dir), rtk_extensions=rtk_cpu,
-                                 logits_dtype="float32" if rtk_cpu else gpu_models.engine_logits_dtype(engine_dir))
+    settings = cfgs.RepoSettings(
+        tokenizer_dir=TOKENIZER_IN_REPO,
+        engine_dir=str(engine_dir),
+        rtk_extensions=rtk_cpu,
+        logits_dtype="float32" if rtk_cpu else gpu_models.engine_logits_dtype(engine_dir),
+    )
     warm = spec.serving.warmup
 
     pre = cfgs.preprocessing(spec, settings)
@@ -148,11 +179,16 @@ def _write_python_model(root: Path, cfg, source: str, warmup: dict[str, bytes]) 
 
 # -- warm-up samples (each adds its sample to the config and returns the files it reads) -------
 
+
 def _warm_preprocessing(cfg) -> dict[str, bytes]:
-    cfgs.add_warmup(cfg, "chat_prompt", {
-        "QUERY": ("STRING", (1,), "query"),
-        "REQUEST_OUTPUT_LEN": ("INT32", (1,), "request_output_len"),
-    })
+    cfgs.add_warmup(
+        cfg,
+        "chat_prompt",
+        {
+            "QUERY": ("STRING", (1,), "query"),
+            "REQUEST_OUTPUT_LEN": ("INT32", (1,), "request_output_len"),
+        },
+    )
     return {
         "query": cfgs.raw_tensor(np.array([json.dumps(WARMUP_PROMPT).encode()], dtype=np.object_)),
         "request_output_len": cfgs.raw_tensor(np.array([4], dtype=np.int32)),
@@ -179,11 +215,16 @@ def _warm_tensorrt_llm(cfg, tokenizer, spec: Spec) -> dict[str, bytes]:
     ids = np.array(tokenizer.encode(text, add_special_tokens=False)[: spec.build.max_input_len], dtype=np.int32)
     out_len = min(4, spec.build.max_seq_len - ids.size)
     # Twice: the first pass pays for lazy initialisation, the second for the first decode batch.
-    cfgs.add_warmup(cfg, "chat_prompt", {
-        "input_ids": ("INT32", (int(ids.size),), "input_ids"),
-        "input_lengths": ("INT32", (1,), "input_lengths"),
-        "request_output_len": ("INT32", (1,), "request_output_len"),
-    }, count=2)
+    cfgs.add_warmup(
+        cfg,
+        "chat_prompt",
+        {
+            "input_ids": ("INT32", (int(ids.size),), "input_ids"),
+            "input_lengths": ("INT32", (1,), "input_lengths"),
+            "request_output_len": ("INT32", (1,), "request_output_len"),
+        },
+        count=2,
+    )
     return {
         "input_ids": cfgs.raw_tensor(ids),
         "input_lengths": cfgs.raw_tensor(np.array([ids.size], dtype=np.int32)),
