@@ -8,9 +8,7 @@ answered, a refusal before any token, cancellation); timing belongs to scripts/b
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import subprocess
 import threading
 import time
 
@@ -314,35 +312,6 @@ def test_cache_entries_expire(triton):
         assert httpx.post(fd.url + "/v1/chat/completions", json=body).headers["x-rtk-tier"] == "cache"
         time.sleep(0.5)
         assert httpx.post(fd.url + "/v1/chat/completions", json=body).headers["x-rtk-tier"] == "primary"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip(
-            "redis-server is not installed (Debian: apt-get install redis-server); the Redis cache is untested here"
-        )
-    port = free_port()
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_redis_cache_is_shared_between_front_doors(triton, redis_url):
