@@ -67,6 +67,15 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path, tiny_llama_dir, quantize
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".engine")]
 
 
+def test_an_engine_config_from_another_rtk_is_refused_with_the_rebuild_command(tmp_path):
+    from toolkit.errors import SourceError
+    from toolkit.targets.cpu import ENGINE_CONFIG, load_engine
+
+    (tmp_path / ENGINE_CONFIG).write_text(json.dumps({"batch_invariant": True}))  # a field no EngineConfig has
+    with pytest.raises(SourceError, match="another rtk version.*rtk build SPEC --force build"):
+        load_engine(tmp_path)
+
+
 @pytest.mark.slow
 def test_rtk_build_runs_every_stage_once_then_skips_them(tmp_path, tiny_llama_dir, monkeypatch):
     """`rtk build SPEC`: four stages, then all cached; a serving change redoes only the emit stage."""

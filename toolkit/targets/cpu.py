@@ -87,7 +87,13 @@ def load_engine(engine_dir: str | os.PathLike, **overrides):
     cfg_path = engine_dir / ENGINE_CONFIG
     if not cfg_path.is_file():
         raise SourceError(f"'{engine_dir}' is not a cpu engine directory (no {ENGINE_CONFIG}); run `rtk build SPEC`")
-    config = EngineConfig(**{**json.loads(cfg_path.read_text()), **overrides})
+    try:
+        config = EngineConfig(**{**json.loads(cfg_path.read_text()), **overrides})
+    except (TypeError, ValueError) as exc:  # a field this rtk does not know, or a broken file
+        raise SourceError(
+            f"'{cfg_path}' was written by another rtk version or is damaged ({exc}); "
+            "rebuild it with `rtk build SPEC --force build`"
+        ) from None
     return Engine(engine_dir / CHECKPOINT_DIR, config)
 
 
