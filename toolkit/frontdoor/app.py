@@ -52,6 +52,21 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def read_json_body(request: Request, max_bytes: int):
+    """The request's JSON body, refused with 413 above ``max_bytes`` and 400 when it is not JSON."""
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise APIError(
+            413,
+            f"the request body is {len(raw)} bytes; the limit is {max_bytes} (serving.frontend.max_request_bytes)",
+            code="request_too_large",
+        )
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
 class FrontDoor:
     def __init__(self, config: FrontDoorConfig, triton_grpc_url: str, metrics_url: str | None = None):
         self.config = config
@@ -183,18 +198,7 @@ class FrontDoor:
         arrival = time.perf_counter()
         try:
             self._check_key(request)
-            raw = await request.body()
-            if len(raw) > self.config.frontend.max_request_bytes:
-                raise APIError(
-                    413,
-                    f"the request body is {len(raw)} bytes; the limit is "
-                    f"{self.config.frontend.max_request_bytes} (serving.frontend.max_request_bytes)",
-                    code="request_too_large",
-                )
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            body = await read_json_body(request, self.config.frontend.max_request_bytes)
             req = parse_request(
                 kind,
                 body,

@@ -363,20 +363,10 @@ class JobService:
         return [Route("/v1/jobs", submit, methods=["POST"]), Route("/v1/jobs/{job_id}", read, methods=["GET"])]
 
     async def _validate(self, fd, request) -> dict:
+        from .app import read_json_body
         from .protocol import parse_request
 
-        raw = await request.body()
-        if len(raw) > self.config.frontend.max_request_bytes:
-            raise APIError(
-                413,
-                f"the request body is {len(raw)} bytes; the limit is "
-                f"{self.config.frontend.max_request_bytes} (serving.frontend.max_request_bytes)",
-                code="request_too_large",
-            )
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        body = await read_json_body(request, self.config.frontend.max_request_bytes)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         if body.get("stream"):
