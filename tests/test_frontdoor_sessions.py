@@ -375,3 +375,63 @@ def wait_for_session(fd, sid, ok, timeout_s=60.0):
             return s
         assert time.monotonic() < deadline, s
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_rtk_slo_multi_turn_over_openai_goes_through_sessions(served, monkeypatch):
+    """Each turn sends only its new user message with the conversation's session_id; the front door supplies the
+    history (stored, and counted in the next turn's prompt tokens); the report is the usual per-turn one."""
+    from toolkit.slo import run_slo
+    from toolkit.slo.openai_transport import SESSION_PREFIX
+    from toolkit.slo.workload import HFTokenizer, SyntheticWorkload, find_tokenizer_dir
+
+    monkeypatch.setenv("OPENAI_API_KEY", "key-bob")
+    slo = {
+        "transport": "openai",
+        "turns": 3,
+        "concurrency": 2,
+        "num_requests": 6,
+        "warmup_requests": 0,
+        "input_tokens": 12,
+        "output_tokens": 4,
+        "seed": 7,
+    }
+    with front_door(served, monkeypatch) as fd:
+        report = run_slo(slo, fd.url, repository=served["repo"])
+        assert report.summary.failed == 0 and sorted(r.turn for r in report.records if r.measured) == [0, 0, 1, 1, 2, 2]
+        assert any("keeps sessions" in n for n in report.notes), report.notes
+        mine = httpx.get(fd.url + "/v1/sessions", headers={"Authorization": "Bearer key-bob"}).json()["data"]
+        runs = {s["id"].rsplit("-", 1)[0] for s in mine if s["id"].startswith(SESSION_PREFIX)}
+        assert len(runs) == 1, runs  # one run: its conversations share a fresh tag
+        work = SyntheticWorkload(
+            input_tokens=12,
+            input_std=0,
+            output_tokens=4,
+            output_std=0,
+            turns=3,
+            seed=7,
+            tokenizer=HFTokenizer(find_tokenizer_dir(served["repo"])),
+        )
+        tag = runs.pop()
+        for conversation in (0, 1):
+            s = httpx.get(f"{fd.url}/v1/sessions/{tag}-{conversation}", headers={"Authorization": "Bearer key-bob"})
+            s = s.json()
+            assert s["turns"] == 3 and [m["role"] for m in s["messages"]] == ["user", "assistant"] * 3
+            # Only the new user text was sent: the stored user messages are the workload's turns, not histories.
+            assert [m["content"] for m in s["messages"][0::2]] == [t.text for t in work.session(conversation).turns]
+            prompts = [t["prompt_tokens"] for t in s["stats"]]
+            assert prompts[0] < prompts[1] < prompts[2] and s["stats"][2]["reused_ids"] > prompts[1]
+        # What the front door answers in usage.prompt_tokens is the prompt with the history.
+        r = httpx.post(
+            fd.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer key-bob"},
+            timeout=120,
+            json={
+                "model": served["model"],
+                "messages": [{"role": "user", "content": "and?"}],
+                "max_tokens": 2,
+                "session_id": f"{tag}-1",
+            },
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > prompts[2] + 4

@@ -180,6 +180,11 @@ def start_time(start_at: float | None, margin_ns: int = 2_000_000) -> int:
 
 def model_info_note(info: ModelInfo, transport: str) -> list[str]:
     notes = []
+    if transport == "openai" and info.sessions:
+        notes.append(
+            "the server keeps sessions: each turn of a multi-turn conversation sent only its new user message "
+            "with the conversation's session_id, and the server supplied the history"
+        )
     if transport != "openai":
         if not info.stamps:
             notes.append(

@@ -155,7 +155,12 @@ class LoadGenerator:
         if turn.ids is not None:
             payload = Payload(ids=state.ids + turn.ids, output_tokens=turn.output_tokens)
         else:
-            payload = Payload(text="\n".join([*state.text_parts, turn.text]), output_tokens=turn.output_tokens)
+            payload = Payload(
+                text="\n".join([*state.text_parts, turn.text]),
+                output_tokens=turn.output_tokens,
+                turn_text=turn.text,
+                conversation=state.session.index if len(state.session.turns) > 1 else None,
+            )
         return _Due(due, seq, rec, self.transport.prepare(str(rec.index), payload), state)
 
     def _follow_up(self, item: _Due) -> _SessionState | None:

@@ -8,6 +8,12 @@
 stream) ends the request.  When the server counts more tokens than chunks carried, the last chunk
 takes the rest, so TPOT and throughput use the server's count.
 
+Multi-turn conversations (``slo.turns`` > 1, or a dataset's ``turns``) at a server that keeps sessions
+(rtk's front door: ``GET /v1/sessions/{id}`` answers ``session_not_found`` for an unknown id) go through
+them: each turn sends only its new user message with ``"session_id": "rtk-slo-<run>-<conversation>"``,
+and the server supplies the history (so turn k's ``usage.prompt_tokens`` grows with it).  At any other
+server each turn sends the whole history as one user message, as the Triton transports do.
+
 Outcomes follow outcome.py: HTTP 429 and 503 are refusals (shed); a fallback tier named in the
 :data:`~toolkit.slo.outcome.TIER_HEADER` response header or the final chunk's
 :data:`~toolkit.slo.outcome.TIER_FIELD` field is shed as well; any other status, an ``error``
@@ -22,6 +28,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+import uuid
 from typing import Any
 
 from ..errors import ServerError, UsageError
@@ -30,6 +37,7 @@ from .transport import Decoded, HttpTransport, ModelInfo, Payload, now_ns
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 HEADER_TIER = "header_tier"  # key of the pseudo-payload that carries the tier header to the decoder
+SESSION_PREFIX = "rtk-slo-"
 
 
 def decode_openai(info: ModelInfo, payload: Any, *, content: bool = True, stamps: bool = True) -> Decoded:
@@ -58,6 +66,26 @@ class OpenAITransport(HttpTransport):
         self.url = self.url.removesuffix("/v1")
         key = os.environ.get("OPENAI_API_KEY")
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        self.run_tag = SESSION_PREFIX + uuid.uuid4().hex[:12]  # this run's conversations are new to the server
+
+    def session_id(self, conversation: int) -> str:
+        return f"{self.run_tag}-{conversation}"
+
+    def _keeps_sessions(self) -> bool:
+        """Whether the server keeps conversations: rtk's front door answers an unknown session id with
+        ``session_not_found`` (and ``sessions_unavailable`` when its sessions are off)."""
+        req = urllib.request.Request(f"{self.url}/v1/sessions/{self.run_tag}-probe", headers=self._headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s):
+                return False  # nothing can exist under this run's fresh tag
+        except urllib.error.HTTPError as exc:
+            try:
+                code = (json.loads(exc.read()).get("error") or {}).get("code")
+            except (ValueError, AttributeError):
+                return False
+            return exc.code == 404 and code == "session_not_found"
+        except (urllib.error.URLError, OSError):
+            return False
 
     def model_info(self) -> ModelInfo:
         if self.interface not in PATHS:
@@ -84,7 +112,13 @@ class OpenAITransport(HttpTransport):
         elif names and self.model not in names:
             raise UsageError(f"model '{self.model}' is not served at {self.url}; it serves {names} (slo.model)")
         self.info = ModelInfo(
-            name=self.model, interface=self.interface, max_batch_size=0, inputs=set(), outputs=set(), decoupled=True
+            name=self.model,
+            interface=self.interface,
+            max_batch_size=0,
+            inputs=set(),
+            outputs=set(),
+            decoupled=True,
+            sessions=self.interface == "chat" and self._keeps_sessions(),
         )
         return self.info
 
@@ -95,7 +129,10 @@ class OpenAITransport(HttpTransport):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.interface == "chat":
+        if self.interface == "chat" and p.conversation is not None and self.info is not None and self.info.sessions:
+            body["messages"] = [{"role": "user", "content": p.turn_text}]
+            body["session_id"] = self.session_id(p.conversation)
+        elif self.interface == "chat":
             body["messages"] = [{"role": "user", "content": p.text}]
         else:
             body["prompt"] = p.text

@@ -63,6 +63,7 @@ class ModelInfo:
     inputs: set[str]
     outputs: set[str]
     decoupled: bool | None = None
+    sessions: bool = False  # openai: the server keeps conversations (session_id), so a turn sends only its message
 
     @property
     def stamps(self) -> list[str]:
@@ -92,9 +93,11 @@ class ModelInfo:
 class Payload:
     """One request's content, independent of the transport."""
 
-    text: str | None = None
+    text: str | None = None  # the whole prompt: a multi-turn session's history and the new user text
     ids: list[int] | None = None
     output_tokens: int = 16
+    turn_text: str | None = None  # the new user text alone (servers that keep the history)
+    conversation: int | None = None  # the session's number when it has several turns
 
 
 def _info_from_config(cfg: dict, model: str, interface: str) -> ModelInfo:
