@@ -22,6 +22,10 @@ Each number is the median of ``--repeats`` runs.  The server shares the machine'
 the client, so the rates are those of *this* host with its server, not the client alone.
 
     python scripts/bench_client.py [--repeats 3] [--requests 400] [--workers 2]
+    python scripts/bench_client.py --server-cpus 0-7 --client-cpus 8-15   # server and client apart
+
+``--server-cpus`` / ``--client-cpus`` pin tritonserver (and its python stubs) and the client processes
+to disjoint CPU sets, which makes a many-core host behave as a client host beside a server host.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from toolkit.slo.records import SERVER_STAMPS  # noqa: E402
 from toolkit.slo.runner import run_slo  # noqa: E402
 from toolkit.spec import SLOSpec  # noqa: E402
 
+INTERFACE = "ensemble"  # --interface: the fake model's tensor interface and its name on the server
+
 
 def rtk_run(
     url: str, *, tokens: int, requests: int, concurrency: int | None = None, rate: float | None = None, workers: int = 1
@@ -57,6 +63,7 @@ def rtk_run(
         arrival="constant",
         num_requests=requests,
         warmup_requests=2 * workers,
+        endpoint=INTERFACE,
         input_tokens=16,
         output_tokens=tokens,
         max_schedule_lag_ms=1000,
@@ -96,19 +103,28 @@ def tritonclient_run(url: str, *, tokens: int, requests: int, concurrency: int) 
     t, wall = time.process_time(), time.perf_counter()
     client.start_stream(callback=callback)
     # The same protocol work as rtk's requests: text plus the four server timestamps.
-    outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", *SERVER_STAMPS)]
+    output = "text_output" if INTERFACE == "ensemble" else "output_ids"
+    outputs = [grpcclient.InferRequestedOutput(n) for n in (output, *SERVER_STAMPS)]
     for i in range(requests):
         slots.acquire()
-        text = " ".join(["word"] * 16)
-        inputs = [
-            inp("text_input", np.array([[text.encode()]], dtype=np.object_), "BYTES"),
-            inp("max_tokens", np.array([[tokens]], dtype=np.int32), "INT32"),
-            inp("stream", np.array([[True]]), "BOOL"),
-            inp("min_tokens", np.array([[tokens]], dtype=np.int32), "INT32"),
-            inp("return_perf_metrics", np.array([[True]]), "BOOL"),
-        ]
+        if INTERFACE == "ensemble":
+            text = " ".join(["word"] * 16)
+            inputs = [
+                inp("text_input", np.array([[text.encode()]], dtype=np.object_), "BYTES"),
+                inp("max_tokens", np.array([[tokens]], dtype=np.int32), "INT32"),
+                inp("stream", np.array([[True]]), "BOOL"),
+                inp("min_tokens", np.array([[tokens]], dtype=np.int32), "INT32"),
+            ]
+        else:
+            inputs = [
+                inp("input_ids", np.arange(1, 17, dtype=np.int32)[None], "INT32"),
+                inp("input_lengths", np.array([[16]], dtype=np.int32), "INT32"),
+                inp("request_output_len", np.array([[tokens]], dtype=np.int32), "INT32"),
+                inp("streaming", np.array([[True]]), "BOOL"),
+            ]
+        inputs.append(inp("return_perf_metrics", np.array([[True]]), "BOOL"))
         client.async_stream_infer(
-            "ensemble", inputs, request_id=str(i), outputs=outputs, enable_empty_final_response=True
+            INTERFACE, inputs, request_id=str(i), outputs=outputs, enable_empty_final_response=True
         )
     finished.wait(300)
     wall = time.perf_counter() - wall
@@ -143,6 +159,26 @@ def on_schedule(url: str, rate: float, *, workers: int, requests: int, repeats: 
     return statistics.median(lags), statistics.median(achieved), statistics.median(cpus)
 
 
+def cpu_set(text: str | None) -> set[int] | None:
+    """``0-3,6`` -> {0, 1, 2, 3, 6}; None stays None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    missing = cpus - os.sched_getaffinity(0)
+    if missing:
+        raise SystemExit(
+            f"CPUs {sorted(missing)} are not available to this process (it may use {sorted(os.sched_getaffinity(0))})"
+        )
+    return cpus
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -150,14 +186,29 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="closed loop for the cost runs")
     ap.add_argument("--workers", type=int, default=2, help="client processes to compare with one")
     ap.add_argument("--rates", default="100,200,300,400,600,800,1200,1600", help="open-loop rates to try (req/s)")
+    ap.add_argument(
+        "--interface",
+        choices=("ensemble", "tensorrt_llm"),
+        default="ensemble",
+        help="the fake model's interface: text (ensemble) or token ids (tensorrt_llm)",
+    )
+    ap.add_argument("--server-cpus", help="pin tritonserver and its stubs to these CPUs, e.g. 0-7")
+    ap.add_argument("--client-cpus", help="pin the client processes to these CPUs, e.g. 8-15")
     args = ap.parse_args()
+    global INTERFACE
+    INTERFACE = args.interface
+    server_cpus, client_cpus = cpu_set(args.server_cpus), cpu_set(args.client_cpus)
+    everything = os.sched_getaffinity(0)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     loads = [os.getloadavg()[0]]
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
-        write_fake_llm(repo, "ensemble", interface="ensemble", ttft_ms=0, itl_ms=0, max_batch_size=64)
+        write_fake_llm(repo, INTERFACE, interface=INTERFACE, ttft_ms=0, itl_ms=0, max_batch_size=64)
+        if server_cpus:
+            os.sched_setaffinity(0, server_cpus)  # the server and its stubs inherit this set
         with running_server(repo) as srv:
+            os.sched_setaffinity(0, client_cpus or everything)  # spawned workers inherit this one
             url = srv.grpc_url
             rtk_run(url, tokens=8, requests=100, concurrency=8)  # warm the server and this process
             tritonclient_run(url, tokens=8, requests=100, concurrency=8)
@@ -173,6 +224,9 @@ def main() -> None:
                 for _ in range(args.repeats)
             )
             ceiling = max(tc_ceiling, rtk_ceiling)
+            progress(
+                f"ceiling: tritonclient {tc_ceiling:.0f} req/s, rtk {args.workers} workers {rtk_ceiling:.0f} req/s"
+            )
             loads.append(os.getloadavg()[0])
 
             # 1. cost per request and per token
@@ -186,6 +240,10 @@ def main() -> None:
                     pts_tc.append((n, n * tokens, cpu))
                 rows["rtk slo (gRPC, 1 process)"].append(fit(pts_rtk))
                 rows["tritonclient stream"].append(fit(pts_tc))
+                progress(
+                    f"cost fit (µs/request, µs/token, ms fixed): rtk {rows['rtk slo (gRPC, 1 process)'][-1]}, "
+                    f"tritonclient {rows['tritonclient stream'][-1]}"
+                )
             med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in rows.items()}
             loads.append(os.getloadavg()[0])
 
@@ -198,6 +256,7 @@ def main() -> None:
                         url, rate, workers=workers, requests=args.requests, repeats=args.repeats
                     )
                     rate_rows[workers].append((rate, lag, got, cpu))
+                    progress(f"{workers} workers at {rate:g} req/s: achieved {got:.0f}, lag p99 {lag:.3f} ms")
                     if lag > 5 or got < 0.8 * rate:  # far past the limit; higher rates only get worse
                         break
             loads.append(os.getloadavg()[0])
@@ -205,7 +264,12 @@ def main() -> None:
     print(
         f"\n{started}; host: {os.cpu_count()} CPUs, load average (1 min) {min(loads):.1f}–{max(loads):.1f} "
         "during the run; "
-        f"server and client share the CPUs; median of {args.repeats} runs"
+        + (
+            f"server pinned to CPUs {args.server_cpus}, client to {args.client_cpus or 'the rest'}; "
+            if server_cpus
+            else "server and client share the CPUs; "
+        )
+        + f"median of {args.repeats} runs"
     )
     print(
         f"\nfake server ceiling (closed loop 64, 8 tokens): {tc_ceiling:.0f} req/s driven by tritonclient, "
