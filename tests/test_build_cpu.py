@@ -45,6 +45,26 @@ def test_cpu_build_writes_engine_config_and_checkpoint_with_manifest(tmp_path, t
     assert not again.skipped and json.loads((out / ENGINE_CONFIG).read_text())["max_batch_size"] == 2
 
 
+def test_a_changed_engine_config_schema_rebuilds(tmp_path, tiny_llama_dir, quantized_dir, monkeypatch):
+    """An rtk whose EngineConfig gained a field must not reuse the engine_config.json an older one wrote."""
+    from dataclasses import dataclass
+
+    import toolkit.targets.cpu as cpu
+
+    spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
+    out = tmp_path / "engine"
+    build(spec, quantized_dir, out)
+    assert build(spec, quantized_dir, out).skipped
+
+    @dataclass
+    class NewerConfig(EngineConfig):
+        a_new_knob: int = 1
+
+    monkeypatch.setattr(cpu, "engine_config", lambda s: NewerConfig(**asdict(EngineConfig.from_build(s.build))))
+    again = build(spec, quantized_dir, out)
+    assert not again.skipped and json.loads((out / ENGINE_CONFIG).read_text())["a_new_knob"] == 1
+
+
 def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path, tiny_llama_dir, quantized_dir):
     spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
     out = build(spec, quantized_dir, tmp_path / "engine").path

@@ -46,7 +46,12 @@ def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force:
             "(or pass the quantize stage's output directory)"
         )
     src = read_manifest(quantized_dir)
-    inputs = {"quantized": (src or {}).get("key") or _fingerprint(hf)}
+    # The engine config as this rtk writes it (field names included), so an rtk whose EngineConfig
+    # changed rebuilds instead of reusing an engine_config.json it may not read.
+    inputs = {
+        "quantized": (src or {}).get("key") or _fingerprint(hf),
+        "engine_config": asdict(engine_config(spec)),
+    }
 
     def write(out) -> None:
         config = engine_config(spec)
