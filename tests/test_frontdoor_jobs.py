@@ -171,6 +171,17 @@ def test_a_job_finishes_and_its_callback_is_retried_with_one_idempotency_key(tri
             assert verify(SECRET, g["body"], g["headers"]["x-rtk-signature"])
             assert json.loads(g["body"])["result"] == done["result"]
         assert wait_for(lambda: httpx.get(f"{fd.url}/v1/jobs/{jid}").json()["callback"]["status"] == "delivered")
+        metrics = httpx.get(fd.url + "/metrics").text
+        for line in (
+            "rtk_frontdoor_jobs_submitted_total 1",
+            'rtk_frontdoor_job_runs_total{result="succeeded"} 1',
+            'rtk_frontdoor_job_callbacks_total{result="retried"} 2',
+            'rtk_frontdoor_job_callbacks_total{result="delivered"} 1',
+            'rtk_frontdoor_job_callbacks_total{result="failed"} 0',
+            "rtk_frontdoor_job_store_errors_total 0",
+        ):
+            assert line in metrics.splitlines(), line
+        assert wait_for(lambda: 'rtk_frontdoor_jobs{state="succeeded"} 1' in httpx.get(fd.url + "/metrics").text)
         # A redirect is not followed: the delivery counts as failed (and is retried until it gives up).
         r = httpx.post(fd.url + "/v1/jobs", json=body(n=2, callback_url=rx.url + "/moved"))
         wait_for(lambda: sum(1 for g in rx.got if g.get("redirected")) >= 2)

@@ -83,6 +83,24 @@ def test_sqlite_store_survives_a_new_process_state(tmp_path):
     asyncio.run(go())
 
 
+def test_a_turn_lease_is_held_by_one_request_renewed_by_it_and_lapses(store_factory):
+    async def go():
+        store = store_factory(60)
+        assert await store.acquire("s", "req-a", 30)
+        assert not await store.acquire("s", "req-b", 30)  # another request (or front door): busy
+        assert await store.acquire("s", "req-a", 30)  # the holder renews it
+        await store.release("s", "req-b")  # only the holder releases
+        assert not await store.acquire("s", "req-b", 30)
+        await store.release("s", "req-a")
+        assert await store.acquire("s", "req-b", 0.2)
+        assert await store.acquire("other", "req-a", 30)  # leases are per session
+        await asyncio.sleep(0.4)
+        assert await store.acquire("s", "req-c", 30)  # a holder that died: its lease lapsed
+        await store.close()
+
+    asyncio.run(go())
+
+
 def test_session_id_is_validated_and_the_owner_is_a_hash():
     assert session_id_of({"session_id": "chat-1.a:b"}) == "chat-1.a:b"
     for bad_id in ("", "-x", "a b", "x" * 200, 7):
@@ -216,13 +234,14 @@ def served(tmp_path_factory, tiny_llama_dir):
         yield {"repo": repo, "triton": triton, "model": spec.name, "db": root / "sessions.sqlite"}
 
 
-def front_door(served, monkeypatch):
+def front_door(served, monkeypatch, guard=None):
     from toolkit.frontdoor import FrontDoorServer, create_app
     from toolkit.frontdoor.config import config_from
 
     monkeypatch.setenv("RTK_TEST_SESSION_KEYS", "key-alice,key-bob")
     monkeypatch.setenv("RTK_TEST_SESSION_ADMIN", "key-admin")
     cfg = config_from(served["repo"])
+    cfg.guard = guard or cfg.guard
     cfg.frontend = cfg.frontend.model_copy(update={"api_keys": "env:RTK_TEST_SESSION_KEYS"})
     cfg.sessions = SessionsSpec(path=str(served["db"]), admin_key="env:RTK_TEST_SESSION_ADMIN")
     app = create_app(cfg, served["triton"].grpc_url, metrics_url=served["triton"].metrics_url)
@@ -435,3 +454,83 @@ def test_rtk_slo_multi_turn_over_openai_goes_through_sessions(served, monkeypatc
             },
         )
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > prompts[2] + 4
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_second_turn_while_one_runs_is_refused_with_409_and_counted(served, monkeypatch):
+    alice, bob = {"Authorization": "Bearer key-alice"}, {"Authorization": "Bearer key-bob"}
+
+    async def hold(token):  # another front door on the same store is answering a turn of "busy"
+        store = SQLiteSessions(served["db"], 60)
+        assert await store.acquire("busy", token, 30)
+        await store.close()
+
+    async def release(token):
+        store = SQLiteSessions(served["db"], 60)
+        await store.release("busy", token)
+        await store.close()
+
+    with front_door(served, monkeypatch) as fd:
+        turn(fd, served, "Hello", sid="busy")
+        asyncio.run(hold("elsewhere"))
+        body = {"model": served["model"], "messages": [{"role": "user", "content": "again"}], "session_id": "busy"}
+        r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=alice, timeout=60)
+        assert r.status_code == 409 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "session_busy" and r.json()["error"]["param"] == "session_id"
+        # Another key learns nothing from the busy session: 404, as for a missing one.
+        assert httpx.post(fd.url + "/v1/chat/completions", json=body, headers=bob, timeout=60).status_code == 404
+        asyncio.run(release("elsewhere"))
+        turn(fd, served, "again", sid="busy")
+        s = httpx.get(fd.url + "/v1/sessions/busy", headers=alice).json()
+        assert s["turns"] == 2 and [m["content"] for m in s["messages"][0::2]] == ["Hello", "again"]
+        metrics = httpx.get(fd.url + "/metrics").text
+        assert 'rtk_frontdoor_session_turns_total{result="busy"} 1' in metrics
+        assert 'rtk_frontdoor_session_turns_total{result="stored"} 2' in metrics
+        assert "rtk_frontdoor_sessions_active 0" in metrics  # every lease was released
+        assert 'rtk_frontdoor_session_store_errors_total{op="get"} 0' in metrics
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_fallback_deployment_gets_the_history_and_its_answer_is_the_turn(served, monkeypatch):
+    from toolkit.frontdoor import FrontDoorServer, create_app
+    from toolkit.frontdoor.config import config_from
+    from toolkit.spec import GuardSpec
+
+    alice = {"Authorization": "Bearer key-alice"}
+    # The fallback: another front door on the same Triton, with sessions off (a session_id sent there is a 400).
+    other = config_from(served["repo"])
+    other.sessions = SessionsSpec(enabled=False)
+    with FrontDoorServer(create_app(other, served["triton"].grpc_url), "127.0.0.1", free_port()) as backup:
+        guard = GuardSpec(fallbacks=[{"kind": "deployment", "name": "backup", "url": backup.url + "/v1"}])
+        with front_door(served, monkeypatch, guard) as fd:
+            first = turn(fd, served, "What is the capital of France?", sid="fb")
+            body = {
+                "model": served["model"],
+                "messages": [{"role": "user", "content": "And of Spain?"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "session_id": "fb",
+            }
+            # The engine is predicted to take 100 s for the first token, over the 10 s deadline: fall back.
+            estimator = fd.app.state.frontdoor.estimator
+            step_s, estimator.step_s = estimator.step_s, 100.0
+            late = {**alice, "x-rtk-ttft-deadline-ms": "10000"}
+            r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=late, timeout=60)
+            estimator.step_s = step_s
+            assert r.status_code == 200 and r.headers["x-rtk-tier"] == "backup", r.text
+            s = httpx.get(fd.url + "/v1/sessions/fb", headers=alice).json()
+            t1, t2 = s["stats"]
+            # The backup saw the first turn: its prompt is longer than the first turn's prompt and reply.
+            assert r.json()["usage"]["prompt_tokens"] >= t1["prompt_tokens"] + t1["completion_tokens"]
+            assert s["turns"] == 2 and t2["tier"] == "backup"
+            assert [m["content"] for m in s["messages"]] == [
+                "What is the capital of France?",
+                first,
+                "And of Spain?",
+                r.json()["choices"][0]["message"]["content"],
+            ]
+            turn(fd, served, "And of Italy?", sid="fb")  # back on the engine, with all of it
+            s = httpx.get(fd.url + "/v1/sessions/fb", headers=alice).json()
+            assert s["turns"] == 3 and s["stats"][2]["reused_ids"] > t2["prompt_tokens"]

@@ -208,6 +208,10 @@ class FrontDoor:
             )
             await self._check_input(req)
             deadline_ms = self._deadline(request, req)
+            if req.session_id:  # one turn of a session at a time (toolkit/frontdoor/sessions.py)
+                return await self.sessions.serve_turn(
+                    req, request, lambda: self._route(request, req, body, deadline_ms, arrival)
+                )
             return await self._route(request, req, body, deadline_ms, arrival)
         except APIError as exc:
             return self._error(exc)
@@ -340,6 +344,8 @@ class FrontDoor:
         self, req: GenRequest, body: dict, left_s, reason: str, *, status: int, message: str, retry_s: int
     ) -> Response:
         """Try the tiers in order; refuse when none answers."""
+        if req.session_id and any(not isinstance(t, RuleTier) for t in self.tiers):
+            body = await self.sessions.history_body(req, body)  # another deployment gets the conversation
         for tier in self.tiers:
             if isinstance(tier, RuleTier):
                 return self._answer(req, tier.label, tier.answer(req, self.config.guard.ttft_deadline_ms))
@@ -347,6 +353,8 @@ class FrontDoor:
             opened = await tier.open(req, body, remaining if remaining is not None else 30.0)
             if opened is not None:
                 label, pieces, meta = opened
+                if req.session_id:
+                    pieces = self.sessions.recorded(req, label, pieces)  # its answer is the session's turn
                 return self._relay(req, label, pieces, meta)
         self.counters[("rtk_frontdoor_refusals_total", (("status", str(status)), ("reason", reason)))] += 1
         retry = str(max(self.config.guard.retry_after_s, int(retry_s)))
@@ -534,6 +542,7 @@ class FrontDoor:
         }
         for name, (text, v) in gauges.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {v}"]
+        lines += self.sessions.metric_lines() + self.jobs.metric_lines()
         return "\n".join(lines) + "\n"
 
 

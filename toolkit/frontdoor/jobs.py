@@ -36,11 +36,13 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from .protocol import APIError
+from .sessions import OWNER_HEADER
 
 log = logging.getLogger("rtk.frontdoor")
 SIGNATURE_HEADER = "X-Rtk-Signature"
@@ -222,8 +224,8 @@ class JobStore:
         row = await self._run(lambda db: db.execute("SELECT * FROM jobs WHERE id = ?", (jid,)).fetchone())
         return self._row(row) if row else None
 
-    async def due(self, now: float) -> tuple[list[Job], list[Job]]:
-        """(jobs to run, callbacks to deliver) whose time has come."""
+    async def due(self, now: float) -> tuple[list[Job], list[Job], dict[str, int]]:
+        """(jobs to run, callbacks to deliver) whose time has come, and how many jobs are in each state."""
 
         def q(db):
             runs = db.execute(
@@ -232,10 +234,11 @@ class JobStore:
             calls = db.execute(
                 "SELECT * FROM jobs WHERE callback_state = 'pending' AND next_delivery <= ?", (now,)
             ).fetchall()
-            return runs, calls
+            states = dict(db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
+            return runs, calls, states
 
-        runs, calls = await self._run(q)
-        return [self._row(r) for r in runs], [self._row(r) for r in calls]
+        runs, calls, states = await self._run(q)
+        return [self._row(r) for r in runs], [self._row(r) for r in calls], states
 
     async def requeue_running(self) -> int:
         """At start: jobs a stopped front door was running run again."""
@@ -282,6 +285,8 @@ class JobService:
         self._running: set[str] = set()
         self._wake = asyncio.Event()
         self._internal_key = secrets.token_urlsafe(32)  # lets the runner through API-key checks; memory only
+        self.states: dict[str, int] | None = None  # jobs in the store by state, as the loop last counted them
+        self.counters: Counter = Counter()  # (metric, label value) → count since this front door started
 
     async def start(self, fd, app) -> None:
         import httpx
@@ -296,6 +301,7 @@ class JobService:
         self.store = JobStore(path)
         if fd.keys:
             fd.keys.append(self._internal_key)
+        fd.sessions.internal_key = self._internal_key  # a job's session turns are its owner's
         self.local = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://frontdoor", timeout=httpx.Timeout(None)
         )
@@ -337,6 +343,7 @@ class JobService:
                 )
                 job.callback_state = "waiting" if job.callback_url else None
                 await self.store.put(job)
+                self.counters[("submitted", "")] += 1
                 self._wake.set()
                 return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
             except APIError as exc:
@@ -404,7 +411,7 @@ class JobService:
         while True:
             try:
                 now = time.time()
-                runs, calls = await self.store.due(now)
+                runs, calls, self.states = await self.store.due(now)
                 for job in runs:
                     if len(self._running) >= self.spec.max_concurrent:
                         break
@@ -422,6 +429,7 @@ class JobService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 — keep the loop alive; the next round retries
+                self.counters[("store_errors", "")] += 1
                 log.warning("front door: job loop: %r", exc)
             self._wake.clear()
             try:
@@ -434,9 +442,10 @@ class JobService:
             job.state, job.run = RUNNING, job.run + 1
             await self.store.put(job)
             path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
-            headers = {"Authorization": f"Bearer {self._internal_key}"}
+            headers = {"Authorization": f"Bearer {self._internal_key}", OWNER_HEADER: job.owner}
             r = await self.local.post(path, json=job.body, headers=headers)
-            if r.status_code in (429, 503):  # overload: try again later, as a client would
+            # Overload, or another turn of the job's session running: try again later, as a client would.
+            if r.status_code in (429, 503) or (r.status_code == 409 and _error_code(r) == "session_busy"):
                 job.state = QUEUED
                 job.next_run = time.time() + float(r.headers.get("retry-after", "1"))
             elif r.status_code == 200:
@@ -450,6 +459,7 @@ class JobService:
                 )
             if job.state != QUEUED and job.callback_url:
                 job.callback_state, job.next_delivery = "pending", 0.0
+            self.counters[("runs", "requeued" if job.state == QUEUED else job.state)] += 1
             await self.store.put(job)
         finally:
             self._running.discard(job.id)
@@ -489,6 +499,52 @@ class JobService:
             else:
                 delay = min(self.spec.callback_backoff_s * 2 ** (job.deliveries - 1), self.spec.callback_max_backoff_s)
                 job.next_delivery = time.time() + delay
+            self.counters[("callbacks", "retried" if job.callback_state == "pending" else job.callback_state)] += 1
             await self.store.put(job)
         finally:
             self._running.discard(job.id)
+
+    # -- /metrics ---------------------------------------------------------------------------------------------
+    def metric_lines(self) -> list[str]:
+        def counter(name: str, text: str, key: str, label: str | None, values: tuple[str, ...]) -> list[str]:
+            out = [f"# HELP {name} {text}", f"# TYPE {name} counter"]
+            if label is None:
+                return out + [f"{name} {self.counters[(key, '')]}"]
+            return out + [f'{name}{{{label}="{v}"}} {self.counters[(key, v)]}' for v in values]
+
+        lines = counter("rtk_frontdoor_jobs_submitted_total", "jobs accepted (202)", "submitted", None, ())
+        lines += counter(
+            "rtk_frontdoor_job_runs_total",
+            "job executions by result (requeued: overload or a busy session; run again later)",
+            "runs",
+            "result",
+            (SUCCEEDED, FAILED, "requeued"),
+        )
+        lines += counter(
+            "rtk_frontdoor_job_callbacks_total",
+            "callback delivery attempts: delivered (2xx), retried (failed, tried again later), failed (given up)",
+            "callbacks",
+            "result",
+            ("delivered", "retried", "failed"),
+        )
+        lines += counter(
+            "rtk_frontdoor_job_store_errors_total",
+            "failed rounds of the job loop (the job store)",
+            "store_errors",
+            None,
+            (),
+        )
+        if self.states is not None:
+            lines += ["# HELP rtk_frontdoor_jobs jobs in the store by state", "# TYPE rtk_frontdoor_jobs gauge"]
+            lines += [
+                f'rtk_frontdoor_jobs{{state="{st}"}} {self.states.get(st, 0)}'
+                for st in (QUEUED, RUNNING, SUCCEEDED, FAILED)
+            ]
+        return lines
+
+
+def _error_code(r) -> str | None:
+    try:
+        return (r.json().get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None

@@ -15,6 +15,13 @@ Storage is SQLite (stdlib) by default, a file beside the server's state file, or
 Sessions expire ``ttl_s`` after their last turn; one that would grow over ``max_tokens`` stored ids
 drops its oldest turns.  A session belongs to the API key that made it (a hash of it, never the key);
 reading, listing and deleting others' sessions needs the admin key.
+
+One turn of a session at a time: a request holds its session's *turn lease* in the store from before it
+reads the history until its answer is stored (or it fails); another request for the same session meanwhile
+is refused with 409 ``session_busy`` — across front doors sharing the store too.  A lease is renewed while
+its turn streams and lapses ``TURN_LEASE_S`` after a front door died holding it.  A session request that a
+fallback deployment answers is sent there with the stored history (and without ``session_id``), and the
+answer is stored as the turn.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import re
 import sqlite3
 import threading
 import time
+import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +52,10 @@ SUMMARY_INSTRUCTION = (
 )
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
 REDIS_PREFIX = "rtk:session:"
+REDIS_LEASE_PREFIX = "rtk:session-turn:"
+OWNER_HEADER = "x-rtk-session-owner"  # accepted only from the job runner
+TURN_LEASE_S = 30.0  # a turn's hold on its session; renewed while it streams, so only a dead front door's lapses
+RELEASE_IF_MINE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
 def owner_of(key: str | None) -> str:
@@ -104,6 +117,7 @@ class SQLiteSessions:
             "CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, owner TEXT NOT NULL, updated REAL NOT NULL, "
             "body TEXT NOT NULL)"
         )
+        self._db.execute("CREATE TABLE IF NOT EXISTS turns (id TEXT PRIMARY KEY, token TEXT NOT NULL, expires REAL)")
 
     def _run(self, fn):
         def locked():
@@ -146,7 +160,36 @@ class SQLiteSessions:
 
     async def purge(self) -> int:
         cutoff = time.time() - self.ttl_s
-        return await self._run(lambda db: db.execute("DELETE FROM sessions WHERE updated < ?", (cutoff,)).rowcount)
+
+        def q(db):
+            db.execute("DELETE FROM turns WHERE expires < ?", (time.time(),))
+            return db.execute("DELETE FROM sessions WHERE updated < ?", (cutoff,)).rowcount
+
+        return await self._run(q)
+
+    async def count(self) -> int:
+        cutoff = time.time() - self.ttl_s
+        return await self._run(
+            lambda db: db.execute("SELECT COUNT(*) FROM sessions WHERE updated >= ?", (cutoff,)).fetchone()[0]
+        )
+
+    async def acquire(self, sid: str, token: str, lease_s: float) -> bool:
+        """Take (or renew) the turn lease of ``sid`` for ``token``; False while another token holds it."""
+        now = time.time()
+        return (
+            await self._run(
+                lambda db: (
+                    db.execute(
+                        "INSERT INTO turns (id, token, expires) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                        "token = excluded.token, expires = excluded.expires WHERE turns.token = ? OR turns.expires < ?",
+                        (sid, token, now + lease_s, token, now),
+                    ).rowcount
+                )
+            )
+        ) == 1
+
+    async def release(self, sid: str, token: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM turns WHERE id = ? AND token = ?", (sid, token)))
 
     async def close(self) -> None:
         await self._run(lambda db: db.close())
@@ -184,8 +227,41 @@ class RedisSessions:
     async def purge(self) -> int:
         return 0  # Redis expires the keys itself
 
+    async def count(self) -> int:
+        return sum([1 async for _ in self.client.scan_iter(match=REDIS_PREFIX + "*", count=500)])
+
+    async def acquire(self, sid: str, token: str, lease_s: float) -> bool:
+        key, ms = REDIS_LEASE_PREFIX + sid, max(1, int(lease_s * 1000))
+        if await self.client.set(key, token, nx=True, px=ms):
+            return True
+        # Renewal by the holder (a Lua script, so it cannot take a lease another token got meanwhile).
+        renew = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end"
+        return bool(await self.client.eval(renew + " return 0", 1, key, token, ms))
+
+    async def release(self, sid: str, token: str) -> None:
+        await self.client.eval(RELEASE_IF_MINE, 1, REDIS_LEASE_PREFIX + sid, token)
+
     async def close(self) -> None:
         await self.client.aclose()
+
+
+class CountedStore:
+    """A store whose failed calls are counted by operation (``rtk_frontdoor_session_store_errors_total``)."""
+
+    def __init__(self, store, errors: Counter):
+        self.store, self.errors = store, errors
+
+    def __getattr__(self, op: str):
+        call = getattr(self.store, op)
+
+        async def counted(*args, **kwargs):
+            try:
+                return await call(*args, **kwargs)
+            except Exception:
+                self.errors[op] += 1
+                raise
+
+        return counted
 
 
 def make_store(spec, default_path: Path):
@@ -260,11 +336,7 @@ class SessionManager:
         return True
 
     async def load(self, sid: str, owner: str, *, create: bool) -> Session | None:
-        s = await self.store.get(sid)
-        if s is not None and s.owner != owner:
-            raise APIError(
-                404, f"session '{sid}' does not exist for this API key", param="session_id", code="session_not_found"
-            )
+        s = await read_owned(self.store, sid, owner)
         if s is None and create:
             s = Session(id=sid, owner=owner)
         return s
@@ -331,6 +403,29 @@ class SessionManager:
         return s
 
 
+def store_unavailable(exc: BaseException) -> APIError:
+    return APIError(
+        503,
+        f"the session store is not available ({type(exc).__name__}); retry later",
+        kind="server_error",
+        code="session_store_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def read_owned(store, sid: str, owner: str) -> Session | None:
+    """The session ``sid`` of ``owner``: None when missing, 404 when another key's, 503 when the store fails."""
+    try:
+        s = await store.get(sid)
+    except Exception as exc:  # noqa: BLE001 — counted by CountedStore
+        raise store_unavailable(exc) from None
+    if s is not None and s.owner != owner:
+        raise APIError(
+            404, f"session '{sid}' does not exist for this API key", param="session_id", code="session_not_found"
+        )
+    return s
+
+
 def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
     """``messages`` without the oldest non-system turn (a user message and the replies to it)."""
     n_system = 0
@@ -364,11 +459,21 @@ class SessionStream:
     and stores the turn when its final response comes."""
 
     def __init__(
-        self, backend, manager: SessionManager, turn: Turn, req: GenRequest, *, store: bool = True, on_stored=None
+        self,
+        backend,
+        manager: SessionManager,
+        turn: Turn,
+        req: GenRequest,
+        *,
+        store: bool = True,
+        on_final=None,
+        renew=None,
     ):
         from .triton import TritonStream
 
-        self.manager, self.turn, self.req, self.store, self.on_stored = manager, turn, req, store, on_stored
+        self.manager, self.turn, self.req, self.store = manager, turn, req, store
+        self.on_final, self.renew = on_final, renew  # async (turn, stored) ; async () -> still holds the lease
+        self._renewed = time.monotonic()
         self.generated: list[int] = []
         self.text: list[str] = []
         self.reused_blocks: int | None = None
@@ -432,6 +537,13 @@ class SessionStream:
     async def next(self):
         from .triton import Piece
 
+        if self.renew is not None and time.monotonic() - self._renewed > TURN_LEASE_S / 3:
+            self._renewed = time.monotonic()
+            try:
+                if not await self.renew():
+                    self.store = False  # the lease lapsed and another turn has the session: this one is not stored
+            except Exception as exc:  # noqa: BLE001 — counted by CountedStore; the answer still streams
+                log.warning("front door: renewing a session's turn lease failed: %r", exc)
         resp = await self._raw()
         r = resp.infer_response
         index = {o.name: i for i, o in enumerate(r.outputs)}
@@ -460,13 +572,15 @@ class SessionStream:
                 "dropped_turns": self.turn.dropped,
             }
             reply = "".join(self.text)
+            stored = False
             if self.store and await self.manager.allowed(reply):
                 try:
                     await self.manager.commit(self.turn, self.generated, reply, stats)
-                    if self.on_stored is not None:
-                        self.on_stored(self.turn)
+                    stored = True
                 except Exception as exc:  # noqa: BLE001 — the answer still reaches the client
                     log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1, exc)
+            if self.on_final is not None:  # before the client sees the end: its next turn finds the session free
+                await self.on_final(self.turn, stored)
         return piece
 
     async def _raw(self):
@@ -508,6 +622,32 @@ def bearer(request) -> str:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
 
+TURN_RESULTS = ("stored", "busy")
+BUSY_WAIT_S = 0.2  # a turn that finds its session busy waits this long (a summary being written), then 409
+SUMMARY_WAIT_S = 10.0
+STORE_OPS = ("get", "put", "delete", "list", "acquire", "release", "purge", "count")
+
+
+@dataclass
+class Held:
+    sid: str
+    owner: str
+
+
+class AfterSend:
+    """An ASGI response that runs ``done`` once it has been sent, or the client has left."""
+
+    def __init__(self, response, done):
+        self.response, self.done = response, done
+        self.status_code, self.headers = response.status_code, response.headers
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            await asyncio.shield(self.done())
+
+
 class SessionService:
     """The store (opened with the front door), the tokenizer and the ``tensorrt_llm`` stream (opened at the
     first session turn), and the admin key."""
@@ -524,6 +664,11 @@ class SessionService:
         self._purger: asyncio.Task | None = None
         self._summaries: set[asyncio.Task] = set()
         self.unavailable = ""
+        self._held: dict[str, Held] = {}  # request id → the session whose turn lease it holds
+        self.internal_key: str | None = None  # the job runner's (toolkit/frontdoor/jobs.py)
+        self.store_errors: Counter = Counter()  # by store operation
+        self.turn_results: Counter = Counter()  # stored | busy
+        self.stored_sessions: int | None = None  # counted by the purge loop
 
     async def start(self) -> None:
         if not self.spec.enabled:
@@ -537,16 +682,17 @@ class SessionService:
         if not self.spec.url and path is None:
             self.unavailable = "no session store: set serving.sessions.path or serving.sessions.url"
             return
-        self.store = make_store(self.spec, path)
+        self.store = CountedStore(make_store(self.spec, path), self.store_errors)
         self._purger = asyncio.create_task(self._purge())
 
     async def _purge(self) -> None:
         while True:
             try:
                 await self.store.purge()
+                self.stored_sessions = await self.store.count()
             except Exception as exc:  # noqa: BLE001 — the next round retries
                 log.warning("front door: purging expired sessions failed: %r", exc)
-            await asyncio.sleep(max(1.0, min(300.0, self.spec.ttl_s / 4)))
+            await asyncio.sleep(max(1.0, min(30.0, self.spec.ttl_s / 4)))
 
     async def stop(self) -> None:
         for t in [self._purger, *self._summaries]:
@@ -558,9 +704,8 @@ class SessionService:
         if self.store is not None:
             await self.store.close()
 
-    async def _open_engine(self) -> SessionManager:
-        from .triton import TritonBackend
-
+    async def _manager(self) -> SessionManager:
+        """The tokenizer and chat template (loaded at the first session turn)."""
         async with self._opening:
             if self.manager is None:
                 if self.store is None:
@@ -577,9 +722,6 @@ class SessionService:
                         code="sessions_unavailable",
                     )
                 tokens = await asyncio.to_thread(ChatTokens, d)
-                backend = TritonBackend(self.grpc_url, LLM_MODEL)
-                await backend.open()
-                self.backend = backend
                 self.manager = SessionManager(
                     self.spec,
                     self.store,
@@ -588,6 +730,17 @@ class SessionService:
                     max_seq_len=self.config.max_seq_len,
                     rules=self.rules,
                 )
+            return self.manager
+
+    async def _open_engine(self) -> SessionManager:
+        from .triton import TritonBackend
+
+        manager = await self._manager()
+        async with self._opening:
+            if self.backend is None:
+                backend = TritonBackend(self.grpc_url, LLM_MODEL)
+                await backend.open()
+                self.backend = backend
         if not self.backend.ready and not await self.backend.check_health():
             raise APIError(
                 503,
@@ -597,13 +750,156 @@ class SessionService:
                 code="unavailable",
                 headers={"Retry-After": "1"},
             )
-        return self.manager
+        return manager
 
     async def stream(self, req: GenRequest, request) -> SessionStream:
         manager = await self._open_engine()
-        turn = await manager.begin(req, req.session_id, owner_of(bearer(request) or None))
-        on_stored = self._after_turn if self.spec.window_policy == "summarize" else None
-        return SessionStream(self.backend, manager, turn, req, on_stored=on_stored)
+        turn = await manager.begin(req, req.session_id, self.owner(request))
+        renew = (lambda: self._renew(req.id)) if req.id in self._held else None
+        return SessionStream(self.backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
+
+    # -- one turn at a time -------------------------------------------------------------------------------------
+    async def serve_turn(self, req: GenRequest, request, route):
+        """The front door's answer to a session request (``await route()``), given while holding the session's
+        turn lease; 409 ``session_busy`` while another request holds it."""
+        if self.store is None:
+            raise APIError(400, f"'session_id': {self.unavailable}", param="session_id", code="sessions_unavailable")
+        sid, owner = req.session_id, self.owner(request)
+        try:
+            got = await self._acquire(sid, req.id, BUSY_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 — counted by CountedStore
+            raise store_unavailable(exc) from None
+        if not got:
+            await read_owned(self.store, sid, owner)  # another key's session: 404, as if it did not exist
+            self.turn_results["busy"] += 1
+            raise APIError(
+                409,
+                f"session '{sid}' is answering another turn; send the next turn when the previous answer has ended",
+                param="session_id",
+                code="session_busy",
+                headers={"Retry-After": "1"},
+            )
+        self._held[req.id] = Held(sid, owner)
+        try:
+            response = await route()
+        except BaseException:
+            await self._release(req.id)
+            raise
+        return AfterSend(response, lambda: self._release(req.id))
+
+    def owner(self, request) -> str:
+        """Whose session a request continues: its API key's; a job's run (the job runner's internal key) names
+        the job's owner in :data:`OWNER_HEADER`."""
+        import hmac
+
+        key = bearer(request)
+        if self.internal_key and key and hmac.compare_digest(key, self.internal_key):
+            return request.headers.get(OWNER_HEADER, "")
+        return owner_of(key or None)
+
+    async def _acquire(self, sid: str, token: str, wait_s: float) -> bool:
+        """The turn lease of ``sid``, waiting up to ``wait_s`` for its holder to release it."""
+        deadline = time.monotonic() + wait_s
+        while not await self.store.acquire(sid, token, TURN_LEASE_S):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def _renew(self, rid: str) -> bool:
+        held = self._held.get(rid)
+        return held is not None and await self.store.acquire(held.sid, rid, TURN_LEASE_S)
+
+    async def _release(self, rid: str) -> None:
+        held = self._held.pop(rid, None)
+        if held is not None:
+            try:
+                await self.store.release(held.sid, rid)
+            except Exception as exc:  # noqa: BLE001 — counted; the lease lapses by itself
+                log.warning("front door: releasing a session's turn lease failed: %r", exc)
+
+    def _turn_ended(self, rid: str):
+        async def ended(turn: Turn, stored: bool) -> None:
+            if stored:
+                self.turn_results["stored"] += 1
+                if self.spec.window_policy == "summarize":
+                    self._after_turn(turn)
+            await self._release(rid)
+
+        return ended
+
+    # -- a fallback deployment answers a session request ---------------------------------------------------------
+    async def history_body(self, req: GenRequest, body: dict) -> dict:
+        """The request for a fallback deployment: the stored conversation and the new messages, no session_id."""
+        held = self._held.get(req.id)
+        s = await read_owned(self.store, held.sid, held.owner) if held is not None else None
+        history = [{"role": m["role"], "content": m["content"]} for m in (s.messages if s is not None else [])]
+        out = {k: v for k, v in body.items() if k != "session_id"}
+        out["messages"] = history + [{"role": m["role"], "content": m["content"]} for m in req.messages]
+        return out
+
+    def recorded(self, req: GenRequest, tier: str, pieces):
+        """``pieces`` of a fallback's answer, stored as the session's turn once the stream has ended."""
+
+        async def gen():
+            text = []
+            async for p in pieces:
+                text.append(p)
+                yield p
+            await self._store_reply(req, tier, "".join(text))
+
+        return gen()
+
+    async def _store_reply(self, req: GenRequest, tier: str, reply: str) -> None:
+        held = self._held.get(req.id)
+        try:
+            manager = await self._manager()
+            if held is None or not reply or not await manager.allowed(reply):
+                return
+            turn = await manager.begin(req, held.sid, held.owner)
+            generated = manager.tokens.encode(reply)  # not what that engine saw: the next turn's ids still match
+            stats = {
+                "prompt_tokens": len(turn.prompt_ids),
+                "reused_ids": 0,
+                "completion_tokens": len(generated),
+                "kv_reused_blocks": None,
+                "dropped_turns": turn.dropped,
+                "tier": tier,
+            }
+            await manager.commit(turn, generated, reply, stats)
+            self.turn_results["stored"] += 1
+        except Exception as exc:  # noqa: BLE001 — the answer has reached the client
+            log.warning("front door: storing a session turn answered by '%s' failed: %r", tier, exc)
+        finally:
+            await self._release(req.id)
+
+    # -- /metrics ---------------------------------------------------------------------------------------------
+    def metric_lines(self) -> list[str]:
+        lines = [
+            "# HELP rtk_frontdoor_session_turns_total session requests: turns stored, or refused because another "
+            "turn of the session was running (409)",
+            "# TYPE rtk_frontdoor_session_turns_total counter",
+        ]
+        lines += [f'rtk_frontdoor_session_turns_total{{result="{r}"}} {self.turn_results[r]}' for r in TURN_RESULTS]
+        lines += [
+            "# HELP rtk_frontdoor_session_store_errors_total failed calls to the session store, by operation",
+            "# TYPE rtk_frontdoor_session_store_errors_total counter",
+        ]
+        ops = sorted(set(STORE_OPS) | set(self.store_errors))
+        lines += [f'rtk_frontdoor_session_store_errors_total{{op="{op}"}} {self.store_errors[op]}' for op in ops]
+        lines += [
+            "# HELP rtk_frontdoor_sessions_active sessions with a turn running on this front door",
+            "# TYPE rtk_frontdoor_sessions_active gauge",
+            f"rtk_frontdoor_sessions_active {len(self._held)}",
+        ]
+        if self.stored_sessions is not None:
+            lines += [
+                "# HELP rtk_frontdoor_sessions_stored sessions in the store within their TTL (counted every 30 s "
+                "at most)",
+                "# TYPE rtk_frontdoor_sessions_stored gauge",
+                f"rtk_frontdoor_sessions_stored {self.stored_sessions}",
+            ]
+        return lines
 
     # -- window_policy: summarize ------------------------------------------------------------------------------
     def _after_turn(self, turn: Turn) -> None:
@@ -632,24 +928,34 @@ class SessionService:
             summary = (await self._generate(messages, self.spec.summary_max_tokens)).strip()
             if not summary or not await manager.allowed(summary):
                 return
-            s = await manager.load(sid, owner, create=False)  # a turn may have been stored meanwhile
-            if s is None:
+            token = "summary-" + uuid.uuid4().hex
+            if not await self._acquire(sid, token, SUMMARY_WAIT_S):  # a running turn would overwrite it
+                log.warning("front door: a session's summary was dropped: its turns kept it busy")
                 return
-            s.summary = summary
-            rest = [m for m in s.messages if not m.get("summary")]
-            n_system = 0
-            while n_system < len(rest) and rest[n_system]["role"] == "system":
-                n_system += 1
-            note = {
-                "role": "system",
-                "content": f"{SUMMARY_PREFIX}{summary}",
-                "tokens": len(manager.tokens.encode(summary)),
-                "summary": True,
-            }
-            s.messages = rest[:n_system] + [note] + rest[n_system:]
-            await manager.store.put(s)  # the next turn re-renders (its stored text is no longer a prefix)
+            try:
+                await self._put_summary(manager, sid, owner, summary)
+            finally:
+                await self.store.release(sid, token)
         except Exception as exc:  # noqa: BLE001 — a session without a summary still works (truncated)
             log.warning("front door: summarising a session failed: %r", exc)
+
+    async def _put_summary(self, manager: SessionManager, sid: str, owner: str, summary: str) -> None:
+        s = await manager.load(sid, owner, create=False)  # a turn may have been stored meanwhile
+        if s is None:
+            return
+        s.summary = summary
+        rest = [m for m in s.messages if not m.get("summary")]
+        n_system = 0
+        while n_system < len(rest) and rest[n_system]["role"] == "system":
+            n_system += 1
+        note = {
+            "role": "system",
+            "content": f"{SUMMARY_PREFIX}{summary}",
+            "tokens": len(manager.tokens.encode(summary)),
+            "summary": True,
+        }
+        s.messages = rest[:n_system] + [note] + rest[n_system:]
+        await manager.store.put(s)  # the next turn re-renders (its stored text is no longer a prefix)
 
     async def _generate(self, messages: list[dict], max_tokens: int) -> str:
         manager = self.manager
