@@ -17,6 +17,20 @@ from . import set_option
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready; stop with --stop.")
 @click.option("--stop", "stop_", is_flag=True, help="Stop the background server of SPEC|REPOSITORY.")
 @click.option(
+    "--reload",
+    "reload_",
+    is_flag=True,
+    help="After a rebuild: start a second server on the repository as it is now, send new requests to it through "
+    "the front door while the old one finishes its streams, then stop the old one (docs/guard.md).",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="--reload: seconds the old server may take to finish its streams before it is stopped.",
+)
+@click.option(
     "--timeout",
     type=float,
     default=600.0,
@@ -31,10 +45,44 @@ from . import set_option
     help="cpu target: this many tritonservers of the repository, each on its own free ports; "
     "they start, are recorded and stop together.",
 )
-def command(source, overrides, host, http_port, grpc_port, metrics_port, detach, stop_, timeout, replicas):
+def command(
+    source,
+    overrides,
+    host,
+    http_port,
+    grpc_port,
+    metrics_port,
+    detach,
+    stop_,
+    reload_,
+    drain_timeout,
+    timeout,
+    replicas,
+):
     """Serve an emitted repository with tritonserver until Ctrl-C (or in the background with --detach)."""
+    from ..errors import UsageError
     from ..triton import launch
 
+    if reload_:
+        flags = {"--detach": detach, "--stop": stop_, "--replicas": replicas > 1, "--host": host}
+        flags.update({"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
+        given = [flag for flag, value in flags.items() if value]
+        if given:
+            raise UsageError(f"--reload keeps the running server's front door and picks free ports; drop {given[0]}")
+        r = launch.reload(source, overrides=overrides, ready_timeout_s=timeout, drain_timeout_s=drain_timeout)
+        s = r.seconds
+        click.echo(
+            f"reloaded: new requests go to tritonserver pid {r.new.pid} (gRPC {r.new.grpc_url}) behind "
+            f"{r.new.frontdoor_url}/v1; {r.in_flight} in flight finished on pid {r.old.pid}, which is stopped "
+            f"(start {s['start']:.1f} s, swap {s['swap']:.2f} s, drain {s['drain']:.1f} s, stop {s['stop']:.1f} s)"
+        )
+        if not r.drained:
+            click.echo(
+                f"warning: the old server still had requests after --drain-timeout {drain_timeout:.0f} s; "
+                "they were ended when it stopped",
+                err=True,
+            )
+        return
     if stop_:
         states = launch.stop_all(source, overrides)
         pids = ", ".join(str(st.pid) for st in states)

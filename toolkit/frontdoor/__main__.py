@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="serving.SECTION.FIELD=VALUE")
     ap.add_argument("--serving-json", help="the spec's front-door sections of serving, as JSON (used by rtk serve)")
     ap.add_argument("--ready-file", help="write the URL here once listening (used by rtk serve --detach)")
+    ap.add_argument(
+        "--follow-state-file",
+        action="store_true",
+        help="on SIGHUP switch to the server the repository's state file names (rtk serve --reload)",
+    )
     args = ap.parse_args(argv)
     quiet_third_party()
     try:
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RtkError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.follow_state_file:  # before the ready file: rtk serve --reload may signal at once
+        server.follow_state_file(args.repository)
     print(f"ready {server.url}", flush=True)
     if args.ready_file:
         Path(args.ready_file).write_text(server.url)

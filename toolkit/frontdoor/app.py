@@ -137,6 +137,30 @@ class FrontDoor:
         except Exception as exc:  # noqa: BLE001 — counting falls back to an estimate from the bytes
             log.warning("front door: cannot load the tokenizer from %s: %r", d, exc)
 
+    async def swap_backend(self, grpc_url: str, metrics_url: str | None) -> tuple[list[TritonBackend], set[str]]:
+        """Hot model update (``rtk serve --reload``, toolkit/frontdoor/runner.py): new requests go to the
+        tritonserver at ``grpc_url`` once it answers ready, with the model limits of the rebuilt repository.
+        Returns the previous backends (to close once drained) and the ids of the requests in flight on them."""
+        backend = TritonBackend(grpc_url, self.config.triton_model, metrics_url)
+        await backend.open()
+        if not backend.ready:
+            await backend.close()
+            raise RuntimeError(f"the new tritonserver at {grpc_url} is not ready: {backend.ready_reason}")
+        await backend.read_gauges(self.http)
+        if self.config.repository is not None:
+            fresh = await asyncio.to_thread(config_from, self.config.repository)
+            for name in ("max_batch_size", "max_seq_len", "max_input_len", "default_max_tokens", "tokenizer_dir"):
+                setattr(self.config, name, getattr(fresh, name))
+            self.estimator.max_batch = fresh.max_batch_size
+            await asyncio.to_thread(self._load_tokenizer)
+        old = [b for b in (self.backend, self.sessions.backend) if b is not None]
+        # No await from here on: a request sees either the old backend or the new one, never half of each.
+        self.backend = backend
+        if self.filter is not None and isinstance(self.filter.classify, TritonClassifier):
+            self.filter.classify.backend = backend
+        self.sessions.grpc_url, self.sessions.backend, self.sessions.manager = grpc_url, None, None
+        return old, set(self.estimator.inflight)
+
     def prompt_tokens(self, req: GenRequest) -> int:
         """Prompt length for the prediction (the chat template's few tokens per message are estimated)."""
         texts = [req.prompt] if req.kind == "completion" else [m["content"] for m in req.messages]

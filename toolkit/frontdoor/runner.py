@@ -2,17 +2,32 @@
 
 :class:`FrontDoorServer` is what the server launch starts next to tritonserver and stops with it;
 ``python -m toolkit.frontdoor`` is the same server as a process (for a detached deployment).
+
+Hot model update (``rtk serve --reload``, toolkit/triton/launch.py): a detached front door follows its
+repository's state file.  On SIGHUP it reads the state file again and, when the first server recorded
+there is another tritonserver than the one it uses, sends new requests to it
+(:meth:`~toolkit.frontdoor.app.FrontDoor.swap_backend`); the requests in flight finish on the old one.
+It reports in :func:`swap_report_path` (``swapped``, then ``drained`` once those requests are done, or
+``failed`` with the reason).  Only a process that may signal the front door and write the state file
+can move it, so the hook needs no key and opens nothing on the network.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 from ..errors import ServerError
 from ..net import http_url
+
+log = logging.getLogger("rtk.frontdoor")
 
 
 class FrontDoorServer:
@@ -32,15 +47,18 @@ class FrontDoorServer:
             timeout_graceful_shutdown=2,
             log_config=None,
         )
+        self.app = app
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._swap_lock: asyncio.Lock | None = None
 
     @property
     def url(self) -> str:
         return http_url(self.host, self.port)
 
     def start(self) -> FrontDoorServer:
-        self.thread = threading.Thread(target=self.server.run, name="rtk-frontdoor", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="rtk-frontdoor", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while not self.server.started:
@@ -57,12 +75,57 @@ class FrontDoorServer:
             time.sleep(0.02)
         return self
 
+    def _run(self) -> None:
+        """uvicorn's ``Server.run``, keeping the event loop so another thread can hand it work."""
+        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+            self.loop = runner.get_loop()
+            runner.run(self.server.serve())
+
     def stop(self) -> None:
         if self.thread is None:
             return
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.thread = None
+
+    # -- hot model update ------------------------------------------------------------------------------
+    def follow_state_file(self, repository) -> None:
+        """SIGHUP: switch to the server the state file of ``repository`` names (main thread only)."""
+        signal.signal(signal.SIGHUP, lambda *_: self.request_swap(repository))
+
+    def request_swap(self, repository) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._swap(Path(repository)), self.loop)
+
+    async def _swap(self, repository: Path) -> None:
+        from ..triton.server import read_state
+
+        if self._swap_lock is None:
+            self._swap_lock = asyncio.Lock()
+        report = swap_report_path(repository)
+        async with self._swap_lock:  # one swap at a time, in the order asked
+            fd = self.app.state.frontdoor
+            st = read_state(repository)
+            if st is None:
+                _write_report(report, phase="failed", error=f"no server is recorded for {repository}")
+                return
+            if st.grpc_url == fd.backend.grpc_url:
+                _write_report(report, phase="drained", grpc_url=st.grpc_url, in_flight=0)
+                return
+            try:
+                old, in_flight = await fd.swap_backend(st.grpc_url, st.metrics_url)
+            except Exception as exc:  # noqa: BLE001 — reported to rtk serve --reload; the old server keeps serving
+                _write_report(report, phase="failed", grpc_url=st.grpc_url, error=str(exc))
+                return
+            log.info(
+                "front door: new requests go to %s; %d in flight finish on the old server", st.grpc_url, len(in_flight)
+            )
+            _write_report(report, phase="swapped", grpc_url=st.grpc_url, in_flight=len(in_flight))
+            while in_flight & fd.estimator.inflight.keys():
+                await asyncio.sleep(0.05)
+            for backend in old:
+                await backend.close()
+            _write_report(report, phase="drained", grpc_url=st.grpc_url, in_flight=len(in_flight))
 
     def __enter__(self):
         return self.start()
@@ -115,11 +178,8 @@ def start_detached(
 ):
     """Start the front door as its own process that outlives this one; returns (pid, url) once it listens,
     or None when ``serving.frontend.enabled`` is false.  Its output goes to ``log_path``."""
-    import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     if not serving.frontend.enabled:
         return None
@@ -139,6 +199,7 @@ def start_detached(
         json.dumps(sections),
         "--ready-file",
         str(ready),
+        "--follow-state-file",
     ] + (["--port", str(port)] if port else [])
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
@@ -163,12 +224,45 @@ def start_detached(
     return proc.pid, url
 
 
+def swap_report_path(repository) -> Path:
+    """Where a detached front door reports a swap: beside the state file, ``<repository name>.frontdoor-swap.json``."""
+    from ..triton.server import state_path
+
+    path = state_path(repository)
+    return path.with_name(path.stem + ".frontdoor-swap.json")
+
+
+def _write_report(path: Path, **report) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({**report, "unix": time.time()}) + "\n")
+    tmp.replace(path)
+
+
+def read_swap_report(repository) -> dict | None:
+    try:
+        return json.loads(swap_report_path(repository).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def signal_swap(pid: int) -> None:
+    """Ask the detached front door ``pid`` to follow its state file (only a front door process is signalled)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        cmdline = []
+    if b"toolkit.frontdoor" not in cmdline:
+        raise ServerError(f"the front door (pid {pid}) is not running; restart the server (rtk serve --stop, --detach)")
+    if b"--follow-state-file" not in cmdline:  # SIGHUP would end it
+        raise ServerError(
+            f"the front door (pid {pid}) was started without --follow-state-file (by an older rtk), so it cannot "
+            "switch servers; restart the server once (rtk serve --stop, then --detach)"
+        )
+    os.kill(pid, signal.SIGHUP)
+
+
 def stop_detached(pid: int | None, timeout_s: float = 10.0) -> None:
     """Stop a front door process started by :func:`start_detached` (SIGTERM, then SIGKILL)."""
-    import os
-    import signal
-    from pathlib import Path
-
     if not pid:
         return
     try:

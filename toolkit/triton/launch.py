@@ -15,14 +15,25 @@ all go through :func:`resolve` then :func:`make_server`:
 * :func:`make_replicas` (``rtk serve --replicas N``, cpu target): N servers of one repository on
   this host, each on its own free ports and python-backend shared-memory prefix; they start, are
   recorded in one state file and stop together.
+* :func:`reload` (``rtk serve --reload``): blue/green behind the front door.  A second tritonserver on
+  free ports loads and warms the rebuilt repository; the detached front door then sends new requests
+  to it while the streams in flight finish on the old one, which then stops (docs/guard.md, "Hot model
+  update").
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import os
 import signal
 import threading
-from dataclasses import dataclass
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -36,8 +47,11 @@ from .server import (
     Launch,
     ServerState,
     TritonServer,
+    _is_our_server,
+    _wait_pid_gone,
     free_ports,
     read_states,
+    run_dir,
     start_detached_group,
     stop_detached,
     stop_detached_all,
@@ -329,3 +343,204 @@ def stop_all(source: str | Path, overrides=()) -> list[ServerState]:
 def _repository(source: str | Path, overrides=()) -> Path:
     source = Path(source)
     return source if source.is_dir() else load_spec(source, list(overrides)).repository_dir()
+
+
+# -- hot model update: rtk serve --reload ------------------------------------------------------------------
+
+
+@dataclass
+class ReloadResult:
+    old: ServerState  # the server that was serving and is now stopped
+    new: ServerState  # the one now recorded in the state file
+    in_flight: int  # requests in flight at the swap; they finished on the old server
+    drained: bool  # False: the drain timeout passed and the old server was stopped with requests left
+    seconds: dict[str, float]  # start (new server ready and answering), swap, drain, stop
+
+
+def reload(
+    source: str | Path,
+    *,
+    overrides=(),
+    ready_timeout_s: float = 600.0,
+    drain_timeout_s: float = 300.0,
+    load_niceness: int = 10,
+    on_ready: Callable[[TritonServer], None] | None = None,
+) -> ReloadResult:
+    """Swap the detached server of ``source`` for a new one on the repository as it is now (after
+    ``rtk build``), without dropping a request.  Refused (UsageError, before anything starts) for what
+    cannot be swapped; a new server that fails to start, load, warm up or answer is stopped and the old
+    one keeps serving (ServerError).  ``on_ready(server)`` runs once the new server answers, before the swap.
+
+    The new server loads and warms up ``load_niceness`` steps below the old one's CPU priority, so the
+    requests still served by the old one keep the CPU; it is set back to the old one's priority before
+    the swap (raising a priority needs root: without it the new server loads at the old one's priority).
+    """
+    t = resolve(source, overrides)
+    check_host(t)
+    old = _swappable(t, source)
+    with _reload_lock(t.repository):
+        t0 = time.monotonic()
+        server = make_server(t, host=old.host, free_ports=True, ready_timeout_s=ready_timeout_s)
+        # Its own python-backend shared-memory prefix: the old server's regions stay in use until it stops.
+        server.extra_args.append(f"--backend-config=python,shm-region-prefix-name=rtk_{server.http_port}_")
+        try:
+            server.start(detach=True)
+            base = os.getpriority(os.PRIO_PROCESS, old.pid)
+            # Only as root: setting the priority back is privileged.
+            lowered = load_niceness > 0 and os.geteuid() == 0 and _renice(server.process.pid, base + load_niceness)
+            server.wait_ready(models=t.models)
+            _probe(server)
+            if lowered:
+                _renice(server.process.pid, base)
+            if on_ready is not None:
+                on_ready(server)
+        except BaseException as exc:
+            server.stop()
+            if isinstance(exc, ServerError):
+                raise ServerError(f"the new server did not come up, so {old.http_url} keeps serving: {exc}") from None
+            raise
+        new = replace(server.state(), frontdoor_url=old.frontdoor_url, frontdoor_pid=old.frontdoor_pid)
+        if server._log_file is not None:  # the child keeps its own descriptor
+            server._log_file.close()
+            server._log_file = None
+        t_ready = time.monotonic()
+        # Both are recorded while the old one drains: `rtk serve --stop` stops both if this is interrupted.
+        write_states(t.repository, [new, old])
+        try:
+            report = _swap_frontdoor(t.repository, old.frontdoor_pid, new.grpc_url)
+        except BaseException:
+            write_states(t.repository, [old])
+            server.stop()
+            raise
+        t_swap = time.monotonic()
+        drained = _wait_drained(t.repository, new.grpc_url, drain_timeout_s)
+        t_drain = time.monotonic()
+        _stop_pid(old.pid)
+        write_states(t.repository, [new])
+        t_stop = time.monotonic()
+    return ReloadResult(
+        old=old,
+        new=new,
+        in_flight=int(report.get("in_flight", 0)),
+        drained=drained,
+        seconds={
+            "start": round(t_ready - t0, 2),
+            "swap": round(t_swap - t_ready, 2),
+            "drain": round(t_drain - t_swap, 2),
+            "stop": round(t_stop - t_drain, 2),
+        },
+    )
+
+
+def _swappable(t: ServeTarget, source) -> ServerState:
+    """The running server to swap out, or UsageError with why it cannot be swapped."""
+    why = "; stop and start it instead: rtk serve --stop, then rtk serve --detach"
+    launch = t.launch()
+    if launch.uses_mpi:
+        raise UsageError(
+            f"--reload swaps a single-process server; {t.repository} runs under MPI with {launch.ranks} rank(s) "
+            f"(build.tp_size x build.pp_size), and a second copy would need GPUs of its own{why}"
+        )
+    if not t.target.ensemble:
+        raise UsageError(
+            f"--reload switches servers in the front door; the {t.target.name} target's repository has none{why}"
+        )
+    if not t.serving.frontend.enabled:
+        raise UsageError(
+            "--reload switches servers in the front door, and serving.frontend.enabled is false; enable it "
+            f"(requests then go through it){why}"
+        )
+    states = read_states(t.repository)
+    if sum(1 for st in states if st.frontdoor_pid) > 1:
+        raise UsageError(
+            f"a reload of {t.repository} is running or was interrupted ({len(states)} servers recorded); "
+            "wait for it, or stop them all with rtk serve --stop"
+        )
+    if len(states) > 1:
+        raise UsageError(
+            f"--reload swaps one server behind its front door; {t.repository} runs {len(states)} replicas (--replicas) "
+            f"without one{why}"
+        )
+    live = [st for st in states if _is_our_server(st)]
+    if not live:
+        raise UsageError(f"no detached server of {t.repository} is running; start it with rtk serve {source} --detach")
+    old = live[0]
+    if not old.frontdoor_pid:
+        raise UsageError(f"the server of {t.repository} was started without its front door{why}")
+    return old
+
+
+@contextlib.contextmanager
+def _reload_lock(repository: Path):
+    path = run_dir(repository) / f"{repository.name}.reload.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"another rtk serve --reload of {repository} is running; wait for it") from None
+        yield
+
+
+def _probe(server: TritonServer, timeout_s: float = 120.0) -> None:
+    """One short generation through the whole ensemble: the new server answers, not only loads."""
+    body = json.dumps({"text_input": "Hello", "max_tokens": 1}).encode()
+    req = urllib.request.Request(
+        f"{server.http_url}/v2/models/ensemble/generate", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise ServerError(f"its first request failed ({exc.code}): {detail}\n{server.log_tail()}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ServerError(f"its first request failed: {exc}\n{server.log_tail()}") from None
+
+
+def _swap_frontdoor(repository: Path, frontdoor_pid: int, grpc_url: str, timeout_s: float = 60.0) -> dict:
+    """Signal the front door to follow the state file; its report once new requests go to ``grpc_url``."""
+    from ..frontdoor.runner import read_swap_report, signal_swap, swap_report_path
+
+    swap_report_path(repository).unlink(missing_ok=True)
+    signal_swap(frontdoor_pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        report = read_swap_report(repository) or {}
+        if report.get("grpc_url") == grpc_url and report.get("phase") in ("swapped", "drained"):
+            return report
+        if report.get("phase") == "failed":
+            raise ServerError(f"the front door did not switch to the new server: {report.get('error')}")
+        time.sleep(0.05)
+    raise ServerError(f"the front door (pid {frontdoor_pid}) did not switch within {timeout_s:.0f} s")
+
+
+def _wait_drained(repository: Path, grpc_url: str, timeout_s: float) -> bool:
+    from ..frontdoor.runner import read_swap_report
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        report = read_swap_report(repository) or {}
+        if report.get("grpc_url") == grpc_url and report.get("phase") == "drained":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _renice(pgid: int, niceness: int) -> bool:
+    """Set the niceness of a server's process group: tritonserver and the python stubs it starts."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pgid, niceness)
+    except OSError:
+        return False
+    return True
+
+
+def _stop_pid(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM (Triton finishes what it still runs), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    if not _wait_pid_gone(pid, timeout_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _wait_pid_gone(pid, 10)
