@@ -190,6 +190,25 @@ def test_turns_that_do_not_fit_drop_the_oldest_and_the_size_cap_holds(tmp_path, 
     asyncio.run(go())
 
 
+def test_context_policy_summarize_summarizes_sessions_and_truncates_the_rest(tmp_path, tokens):
+    from toolkit.frontdoor.config import config_from
+    from toolkit.spec import spec_from_dict
+    from toolkit.triton.models.rtk_text import encode_prompt
+
+    def spec(**serving):
+        return spec_from_dict({"name": "p", "serving": {"repository": str(tmp_path / "repo"), **serving}})
+
+    assert config_from(spec(context_policy="summarize")).sessions.window_policy == "summarize"
+    assert config_from(spec()).sessions.window_policy == "truncate_oldest"
+    named = spec(context_policy="summarize", sessions={"window_policy": "truncate_oldest"})
+    assert config_from(named).sessions.window_policy == "truncate_oldest"  # the sessions' own setting wins
+    # Requests without a session (the ensemble's preprocessing): the oldest turns are dropped.
+    chat = [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "ok"}]
+    chat.append({"role": "user", "content": "last"})
+    ids, dropped = encode_prompt(tokens.tok, json.dumps(chat), window=60, policy="summarize")
+    assert dropped == 1 and len(ids) <= 60
+
+
 def test_a_reply_that_breaks_the_content_filter_is_not_stored(tmp_path, tokens):
     from toolkit.frontdoor.filter import Rules
     from toolkit.spec import FilterSpec

@@ -365,8 +365,10 @@ class ServingSpec(Section, Endpoints):
     batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "V1"] = "inflight_fused_batching"
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     warmup: bool = Field(True, description="send warm-up requests at load so no user meets a cold start")
-    context_policy: Literal["truncate_oldest", "reject"] = Field(
-        "truncate_oldest", description="long conversations: drop the oldest turns (keeping the system prompt) or refuse"
+    context_policy: Literal["truncate_oldest", "reject", "summarize"] = Field(
+        "truncate_oldest",
+        description="long conversations: drop the oldest turns (keeping the system prompt), refuse, or (summarize) "
+        "drop them and, in a session, replace them with the served model's summary (serving.sessions.window_policy)",
     )
     default_max_tokens: int = Field(128, ge=1)
     tritonserver: str | None = Field(
@@ -378,6 +380,14 @@ class ServingSpec(Section, Endpoints):
     filter: FilterSpec = FilterSpec()
     sessions: SessionsSpec = SessionsSpec()
     jobs: JobsSpec = JobsSpec()
+
+    @model_validator(mode="after")
+    def _summarize_sessions(self) -> ServingSpec:
+        """``context_policy: summarize`` is the sessions' window policy unless they name their own (requests
+        without a session have no state to keep a summary in: the models drop the oldest turns for them)."""
+        if self.context_policy == "summarize" and "window_policy" not in self.sessions.model_fields_set:
+            self.sessions = self.sessions.model_copy(update={"window_policy": "summarize"})
+        return self
 
 
 class Objective(Section):
