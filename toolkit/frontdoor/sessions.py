@@ -253,6 +253,8 @@ class CountedStore:
 
     def __getattr__(self, op: str):
         call = getattr(self.store, op)
+        if not asyncio.iscoroutinefunction(call):
+            return call
 
         async def counted(*args, **kwargs):
             try:
