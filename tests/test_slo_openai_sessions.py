@@ -20,16 +20,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_transport_asks_the_front_door_whether_it_keeps_sessions(tmp_path, enabled):
+@pytest.mark.parametrize("enabled,tokenizer", [(True, True), (False, True), (True, False)])
+def test_the_transport_asks_the_front_door_whether_it_keeps_sessions(
+    tmp_path, smollm2_tokenizer_dir, enabled, tokenizer
+):
+    """Sessions on, off, and on for a repository without a tokenizer (where none can be made)."""
     from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
     from toolkit.spec import SessionsSpec
 
-    cfg = FrontDoorConfig(model_name="m", sessions=SessionsSpec(enabled=enabled, path=str(tmp_path / "s.sqlite")))
+    cfg = FrontDoorConfig(
+        model_name="m",
+        sessions=SessionsSpec(enabled=enabled, path=str(tmp_path / "s.sqlite")),
+        tokenizer_dir=smollm2_tokenizer_dir if tokenizer else None,
+    )
     dead_triton = f"127.0.0.1:{free_port()}"  # the answer comes from the session store, not the model
     with FrontDoorServer(create_app(cfg, dead_triton), "127.0.0.1", free_port()) as fd:
         chat = OpenAITransport(fd.url, "m", "chat")
-        assert chat._keeps_sessions() is enabled
+        assert chat._keeps_sessions() is (enabled and tokenizer)
     assert OpenAITransport(f"http://127.0.0.1:{free_port()}", "m", "chat")._keeps_sessions() is False  # no server
 
 

@@ -684,6 +684,12 @@ class SessionService:
         if not self.spec.url and path is None:
             self.unavailable = "no session store: set serving.sessions.path or serving.sessions.url"
             return
+        if self.config.tokenizer_dir is None:  # no session can be made: say so to every caller (and rtk slo)
+            self.unavailable = (
+                "this deployment has no tokenizer in its repository, so the front door cannot keep token ids; "
+                "send the whole conversation instead"
+            )
+            return
         self.store = CountedStore(make_store(self.spec, path), self.store_errors)
         self._purger = asyncio.create_task(self._purge())
 
