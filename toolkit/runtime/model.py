@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SourceError
+from . import gemv
 from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
 from .kv_cache import KVPool, KVQuant
 
@@ -111,6 +112,7 @@ class Projection:
         probe_cache: dict | None = None,
         int_kernels: bool = False,
         full_batching: bool = False,
+        gemv_kernel: bool = False,
     ):
         first = linears[0]
         self.dtype = dtype
@@ -127,6 +129,7 @@ class Projection:
         self.act_kind = first.act_quant.kind if first.act_quant is not None else None
         self.act_scale = first.act_quant.scale if first.act_quant is not None else None
         self.packed = None
+        self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.weight = weight
         self.int8 = self.int4 = None
         if int_kernels and dtype == torch.bfloat16:
@@ -154,6 +157,17 @@ class Projection:
         if shape not in cache:
             cache[shape] = self._probe_min_rows()
         self.min_rows = cache[shape]
+        # one-row calls through rtk's GEMV (gemv.py) where it gives oneDNN's bits for this shape;
+        # integer-kernel projections decode through their own kernel
+        if gemv_kernel and self.packed is not None and not (self.int8 or self.int4) and self.in_features % 2 == 0:
+            if gemv.available():
+                packed = gemv.pack(weight)
+                key = (*shape[:3], "gemv")
+                if key not in cache:
+                    cache[key] = gemv.agrees(self._matmul, packed, self.out_features, bias)
+                    if not cache[key]:
+                        log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
+                self.gemv = packed if cache[key] else None
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
@@ -265,6 +279,8 @@ class Projection:
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1:
+            return gemv.gemv(x, self.gemv, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -281,8 +297,9 @@ class FusedGroup:
         probe_cache: dict | None = None,
         int_kernels: bool = False,
         full_batching: bool = False,
+        gemv_kernel: bool = False,
     ):
-        args = (dtype, pack, probe_cache, int_kernels, full_batching)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -483,10 +500,11 @@ class Layer:
         probe_cache: dict,
         int_kernels: bool = False,
         full_batching: bool = False,
+        gemv_kernel: bool = False,
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (dtype, pack, probe_cache, int_kernels, full_batching)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -508,6 +526,7 @@ class Transformer:
         attention_dtype: torch.dtype = torch.float32,
         int_kernels: bool = True,
         batch_invariant: bool = True,
+        gemv_kernel: bool = True,
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -519,9 +538,13 @@ class Transformer:
         self.embed = ckpt.embed_tokens.to(dtype)
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
-        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes)
-        self.layers = [Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant) for spec in ckpt.layers]
-        self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items()}  # min_rows per weight shape
+        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes, gemv_kernel=gemv_kernel)
+        self.layers = [
+            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, gemv_kernel) for spec in ckpt.layers
+        ]
+        # min_rows per weight shape, and the shapes whose one-row calls run rtk's GEMV
+        self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items() if k != "gemv"}
+        self.gemv_shapes = sorted(f"{o}x{i}" for (o, i, _, k), ok in probes.items() if k == "gemv" and ok)
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
         half = cfg.head_dim // 2
         self.rope_swap = torch.cat([torch.arange(half, cfg.head_dim), torch.arange(half)])

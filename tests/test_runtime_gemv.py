@@ -1,0 +1,69 @@
+"""rtk's one-row bf16 GEMV kernel (toolkit/runtime/gemv_bf16.cpp) against oneDNN's one-row kernel.
+
+The engine uses the kernel only because it computes oneDNN's bits (the kernel that transformers'
+bf16 decode runs here), so the comparison is exact, on SmolLM2's shapes, a reduction longer than
+one 512-wide chunk, output counts that are not a multiple of the 64-output block, and a bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.runtime import gemv
+from toolkit.runtime.checkpoint import Linear
+from toolkit.runtime.model import Projection, bf16_is_fast
+
+pytestmark = pytest.mark.skipif(
+    not (bf16_is_fast() and gemv.cpu_has_avx512_bf16()), reason="the kernel needs AVX512-BF16"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert gemv.available(), "the kernel failed to build or load (see the log)"
+
+
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(960, 576), (3072, 576), (576, 1536), (49152, 576), (100, 64), (200, 1100), (16, 2048)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_gives_onednns_bits(shape, threads):
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    packed = gemv.pack(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(8):
+            x = torch.randn(1, shape[1], generator=g).to(torch.bfloat16)
+            assert torch.equal(gemv.gemv(x, packed, shape[0], None), onednn(x, weight, None))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemv_with_bias():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 576, generator=g).to(torch.bfloat16)
+    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    packed = gemv.pack(weight)
+    for _ in range(8):
+        x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
+        assert torch.equal(gemv.gemv(x, packed, 200, bias), onednn(x, weight, bias))
+
+
+def test_projection_uses_gemv_for_one_row_only():
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(weight=torch.randn(960, 576, generator=g))
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    plain = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=False)
+    assert proj.gemv is not None and plain.gemv is None
+    x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+    assert torch.equal(proj(x[:1]), plain(x[:1]))
+    assert torch.equal(proj(x), plain(x))  # more rows: oneDNN on both sides
