@@ -9,7 +9,7 @@ import time
 import pytest
 
 from toolkit.frontdoor.admission import Estimator
-from toolkit.frontdoor.protocol import APIError, parse_request
+from toolkit.frontdoor.protocol import APIError, ContentFramer, GenRequest, chunk, parse_request, sse
 from toolkit.frontdoor.tiers import Answer, MemoryCache, read_secret
 from toolkit.frontdoor.triton import parse_gauges
 
@@ -144,3 +144,10 @@ def test_a_spec_deployment_tier_finds_the_running_front_door_of_that_spec(tmp_pa
     )
     write_states(repo, [state])
     assert _frontdoor_of_spec(str(spec)) == "http://127.0.0.1:9/v1"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("text", ["plain", ' "quoted" \\ back\nslash', "ünïcødé 世界 🙂", "\x00\x1f", ""])
+def test_content_framer_is_byte_identical_to_the_general_chunk(kind, text):
+    req = GenRequest(kind=kind, model='m "odd" ü', messages=[{"role": "user", "content": "x"}], prompt="x")
+    assert ContentFramer(req)(text) == sse(chunk(req, text))

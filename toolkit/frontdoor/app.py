@@ -38,7 +38,17 @@ from .admission import Estimator
 from .config import FrontDoorConfig, config_from
 from .filter import Rules, TritonClassifier, check_request, filtered
 from .jobs import JobService
-from .protocol import APIError, GenRequest, chunk, full_response, parse_request, usage, usage_chunk
+from .protocol import (
+    APIError,
+    ContentFramer,
+    GenRequest,
+    chunk,
+    full_response,
+    parse_request,
+    sse,
+    usage,
+    usage_chunk,
+)
 from .sessions import SessionService
 from .tiers import Answer, DeploymentTier, RuleTier, make_cache, read_secret
 from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
@@ -46,10 +56,6 @@ from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 log = logging.getLogger("rtk.frontdoor")
 DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def read_json_body(request: Request, max_bytes: int):
@@ -505,13 +511,34 @@ class FrontDoor:
 
             return _Deferred(collect)
 
+        async def texts() -> AsyncIterator[str]:
+            # The hot path: without an output filter, the stream's pieces straight from Triton (one
+            # generator, no wrappers); with one, through it.
+            if flt is not None:
+                async for text in self._filtered(pieces(), flt):
+                    yield text
+                return
+            yield first.text
+            while not state["done"]:
+                piece = await stream.next()
+                est.token(req.id)
+                state["piece"], state["done"] = piece, piece.final
+                if piece.text:
+                    state["responses"] += 1
+                    state["text"].append(piece.text)
+                    yield piece.text
+
         async def gen():
             try:
                 first_chunk = True
+                frame = None
                 try:
-                    async for text in self._filtered(pieces(), flt):
-                        yield sse(chunk(req, text, first=first_chunk))
-                        first_chunk = False
+                    async for text in texts():
+                        if first_chunk:
+                            yield sse(chunk(req, text, first=True))
+                            first_chunk, frame = False, ContentFramer(req)
+                        else:
+                            yield frame(text)
                 except TritonRefused as exc:  # after the first byte there is no status left to change
                     yield sse(
                         {

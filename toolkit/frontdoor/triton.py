@@ -1,10 +1,13 @@
 """The primary tier: the repository's ``ensemble`` (or ``tensorrt_llm_bls``) over Triton's gRPC stream.
 
-One ``ModelStreamInfer`` call per HTTP request on a shared ``grpc.aio`` channel, so a request can be
-cancelled on its own: cancelling the call makes Triton mark the request cancelled, and the cpu
+Each request has a ``ModelStreamInfer`` call of its own on a shared ``grpc.aio`` channel, so a request
+can be cancelled on its own: cancelling the call makes Triton mark the request cancelled, and the cpu
 ``tensorrt_llm`` model then cancels it in the engine, which frees its KV blocks (docs/serving.md,
-Cancellation).  Inputs the model does not declare are never sent; a request that needs one is
-refused with 400 naming the field.  Health and the engine's gauges are polled in the background.
+Cancellation).  Opening a call costs a round of HTTP/2 and Triton's stream set-up, so a call whose
+request ended normally is kept open and the next request is written to it (:class:`StreamPool`);
+a cancelled or failed call is never reused.  Inputs the model does not declare are never sent; a
+request that needs one is refused with 400 naming the field.  Health and the engine's gauges are
+polled in the background.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class TritonBackend:
         self.ready_reason = "not checked yet"
         self.gauges = EngineGauges()
         self._channel = None
+        self.pool: StreamPool | None = None
 
     async def open(self) -> None:
         import grpc
@@ -96,9 +100,12 @@ class TritonBackend:
         opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(self.grpc_url, options=opts)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self.pool = StreamPool(self._stub)
         await self.check_health()
 
     async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -200,26 +207,87 @@ class TritonBackend:
         return TritonStream(self, self.build(req))
 
 
+class StreamPool:
+    """Open ``ModelStreamInfer`` calls with no request on them, reused by the next request.
+
+    Triton answers the requests of one call in order and ends each with a final response
+    (``triton_enable_empty_final_response``), so a call whose request has ended is clean.  At most
+    ``max_idle`` calls are kept; a call Triton or the network has closed is dropped when taken.
+    """
+
+    def __init__(self, stub, max_idle: int = 16):
+        self.stub, self.max_idle = stub, max_idle
+        self.idle: list = []
+        self.opened = 0  # calls opened (for tests: reuse keeps this low)
+
+    def take(self):
+        while self.idle:
+            call = self.idle.pop()
+            if not call.done():
+                return call, True
+        self.opened += 1
+        return self.stub.ModelStreamInfer(), False
+
+    def give_back(self, call) -> None:
+        if len(self.idle) < self.max_idle and not call.done():
+            self.idle.append(call)
+        else:
+            call.cancel()  # no request on it: nothing to cancel in Triton, the call just ends
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().cancel()
+
+
 class TritonStream:
     """One request's responses; :meth:`cancel` ends it in Triton (and the engine frees its KV)."""
 
     def __init__(self, backend: TritonBackend, msg):
-        self.backend, self.msg = backend, msg
-        self._done = asyncio.Event()
-
-        async def requests():
-            yield msg
-            await self._done.wait()  # keep our side open until the last response: Triton ends the call then
-
-        self.call = backend._stub.ModelStreamInfer(requests())
-        self._it = self.call.__aiter__()
+        self.pool, self.msg = backend.pool, msg
+        self.call, self._reused = self.pool.take()
+        self._sent = False
+        self._ended = False  # Triton sent the request's final response: the call is clean
         self.finished = False
+
+    async def _send(self) -> None:
+        import grpc
+
+        self._sent = True
+        try:
+            await self.call.write(self.msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            if not self._reused:
+                raise
+            self.call.cancel()  # a kept call that was closed meanwhile: once more on a new one
+            self.call, self._reused = self.pool.take()[0], False
+            await self.call.write(self.msg)
+
+    async def raw(self):
+        """The next ``ModelStreamInferResponse``; StopAsyncIteration when the call ended first."""
+        import grpc
+
+        if not self._sent:
+            await self._send()
+        resp = await self.call.read()
+        if resp is grpc.aio.EOF:
+            raise StopAsyncIteration
+        if not resp.error_message:
+            p = resp.infer_response.parameters.get("triton_final_response")
+            self._ended = p is not None and p.bool_param
+        return resp
+
+    @property
+    def _it(self):
+        return self  # ``await stream._it.__anext__()``: the raw responses
+
+    async def __anext__(self):
+        return await self.raw()
 
     async def next(self) -> Piece:
         import grpc
 
         try:
-            resp = await self._it.__anext__()
+            resp = await self.raw()
         except StopAsyncIteration:
             self.finished = True
             raise TritonRefused("the stream ended without a final response", overload=False) from None
@@ -232,27 +300,37 @@ class TritonStream:
             self.close()
             raise TritonRefused(resp.error_message, overload=any(s in resp.error_message for s in OVERLOAD))
         r = resp.infer_response
-        index = {o.name: i for i, o in enumerate(r.outputs)}
         raws = r.raw_output_contents
-        text = ""
-        if "text_output" in index:
-            text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raws[index["text_output"]]))
-        p = r.parameters.get("triton_final_response")
-        piece = Piece(text, final=bool(p is not None and p.bool_param))
-        for name, attr in (("num_input_tokens", "prompt_tokens"), ("num_output_tokens", "completion_tokens")):
-            if name in index:
-                setattr(piece, attr, int(np.frombuffer(raws[index[name]], dtype=np.int32)[0]))
+        piece = Piece("", final=self._ended)
+        for i, o in enumerate(r.outputs):
+            name = o.name
+            if name == "text_output":
+                raw = raws[i]
+                # One BYTES element: a 4-byte length, then the text (tritonclient's serialize_byte_tensor).
+                if len(raw) >= 4 and int.from_bytes(raw[:4], "little") == len(raw) - 4:
+                    piece.text = raw[4:].decode("utf-8", "replace")
+                else:
+                    piece.text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raw))
+            elif name == "num_input_tokens":
+                piece.prompt_tokens = int.from_bytes(raws[i][:4], "little", signed=True)
+            elif name == "num_output_tokens":
+                piece.completion_tokens = int.from_bytes(raws[i][:4], "little", signed=True)
         if piece.final:
             self.close()
         return piece
 
     def close(self) -> None:
+        """Done with the request: an ended one's call goes back to the pool, any other is cancelled
+        (an error response, or responses still to come, must not reach the next request)."""
+        if self.finished:
+            return
         self.finished = True
-        self._done.set()
+        if self._ended:
+            self.pool.give_back(self.call)
+        else:
+            self.call.cancel()
 
     def cancel(self) -> None:
-        if not self.finished:
-            self.call.cancel()
         self.close()
 
 
