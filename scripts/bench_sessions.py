@@ -2,7 +2,7 @@
 """Does a long conversation stay fast?  Turn-8 TTFT against turn-1 TTFT of an 8-turn session, with the engine's
 KV reuse on and off.
 
-    flock /tmp/rtk/cpu.lock python scripts/bench_sessions.py --quantized DIR [--format fp8] [--conversations 4]
+    flock /tmp/rtk/cpu.lock python scripts/bench_sessions.py --quantized DIR [--format fp8] [--conversations 6]
 
 ``DIR`` is a quantize stage output (``hf/`` inside; e.g. engines/<name>/quantized).  The script builds the cpu
 engine twice from it (``build.enable_kv_cache_reuse`` true and false), emits each repository, serves it with
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantized", type=Path, required=True, help="a quantize stage output (with hf/)")
     ap.add_argument("--format", default="fp8", help="its quantization.format")
-    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=6, help="measured chats (medians of fewer are noisy)")
     ap.add_argument("--words", type=int, default=70)
     ap.add_argument("--max-tokens", type=int, default=24)
     args = ap.parse_args(argv)
