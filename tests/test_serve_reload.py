@@ -167,8 +167,11 @@ def test_reload_swaps_servers_while_a_stream_finishes_on_the_old_one(served):
     def start_stream(server):
         nonlocal thread
         assert server.http_port != old.http_port
-        # It loaded at a lower CPU priority, and serves at the old one's.
+        # It loaded at a lower CPU priority, and serves at the old one's (niceness, and the autogroup's).
         assert os.getpriority(os.PRIO_PGRP, server.process.pid) == os.getpriority(os.PRIO_PROCESS, old.pid)
+        groups = [Path(f"/proc/{pid}/autogroup") for pid in (server.process.pid, old.pid)]
+        if all(g.exists() for g in groups):
+            assert groups[0].read_text().split()[-1] == groups[1].read_text().split()[-1]
         thread = threading.Thread(target=_stream, args=(fd, LONG, first, streamed), daemon=True)
         thread.start()
         assert first.wait(60), "no first token before the swap"

@@ -288,11 +288,10 @@ def running(source: str | Path, *, overrides=(), **server_kwargs):
 
 def _start_frontdoor(t: ServeTarget, server: TritonServer, *, free_port: bool):
     """The repository's front door (toolkit/frontdoor) in this process, on ``server``; its URL is set on
-    ``server.frontdoor_url``.  None when ``serving.frontend.enabled`` is false or the target has no ensemble."""
+    ``server.frontdoor_url``.  None when ``serving.frontend.enabled`` is false.  It fronts the ensemble, or the
+    llmapi target's one ``tensorrt_llm`` model with that model's own inputs (toolkit/frontdoor/triton.py)."""
     from ..frontdoor.runner import start_for
 
-    if not t.target.ensemble:
-        return None  # llmapi: one model with its own inputs; the front door speaks the ensemble's
     port = _free(1, t.serving.frontend.host)[0] if free_port else None
     frontdoor = start_for(server, t.repository, t.serving, port=port)
     server.frontdoor_url = frontdoor.url if frontdoor is not None else None
@@ -304,7 +303,7 @@ def _detach_frontdoor(t: ServeTarget, states: list[ServerState], *, free_port: b
     if it cannot start, the server is stopped too (nothing half-started is left behind)."""
     from ..frontdoor.runner import start_detached
 
-    if not t.target.ensemble or not t.serving.frontend.enabled:
+    if not t.serving.frontend.enabled:
         return
     st = states[0]
     port = _free(1, t.serving.frontend.host)[0] if free_port else None
@@ -385,13 +384,14 @@ def reload(
         server.extra_args.append(f"--backend-config=python,shm-region-prefix-name=rtk_{server.http_port}_")
         try:
             server.start(detach=True)
-            base = os.getpriority(os.PRIO_PROCESS, old.pid)
+            base = _priority(old.pid)
+            lower = [None if v is None else min(19, v + load_niceness) for v in base]
             # Only as root: setting the priority back is privileged.
-            lowered = load_niceness > 0 and os.geteuid() == 0 and _renice(server.process.pid, base + load_niceness)
+            lowered = load_niceness > 0 and os.geteuid() == 0 and _set_priority(server.process.pid, *lower)
             server.wait_ready(models=t.models)
             _probe(server)
             if lowered:
-                _renice(server.process.pid, base)
+                _set_priority(server.process.pid, *base)
             if on_ready is not None:
                 on_ready(server)
         except BaseException as exc:
@@ -527,10 +527,26 @@ def _wait_drained(repository: Path, grpc_url: str, timeout_s: float) -> bool:
     return False
 
 
-def _renice(pgid: int, niceness: int) -> bool:
-    """Set the niceness of a server's process group: tritonserver and the python stubs it starts."""
+def _priority(pid: int) -> tuple[int, int | None]:
+    """A server's CPU priority: its niceness, and its autogroup's where the kernel has autogroups.
+
+    With autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) the scheduler first shares the CPU between
+    sessions, and a detached server runs in a session of its own, so only its autogroup's niceness ranks it
+    against the other server; a process's niceness counts only inside its own session."""
+    try:
+        group = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        group = None
+    return os.getpriority(os.PRIO_PROCESS, pid), group
+
+
+def _set_priority(pgid: int, niceness: int, group: int | None) -> bool:
+    """Set the niceness of a server's process group (tritonserver and the python stubs it starts) and its
+    autogroup's."""
     try:
         os.setpriority(os.PRIO_PGRP, pgid, niceness)
+        if group is not None:
+            Path(f"/proc/{pgid}/autogroup").write_text(str(group))
     except OSError:
         return False
     return True
