@@ -67,3 +67,15 @@ def test_projection_uses_gemv_for_one_row_only():
     x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
     assert torch.equal(proj(x[:1]), plain(x[:1]))
     assert torch.equal(proj(x), plain(x))  # more rows: oneDNN on both sides
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (200, 1100)])
+def test_every_row_of_a_multi_row_call_gets_the_one_row_bits(shape):
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    packed = gemv.pack(weight)
+    x = torch.randn(11, shape[1], generator=g).to(torch.bfloat16)
+    many = gemv.gemv(x, packed, shape[0], None)
+    assert many.shape == (11, shape[0])
+    for i in range(11):
+        assert torch.equal(many[i : i + 1], onednn(x[i : i + 1], weight, None))

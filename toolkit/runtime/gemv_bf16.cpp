@@ -1,9 +1,11 @@
-// One-row bf16 matmul (the decode GEMV, y = x W^T [+ b]) for CPUs with AVX512-BF16.
+// bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]) for CPUs with AVX512-BF16.
 //
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
 // machine's bandwidth here; this kernel streams them.  It computes every output with the same
 // arithmetic as oneDNN's kernel, so its results are bit-identical (toolkit/runtime/gemv.py checks
-// that at load for every weight shape and uses the kernel only where it holds):
+// that at load for every weight shape and uses the kernel only where it holds).  Each row of a
+// multi-row call is computed exactly as a one-row call, so a row's bits never depend on the batch,
+// and the weights are read from memory once per call.  The one-row arithmetic:
 //   * vdpbf16ps over consecutive pairs of the reduction dimension, one fp32 accumulator per output;
 //   * the reduction in chunks of 512 (256 pairs), each chunk's partial sum started from zero and
 //     added to the running total in order;
@@ -37,49 +39,70 @@ at::Tensor pack(const at::Tensor& weight) {
   return w.view({padded / kBlock, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// Rows [r0, r0 + R) of x times one 64-output block: every row with the one-row arithmetic above.
+// The block's chunk of weights is read from memory once and from cache for the other rows.
+template <int R>
+inline void block_rows(const uint32_t* xs, int64_t r0, const uint16_t* base, int64_t pairs, float* total) {
+  for (int64_t k0 = 0; k0 < pairs; k0 += kChunkPairs) {
+    const int64_t k1 = std::min(pairs, k0 + kChunkPairs);
+    __m512 p[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) p[r][j] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint16_t* row = base + k * kBlock * 2;
+      const __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 32);
+      const __m512i w2 = _mm512_loadu_si512(row + 64), w3 = _mm512_loadu_si512(row + 96);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[(r0 + r) * pairs + k]));
+        p[r][0] = _mm512_dpbf16_ps(p[r][0], xk, (__m512bh)w0);
+        p[r][1] = _mm512_dpbf16_ps(p[r][1], xk, (__m512bh)w1);
+        p[r][2] = _mm512_dpbf16_ps(p[r][2], xk, (__m512bh)w2);
+        p[r][3] = _mm512_dpbf16_ps(p[r][3], xk, (__m512bh)w3);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) {
+        float* t = total + (r * 4 + j) * 16;
+        _mm512_storeu_ps(t, k0 == 0 ? p[r][j] : _mm512_add_ps(_mm512_loadu_ps(t), p[r][j]));
+      }
+  }
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kBFloat16, "rtk_gemv.gemv: x is [1, K] bf16");
-  const int64_t blocks = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "rtk_gemv.gemv: x is [M, K] bf16");
+  const int64_t blocks = packed.size(0), pairs = packed.size(1), m = x.size(0);
   TORCH_CHECK(x.size(1) == 2 * pairs && n <= blocks * kBlock, "rtk_gemv.gemv: shapes do not match");
   auto xc = x.contiguous();
   at::Tensor bf;
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
-  auto y = at::empty({1, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float total[4 * kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const uint16_t* base = ws + b * pairs * kBlock * 2;
-      __m512 acc[4];
-      for (int64_t k0 = 0; k0 < pairs; k0 += kChunkPairs) {
-        const int64_t k1 = std::min(pairs, k0 + kChunkPairs);
-        __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-        for (int64_t k = k0; k < k1; ++k) {
-          const uint16_t* row = base + k * kBlock * 2;
-          const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[k]));
-          p0 = _mm512_dpbf16_ps(p0, xk, (__m512bh)_mm512_loadu_si512(row));
-          p1 = _mm512_dpbf16_ps(p1, xk, (__m512bh)_mm512_loadu_si512(row + 32));
-          p2 = _mm512_dpbf16_ps(p2, xk, (__m512bh)_mm512_loadu_si512(row + 64));
-          p3 = _mm512_dpbf16_ps(p3, xk, (__m512bh)_mm512_loadu_si512(row + 96));
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+        switch (rows) {
+          case 4: block_rows<4>(xs, r0, base, pairs, total); break;
+          case 3: block_rows<3>(xs, r0, base, pairs, total); break;
+          case 2: block_rows<2>(xs, r0, base, pairs, total); break;
+          default: block_rows<1>(xs, r0, base, pairs, total); break;
         }
-        if (k0 == 0) {
-          acc[0] = p0, acc[1] = p1, acc[2] = p2, acc[3] = p3;
-        } else {
-          acc[0] = _mm512_add_ps(acc[0], p0), acc[1] = _mm512_add_ps(acc[1], p1);
-          acc[2] = _mm512_add_ps(acc[2], p2), acc[3] = _mm512_add_ps(acc[3], p3);
-        }
-      }
-      for (int j = 0; j < 4; ++j) {
-        const int64_t first = b * kBlock + j * 16;
-        if (first >= n) break;
-        const int64_t count = std::min<int64_t>(16, n - first);
-        const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-        __m512 v = acc[j];
-        if (bs) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bs + first));
-        const __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
-        _mm256_mask_storeu_epi16(ys + first, mask, r);
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const int64_t first = b * kBlock + j * 16;
+            if (first >= n) break;
+            const int64_t count = std::min<int64_t>(16, n - first);
+            const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+            __m512 v = _mm512_loadu_ps(total + (r * 4 + j) * 16);
+            if (bs) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bs + first));
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
+            _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, out);
+          }
       }
     }
   });
