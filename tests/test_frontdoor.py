@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from triton_helpers import running_server, write_fake_llm
+from triton_helpers import model_config_text, running_server, write_fake_llm, write_python_model
 
 from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
 from toolkit.spec import CacheSpec, FrontendSpec, GuardSpec
@@ -38,11 +38,104 @@ def triton(tmp_path_factory):
     write_fake_llm(repo, "slow", ttft_ms=50, itl_ms=50, serial=True, max_batch_size=1)
     # The first token comes late (for deadline misses after admission).
     write_fake_llm(repo, "late", ttft_ms=3000, itl_ms=5)
+    write_fake_llmapi(repo, "tensorrt_llm")
+    write_fake_logprobs(repo, "lp_ensemble")
     with running_server(repo) as server:
         yield server
 
 
-def front_door(triton, *, model="ensemble", guard=None, cache=None, frontend=None, max_batch_size=8, grpc_url=None):
+# A FAKE of TensorRT-LLM's llmapi model (it needs a GPU and TensorRT-LLM): it declares rtk's llmapi
+# interface (toolkit/triton/gpu_models.py, upstream's config.pbtxt) and answers with the inputs it was
+# given, as JSON, streamed the way upstream's model.py streams: each response carries the whole text so far
+# (CompletionOutput.text), the last one with the FINAL flag and, when asked, finish_reason.
+FAKE_LLMAPI_PY = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            seen = {}
+            for t in r.inputs():
+                v = t.as_numpy()
+                seen[t.name()] = [x.decode() if isinstance(x, bytes) else x.item() for x in v.reshape(-1)]
+                seen[t.name() + ".shape"] = list(v.shape)
+            text = json.dumps(seen, sort_keys=True)
+            want_reason = bool(seen.get("return_finish_reason", [False])[0])
+            cuts = [len(text) // 3, 2 * len(text) // 3, len(text)]
+            for i, cut in enumerate(cuts):
+                last = i == len(cuts) - 1
+                outs = [pb_utils.Tensor("text_output", np.array([text[:cut].encode()], dtype=np.object_))]
+                if want_reason:
+                    reason = "length" if last else "None"
+                    outs.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+                sender.send(pb_utils.InferenceResponse(outs), flags=FINAL if last else 0)
+        return None
+"""
+
+
+def write_fake_llmapi(repo, name):
+    from toolkit.triton.gpu_models import LLMAPI_INPUTS, LLMAPI_OUTPUTS
+
+    def rows(tensors, inputs):
+        return [(t.name, t.dtype, t.dims, t.optional) if inputs else (t.name, t.dtype, t.dims) for t in tensors]
+
+    cfg = model_config_text(name, rows(LLMAPI_INPUTS, True), rows(LLMAPI_OUTPUTS, False), decoupled=True)
+    return write_python_model(repo, name, FAKE_LLMAPI_PY, cfg)
+
+
+# A FAKE engine behind the ensemble's interface with TensorRT-LLM's return_log_probs / output_log_probs:
+# tokens " a", "" (a character still incomplete), "é", " c"; token i has log-prob -(i + 1) / 4.
+FAKE_LOGPROBS_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TOKENS = [" a", "", "\u00e9", " c"]
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            lp = pb_utils.get_input_tensor_by_name(r, "return_log_probs")
+            want = lp is not None and bool(lp.as_numpy().reshape(-1)[0])
+            for i, tok in enumerate(TOKENS):
+                outs = [pb_utils.Tensor("text_output", np.array([tok.encode()], dtype=np.object_))]
+                if want:
+                    outs.append(pb_utils.Tensor("output_log_probs", np.full((1, 1, 1), -(i + 1) / 4, np.float32)))
+                sender.send(pb_utils.InferenceResponse(outs))
+            sender.send(flags=FINAL)
+        return None
+"""
+
+
+def write_fake_logprobs(repo, name):
+    inputs = [
+        ("text_input", "STRING", [1]),
+        ("max_tokens", "INT32", [1]),
+        ("stream", "BOOL", [1], True),
+        ("return_log_probs", "BOOL", [1], True),
+    ]
+    outputs = [("text_output", "STRING", [-1]), ("output_log_probs", "FP32", [-1, -1])]
+    cfg = model_config_text(name, inputs, outputs, max_batch_size=8, decoupled=True)
+    return write_python_model(repo, name, FAKE_LOGPROBS_PY, cfg)
+
+
+def front_door(
+    triton,
+    *,
+    model="ensemble",
+    guard=None,
+    cache=None,
+    frontend=None,
+    max_batch_size=8,
+    grpc_url=None,
+    tokenizer_dir=None,
+):
     cfg = FrontDoorConfig(
         model_name=MODEL,
         frontend=FrontendSpec(**(frontend or {})),
@@ -52,6 +145,7 @@ def front_door(triton, *, model="ensemble", guard=None, cache=None, frontend=Non
         max_batch_size=max_batch_size,
         max_seq_len=256,
         default_max_tokens=8,
+        tokenizer_dir=tokenizer_dir,
     )
     app = create_app(cfg, grpc_url or triton.grpc_url, metrics_url=triton.metrics_url)
     return FrontDoorServer(app, "127.0.0.1", free_port())
@@ -339,3 +433,108 @@ def test_api_keys_are_required_when_configured_and_never_logged(triton, monkeypa
         assert ok.status_code == 200
         assert httpx.get(fd.url + "/health").status_code == 200  # probes need no key
     assert secret not in caplog.text
+
+
+# -- the llmapi target's one model (a fake: see FAKE_LLMAPI_PY) ------------------------------------------
+
+
+def test_llmapi_chat_is_rendered_with_the_template_and_mapped_to_sampling_params(triton, smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there?"}]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 5,
+        "stop": ["END", "\n\n"],
+        "presence_penalty": 0.5,
+        "stream": True,
+    }
+    with front_door(triton, model="tensorrt_llm", tokenizer_dir=smollm2_tokenizer_dir) as fd:
+        with httpx.Client(timeout=30) as c, c.stream("POST", fd.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            events = sse_events(r)
+    deltas = [e["choices"][0]["delta"].get("content") for e in events[:-1] if e["choices"]]
+    seen = json.loads("".join(d for d in deltas if d))  # the deltas join to the fake's text exactly once
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir, trust_remote_code=False)
+    assert seen["text_input"] == [tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+    assert seen["text_input.shape"] == [1]  # max_batch_size 0: no batch dimension
+    assert seen["streaming"] == [True]
+    assert seen["sampling_param_max_tokens"] == [7]
+    assert seen["sampling_param_temperature"] == [pytest.approx(0.7)]
+    assert seen["sampling_param_top_p"] == [pytest.approx(0.9)]
+    assert seen["sampling_param_seed"] == [5]
+    assert seen["sampling_param_stop"] == ["END", "\n\n"]
+    assert seen["sampling_param_presence_penalty"] == [pytest.approx(0.5)]
+    assert "sampling_param_top_k" not in seen and "sampling_param_frequency_penalty" not in seen
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # the model's finish_reason
+    assert events[-1] == "[DONE]"
+
+
+def test_llmapi_completion_prompt_as_is_and_what_it_cannot_do_is_400(triton, smollm2_tokenizer_dir):
+    with front_door(triton, model="tensorrt_llm", tokenizer_dir=smollm2_tokenizer_dir) as fd:
+        c = httpx.Client(base_url=fd.url, timeout=30)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        seen = json.loads(r.json()["choices"][0]["text"])
+        assert seen["text_input"] == ["Once upon"]
+        assert "sampling_param_temperature" not in seen  # the LLM API's default sampling
+        for extra, param in (({"ignore_eos": True}, "ignore_eos"), ({"logprobs": 0}, "logprobs")):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_llmapi_chat_without_a_chat_template_is_400_naming_messages(triton):
+    with front_door(triton, model="tensorrt_llm") as fd:
+        r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body(), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+# -- logprobs --------------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_passed_through_streamed_and_whole(triton):
+    with front_door(triton, model="lp_ensemble") as fd, httpx.Client(base_url=fd.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat_body(logprobs=True, stream=True)) as r:
+            assert r.status_code == 200, r.read()
+            events = sse_events(r)
+        content = [e["choices"][0] for e in events[:-1] if e["choices"] and e["choices"][0]["delta"].get("content")]
+        entries = [x for ch in content for x in ch["logprobs"]["content"]]
+        # The token whose character is completed later carries no text; its log-prob still comes, in order.
+        assert [(x["token"], x["logprob"]) for x in entries] == [(" a", -0.25), ("", -0.5), ("é", -0.75), (" c", -1.0)]
+        assert entries[2]["bytes"] == list("é".encode())
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "p", "logprobs": 0})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.json()["choices"][0]["text"] == " aé c"
+        assert lp["tokens"] == [" a", "", "é", " c"] and lp["token_logprobs"] == [-0.25, -0.5, -0.75, -1.0]
+        assert lp["text_offset"] == [0, 2, 2, 3]
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.json()["choices"][0]["logprobs"] is None  # not asked for: not sent
+
+
+def test_logprobs_where_the_deployment_cannot_are_400_naming_the_field(plain):
+    c = httpx.Client(base_url=plain.url, timeout=30)
+    for body, param in (
+        (chat_body(logprobs=True), "logprobs"),  # this fake declares no return_log_probs
+        (chat_body(logprobs=True, top_logprobs=2), "top_logprobs"),
+        ({"model": MODEL, "prompt": "p", "logprobs": 3}, "logprobs"),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = c.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_a_kept_stream_serves_the_next_request_and_a_cancelled_one_is_not_kept(plain):
+    fd = plain.app.state.frontdoor
+    c = httpx.Client(base_url=plain.url, timeout=30)
+    for _ in range(3):
+        assert c.post("/v1/chat/completions", json=chat_body()).json()["choices"][0]["message"]["content"]
+    opened = fd.backend.pool.opened
+    for _ in range(3):  # one after another: each reuses the call the previous one left
+        r = c.post("/v1/chat/completions", json=chat_body("reuse me"))
+        assert r.json()["choices"][0]["message"]["content"] == "".join(f" {t}" for t in chat_answer("reuse me"))
+    assert fd.backend.pool.opened == opened

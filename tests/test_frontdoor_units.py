@@ -9,7 +9,16 @@ import time
 import pytest
 
 from toolkit.frontdoor.admission import Estimator
-from toolkit.frontdoor.protocol import APIError, ContentFramer, GenRequest, chunk, parse_request, sse
+from toolkit.frontdoor.protocol import (
+    APIError,
+    ContentFramer,
+    GenRequest,
+    chunk,
+    logprob_items,
+    logprobs_field,
+    parse_request,
+    sse,
+)
 from toolkit.frontdoor.tiers import Answer, MemoryCache, read_secret
 from toolkit.frontdoor.triton import parse_gauges
 
@@ -151,3 +160,77 @@ def test_a_spec_deployment_tier_finds_the_running_front_door_of_that_spec(tmp_pa
 def test_content_framer_is_byte_identical_to_the_general_chunk(kind, text):
     req = GenRequest(kind=kind, model='m "odd" ü', messages=[{"role": "user", "content": "x"}], prompt="x")
     assert ContentFramer(req)(text) == sse(chunk(req, text))
+
+
+def test_an_llmapi_repository_is_fronted_through_its_one_model_with_the_checkpoint_tokenizer(tmp_path):
+    import json
+
+    from toolkit.artifacts import MANIFEST
+    from toolkit.frontdoor.config import config_from
+
+    ckpt = tmp_path / "engine" / "hf"
+    ckpt.mkdir(parents=True)
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    repo = tmp_path / "repo"
+    (repo / "tensorrt_llm" / "1").mkdir(parents=True)
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text(f"model: {ckpt}\nbackend: pytorch\n")
+    (repo / MANIFEST).write_text(json.dumps({"complete": True, "target": "llmapi", "spec": {"name": "x"}}))
+    cfg = config_from(repo)
+    assert cfg.triton_model == "tensorrt_llm" and cfg.tokenizer_dir == ckpt
+    (repo / MANIFEST).write_text(json.dumps({"complete": True, "target": "cpu", "spec": {"name": "x"}}))
+    assert config_from(repo).triton_model == "ensemble"
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "want"),
+    [
+        ("chat", {"logprobs": True}, True),
+        ("chat", {"logprobs": True, "top_logprobs": 0}, True),
+        ("chat", {}, False),
+        ("completion", {"logprobs": 0}, True),
+        ("completion", {}, False),
+    ],
+)
+def test_logprobs_asked_for(kind, extra, want):
+    body = chat(**extra) if kind == "chat" else {"model": "m", "prompt": "p", **extra}
+    req = parse(body, kind)
+    assert req.logprobs is want
+    assert req.deterministic is not want  # an answer with log-probs is not served from the cache
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "param"),
+    [
+        ("chat", {"logprobs": 1}, "logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completion", {"logprobs": 2}, "logprobs"),
+        ("completion", {"logprobs": True}, "logprobs"),
+        ("chat", {"logprobs": True, "session_id": "s1"}, "logprobs"),
+    ],
+)
+def test_logprobs_that_cannot_be_served_are_refused_naming_the_field(kind, extra, param):
+    body = chat(**extra) if kind == "chat" else {"model": "m", "prompt": "p", **extra}
+    with pytest.raises(APIError) as e:
+        parse(body, kind)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_logprob_fields_follow_openai_shapes():
+    items = logprob_items("é", [-0.5, -0.25]) + logprob_items(" b", [float("-inf")])
+    assert items == [("", -0.5), ("é", -0.25), (" b", -9999.0)]
+    chat_req = GenRequest(kind="chat", model="m")
+    assert logprobs_field(chat_req, items)["content"][1] == {
+        "token": "é",
+        "logprob": -0.25,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [],
+    }
+    cmpl = logprobs_field(GenRequest(kind="completion", model="m"), items, offset=5)
+    assert cmpl == {
+        "tokens": ["", "é", " b"],
+        "token_logprobs": [-0.5, -0.25, -9999.0],
+        "top_logprobs": None,
+        "text_offset": [5, 5, 6],
+    }

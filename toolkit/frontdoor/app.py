@@ -42,8 +42,11 @@ from .protocol import (
     APIError,
     ContentFramer,
     GenRequest,
+    bad,
     chunk,
     full_response,
+    logprob_items,
+    logprobs_field,
     parse_request,
     sse,
     usage,
@@ -83,6 +86,7 @@ class FrontDoor:
         self.cache = None
         self.tiers: list = []
         self.tokenizer = None
+        self.chat_tokenizer = None  # transformers' tokenizer for the chat template (llmapi), loaded when needed
         self._tasks: list[asyncio.Task] = []
         clf = config.filter.classifier
         self.filter = Rules.from_spec(config.filter, TritonClassifier(self.backend, clf.model) if clf else None)
@@ -168,7 +172,10 @@ class FrontDoor:
         return old, set(self.estimator.inflight)
 
     def prompt_tokens(self, req: GenRequest) -> int:
-        """Prompt length for the prediction (the chat template's few tokens per message are estimated)."""
+        """Prompt length for the prediction (the chat template's few tokens per message are estimated, unless
+        the front door rendered it)."""
+        if req.rendered is not None and self.tokenizer is not None:
+            return len(self.tokenizer.encode(req.rendered, add_special_tokens=False).ids)
         texts = [req.prompt] if req.kind == "completion" else [m["content"] for m in req.messages]
         if self.tokenizer is not None:
             n = sum(len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False))
@@ -237,6 +244,7 @@ class FrontDoor:
                 default_max_tokens=self.config.default_max_tokens,
             )
             await self._check_input(req)
+            self._prepare_for_model(req)
             deadline_ms = self._deadline(request, req)
             if req.session_id:  # one turn of a session at a time (toolkit/frontdoor/sessions.py)
                 return await self.sessions.serve_turn(
@@ -245,6 +253,32 @@ class FrontDoor:
             return await self._route(request, req, body, deadline_ms, arrival)
         except APIError as exc:
             return self._error(exc)
+
+    def _prepare_for_model(self, req: GenRequest) -> None:
+        """What depends on the served model: log-probs (not with an output filter, whose hold-back would not
+        line up with them) and, for a model that takes a plain prompt (llmapi), the chat template."""
+        if req.logprobs and self._output_filter() is not None:
+            raise bad("logprobs", "is not served while the content filter checks the output (serving.filter.output)")
+        if req.kind == "chat" and req.session_id is None and self.backend.interface == "llmapi":
+            req.rendered = self.render_chat(req.messages)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat as the model's chat template renders it, with the generation prompt (the repository's
+        tokenizer, loaded once, never running code shipped with the model)."""
+        if self.chat_tokenizer is None:
+            d = self.config.tokenizer_dir
+            try:
+                from transformers import AutoTokenizer
+
+                self.chat_tokenizer = AutoTokenizer.from_pretrained(
+                    str(d), trust_remote_code=False, local_files_only=True
+                )
+            except Exception as exc:  # noqa: BLE001 — the request is refused below, the server keeps serving
+                log.warning("front door: cannot load the chat template from %s: %r", d, exc)
+                self.chat_tokenizer = False
+        if not self.chat_tokenizer or not getattr(self.chat_tokenizer, "chat_template", None):
+            raise bad("messages", "this deployment has no chat template; send a plain prompt to /v1/completions")
+        return self.chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def _check_input(self, req: GenRequest) -> None:
         try:
@@ -462,16 +496,41 @@ class FrontDoor:
         headers = {TIER_HEADER: PRIMARY}
         flt = self._output_filter()
 
-        async def rest() -> AsyncIterator[str]:
-            while not state["done"]:
+        async def raw() -> AsyncIterator[tuple[str, list[float]]]:
+            """The stream's texts straight from Triton, each with its tokens' log-probs (when asked for); a
+            response without text (a character still incomplete) passes its log-probs on to the next."""
+            piece, carry = first, []
+            while True:
+                if piece.logprobs:
+                    carry += piece.logprobs
+                if piece.text or piece is first:
+                    yield piece.text, carry
+                    carry = []
+                if state["done"]:
+                    if carry:
+                        yield "", carry
+                    return
                 piece = await stream.next()
                 est.token(req.id)
-                state["piece"] = piece
-                state["done"] = piece.final
-                state["responses"] += int(bool(piece.text))
+                state["piece"], state["done"] = piece, piece.final
                 if piece.text:
+                    state["responses"] += 1
                     state["text"].append(piece.text)
-                    yield piece.text
+
+        async def texts() -> AsyncIterator[tuple[str, list[float]]]:
+            # The hot path: without an output filter, the pieces straight from Triton; with one, through it
+            # (log-probs are refused with an output filter: what it holds back would not line up).
+            if flt is None:
+                async for item in raw():
+                    yield item
+                return
+
+            async def plain():
+                async for text, _ in raw():
+                    yield text
+
+            async for text in self._filtered(plain(), flt):
+                yield text, []
 
         async def finish(cancelled: bool) -> tuple[str, dict]:
             piece = state["piece"]
@@ -481,6 +540,8 @@ class FrontDoor:
             est.finish(req.id)
             n_out = piece.completion_tokens if piece.completion_tokens is not None else state["responses"]
             reason = "length" if n_out >= req.max_tokens else "stop"
+            if piece.finish_reason in ("stop", "length"):
+                reason = piece.finish_reason  # the model's own word (llmapi)
             u = usage(piece.prompt_tokens if piece.prompt_tokens is not None else n_prompt, n_out)
             if flt is not None and flt.hit:
                 state["done"], reason = True, "content_filter"  # the Triton request was cancelled above
@@ -488,16 +549,14 @@ class FrontDoor:
                 await self.cache.put(req.cache_key(), Answer("".join(state["text"]), reason, u["prompt_tokens"], n_out))
             return reason, u
 
-        async def pieces() -> AsyncIterator[str]:
-            yield first.text
-            async for text in rest():
-                yield text
-
         if not req.stream:
 
             async def collect():
+                parts, items = [], []
                 try:
-                    text = "".join([p async for p in self._filtered(pieces(), flt)])
+                    async for text, lps in texts():
+                        parts.append(text)
+                        items += logprob_items(text, lps)
                     reason, u = await finish(False)
                 except TritonRefused as exc:
                     await finish(False)
@@ -507,34 +566,25 @@ class FrontDoor:
                 except BaseException:
                     await finish(True)
                     raise
-                return JSONResponse(full_response(req, text, reason, u, {TIER_FIELD: PRIMARY}), headers=headers)
+                lp = logprobs_field(req, items) if req.logprobs else None
+                body = full_response(req, "".join(parts), reason, u, {TIER_FIELD: PRIMARY}, logprobs=lp)
+                return JSONResponse(body, headers=headers)
 
             return _Deferred(collect)
-
-        async def texts() -> AsyncIterator[str]:
-            # The hot path: without an output filter, the stream's pieces straight from Triton (one
-            # generator, no wrappers); with one, through it.
-            if flt is not None:
-                async for text in self._filtered(pieces(), flt):
-                    yield text
-                return
-            yield first.text
-            while not state["done"]:
-                piece = await stream.next()
-                est.token(req.id)
-                state["piece"], state["done"] = piece, piece.final
-                if piece.text:
-                    state["responses"] += 1
-                    state["text"].append(piece.text)
-                    yield piece.text
 
         async def gen():
             try:
                 first_chunk = True
                 frame = None
+                offset = 0
                 try:
-                    async for text in texts():
-                        if first_chunk:
+                    async for text, lps in texts():
+                        if req.logprobs:
+                            lp = logprobs_field(req, logprob_items(text, lps), offset)
+                            offset += len(text)
+                            yield sse(chunk(req, text, first=first_chunk, logprobs=lp))
+                            first_chunk = False
+                        elif first_chunk:
                             yield sse(chunk(req, text, first=True))
                             first_chunk, frame = False, ContentFramer(req)
                         else:

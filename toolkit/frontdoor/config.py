@@ -9,6 +9,7 @@ from ..errors import UsageError
 from ..spec import CacheSpec, FilterSpec, FrontendSpec, GuardSpec, JobsSpec, SessionsSpec
 
 TOKENIZER_IN_REPO = "preprocessing/tokenizer"
+LLMAPI_MODEL_YAML = "tensorrt_llm/1/model.yaml"  # the llmapi target's one model: its `model` key is the checkpoint
 
 
 @dataclass
@@ -37,6 +38,7 @@ def config_from(source, *, triton_model: str = "ensemble") -> FrontDoorConfig:
 
     if isinstance(source, Spec):
         repo = source.repository_dir()
+        triton_model = _model_of(source.build.target, triton_model)
         return _make(source.name, source.serving.model_dump(), source.build.model_dump(), repo, triton_model)
     repo = Path(source)
     from ..artifacts import read_manifest
@@ -47,13 +49,33 @@ def config_from(source, *, triton_model: str = "ensemble") -> FrontDoorConfig:
             f"'{repo}' is not an emitted rtk model repository (no complete rtk-manifest.json); run `rtk build SPEC`"
         )
     section = manifest.get("spec") or {}
+    triton_model = _model_of(manifest.get("target"), triton_model)
     return _make(
         section.get("name") or repo.name, section.get("serving") or {}, section.get("build") or {}, repo, triton_model
     )
 
 
-def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) -> FrontDoorConfig:
+def _model_of(target: str | None, triton_model: str) -> str:
+    """The llmapi target has no ensemble: its one model, ``tensorrt_llm``, takes the requests."""
+    return "tensorrt_llm" if target == "llmapi" and triton_model == "ensemble" else triton_model
+
+
+def _tokenizer_dir(repo: Path) -> Path | None:
+    """The repository's tokenizer: the ensemble's preprocessing copy, or the llmapi model's checkpoint."""
     tok = repo / TOKENIZER_IN_REPO
+    if tok.is_dir():
+        return tok
+    model_yaml = repo / LLMAPI_MODEL_YAML
+    if model_yaml.is_file():
+        import yaml
+
+        model = (yaml.safe_load(model_yaml.read_text()) or {}).get("model")
+        if model and (Path(model) / "tokenizer_config.json").is_file():
+            return Path(model)
+    return None
+
+
+def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) -> FrontDoorConfig:
     frontend = FrontendSpec(**serving.get("frontend", {}))
     return FrontDoorConfig(
         model_name=frontend.model_name or name,
@@ -68,6 +90,6 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         max_seq_len=int(build.get("max_seq_len", 2048)),
         max_input_len=int(build.get("max_input_len", build.get("max_seq_len", 2048))),
         default_max_tokens=int(serving.get("default_max_tokens", 128)),
-        tokenizer_dir=tok if tok.is_dir() else None,
+        tokenizer_dir=_tokenizer_dir(repo),
         repository=repo,
     )

@@ -64,6 +64,10 @@ class GenRequest:
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens (benchmarks)
     ttft_deadline_ms: float | None = None
     session_id: str | None = None  # the conversation the front door keeps (toolkit/frontdoor/sessions.py)
+    logprobs: bool = (
+        False  # the chosen tokens' log-probabilities (chat ``logprobs: true``, completions ``logprobs: 0``)
+    )
+    rendered: str | None = None  # the chat rendered by the front door, for a model that takes a plain prompt (llmapi)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -71,11 +75,14 @@ class GenRequest:
     def deterministic(self) -> bool:
         """Greedy, or sampled with a fixed seed: the same request gives the same answer (not in a session,
         whose history is part of the prompt)."""
-        return (not self.temperature or self.seed is not None) and self.session_id is None
+        return (not self.temperature or self.seed is not None) and self.session_id is None and not self.logprobs
 
     def text_input(self) -> str:
-        """What the Triton ensemble takes: a plain prompt, or the chat as a JSON message list."""
-        return self.prompt if self.kind == "completion" else json.dumps(self.messages, ensure_ascii=False)
+        """What the Triton model takes: a plain prompt, the chat as a JSON message list (the ensemble renders
+        it), or the chat already rendered with the chat template (:attr:`rendered`)."""
+        if self.kind == "completion":
+            return self.prompt
+        return self.rendered if self.rendered is not None else json.dumps(self.messages, ensure_ascii=False)
 
     def cache_key(self) -> str:
         """Exact match on the normalised content and every parameter that changes the answer."""
@@ -127,6 +134,56 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     if v < lo or v > hi:
         raise bad(name, f"{v} is out of range; use a value in [{lo}, {hi}]")
     return v
+
+
+def _logprobs(kind: str, body: dict) -> bool:
+    """Whether the chosen tokens' log-probabilities are asked for.  Only those are served (the engines return
+    no alternatives): chat ``top_logprobs`` above 0 and completions ``logprobs`` above 0 are refused."""
+    if kind == "chat":
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise bad("logprobs", "must be true or false")
+        top = _integer(body, "top_logprobs", 0, 20)
+        if top and not want:
+            raise bad("top_logprobs", "needs logprobs: true")
+        if top:
+            raise bad(
+                "top_logprobs",
+                f"{top} alternatives per token are not served (only the chosen token's log-probability); "
+                "send 0 or leave it unset",
+            )
+        return bool(want)
+    top = _integer(body, "logprobs", 0, 5)
+    if top:
+        raise bad(
+            "logprobs",
+            f"{top} alternatives per token are not served (only the chosen token's log-probability); send 0",
+        )
+    return top == 0
+
+
+def logprob_items(text: str, lps) -> list[tuple[str, float]]:
+    """One response's text and its tokens' log-probabilities as (token text, log-prob) pairs.  The text goes
+    with the last token: a token whose characters are completed by a later one carries an empty text."""
+    vals = [float(v) if math.isfinite(v) else -9999.0 for v in lps]  # OpenAI's stand-in for -inf
+    return [("", v) for v in vals[:-1]] + [(text, vals[-1])] if vals else []
+
+
+def logprobs_field(req: GenRequest, items: list[tuple[str, float]], offset: int = 0) -> dict:
+    """The ``logprobs`` of a choice (chat: ``content``; completions: ``tokens`` / ``token_logprobs``)."""
+    if req.kind == "chat":
+        content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in items]
+        return {"content": content}
+    offsets = []
+    for t, _ in items:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _ in items],
+        "token_logprobs": [lp for _, lp in items],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
 
 
 def _content(i: int, m: Any) -> str:
@@ -213,9 +270,8 @@ def parse_request(kind: str, body: Any, *, served_model: str, max_seq_len: int, 
         if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
             raise bad("stream_options", 'must be {"include_usage": true|false}')
         req.include_usage = bool(opts.get("include_usage"))
+    req.logprobs = _logprobs(kind, body)
     for name in (
-        "logprobs",
-        "top_logprobs",
         "logit_bias",
         "tools",
         "functions",
@@ -233,6 +289,10 @@ def parse_request(kind: str, body: Any, *, served_model: str, max_seq_len: int, 
         if kind != "chat":
             raise bad("session_id", "sessions are kept for /v1/chat/completions; send the whole prompt here")
         req.session_id = session_id_of(body)
+        if req.logprobs:
+            raise bad(
+                "logprobs", "is not served for session turns; leave it unset or send the request without session_id"
+            )
     if "ttft_deadline_ms" in body:
         req.ttft_deadline_ms = _number(body, "ttft_deadline_ms", 0.0, 0.0, 3_600_000.0, lo_open=True)
     return req
@@ -242,7 +302,13 @@ def parse_request(kind: str, body: Any, *, served_model: str, max_seq_len: int, 
 
 
 def chunk(
-    req: GenRequest, text: str | None, finish: str | None = None, *, first: bool = False, extra: dict | None = None
+    req: GenRequest,
+    text: str | None,
+    finish: str | None = None,
+    *,
+    first: bool = False,
+    extra: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streamed chunk (chat.completion.chunk or text_completion)."""
     if req.kind == "chat":
@@ -251,10 +317,10 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = {"id": f"chatcmpl-{req.id}", "object": "chat.completion.chunk"}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = {"id": f"cmpl-{req.id}", "object": "text_completion"}
     obj.update(created=req.created, model=req.model, choices=[choice])
     if extra:
@@ -290,17 +356,19 @@ def usage_chunk(req: GenRequest, usage: dict) -> dict:
     return obj
 
 
-def full_response(req: GenRequest, text: str, finish: str, usage: dict, extra: dict | None = None) -> dict:
+def full_response(
+    req: GenRequest, text: str, finish: str, usage: dict, extra: dict | None = None, logprobs: dict | None = None
+) -> dict:
     if req.kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         obj = {"id": f"chatcmpl-{req.id}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = {"id": f"cmpl-{req.id}", "object": "text_completion"}
     obj.update(created=req.created, model=req.model, choices=[choice], usage=usage)
     if extra:

@@ -24,6 +24,7 @@ from .protocol import APIError, GenRequest, bad
 
 GAUGE = re.compile(r"^(nv_trt_llm_(?:request|kv_cache_block)_metrics)\{([^}]*)\}\s+([0-9.eE+-]+)", re.MULTILINE)
 OVERLOAD = ("Exceeds maximum queue size", "Request timeout expired")
+LLMAPI_MARK = "sampling_param_max_tokens"  # an input only TensorRT-LLM's llmapi model declares
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Piece:
     final: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    logprobs: list[float] | None = None  # the log-probabilities of this response's new tokens
+    finish_reason: str | None = None  # what the model says ended it (llmapi's finish_reason)
 
 
 class TritonRefused(Exception):
@@ -87,6 +90,7 @@ class TritonBackend:
         self.inputs: set[str] = set()
         self.outputs: set[str] = set()
         self.batched = True
+        self.interface = "ensemble"  # or "llmapi": TensorRT-LLM's llmapi model (sampling_param_* inputs)
         self.ready = False
         self.ready_reason = "not checked yet"
         self.gauges = EngineGauges()
@@ -131,6 +135,7 @@ class TritonBackend:
                 self.inputs = {i["name"] for i in d.get("input", [])}
                 self.outputs = {o["name"] for o in d.get("output", [])}
                 self.batched = int(d.get("max_batch_size") or 0) > 0
+                self.interface = "llmapi" if LLMAPI_MARK in self.inputs else "ensemble"
         except grpc.aio.AioRpcError as exc:
             self.ready, self.ready_reason = False, f"tritonserver at {self.grpc_url} does not answer: {exc.code().name}"
             return False
@@ -154,6 +159,8 @@ class TritonBackend:
         from tritonclient.grpc import service_pb2 as pb
 
         msg = pb.ModelInferRequest(model_name=self.model, id=req.id)
+        if self.interface == "llmapi":
+            return self._build_llmapi(req, msg)
 
         def add(name, datatype, value):
             arr = np.asarray(value)
@@ -197,7 +204,66 @@ class TritonBackend:
             v = getattr(req, name)
             if optional(name, name, v != 0.0):
                 add(name, "FP32", np.array(v, dtype=np.float32))
+        if req.logprobs:
+            # TensorRT-LLM's return_log_probs: output_log_probs holds each response's new tokens' log-probs.
+            if not ("return_log_probs" in self.inputs and "output_log_probs" in self.outputs):
+                raise bad("logprobs", "is not supported by this deployment (its model returns no log-probabilities)")
+            add("return_log_probs", "BOOL", np.array(True))
         for name in ("text_output", "num_input_tokens", "num_output_tokens"):
+            if name in self.outputs:
+                msg.outputs.add(name=name)
+        if req.logprobs:
+            msg.outputs.add(name="output_log_probs")
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+        return msg
+
+    def _build_llmapi(self, req: GenRequest, msg):
+        """TensorRT-LLM's llmapi model (NVIDIA/TensorRT-LLM ``triton_backend/all_models/llmapi/tensorrt_llm/1/``,
+        model.py b35ac1b, helpers.py fab2f90): ``text_input[0]`` is the prompt as is (the chat is rendered
+        by the front door, :attr:`GenRequest.rendered`), each ``sampling_param_X`` scalar becomes
+        ``SamplingParams(X=...)``, ``sampling_param_stop`` the stop strings, ``streaming`` streams.  Its
+        max_batch_size is 0, so tensors carry no batch dimension: scalars have shape [1]."""
+
+        def add(name, datatype, values, field_name):
+            if name not in self.inputs:
+                raise bad(
+                    field_name, f"is not supported by this deployment (its model has no '{name}' input); leave it unset"
+                )
+            arr = np.asarray(values).reshape(-1)
+            if self.batched:
+                arr = arr[np.newaxis, ...]
+            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            msg.raw_input_contents.append(serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes())
+
+        where = "messages" if req.kind == "chat" else "prompt"
+        add("text_input", "BYTES", np.array([req.text_input().encode("utf-8")], dtype=np.object_), where)
+        add("streaming", "BOOL", np.array([True]), "stream")
+        add("sampling_param_max_tokens", "INT32", np.array([req.max_tokens], dtype=np.int32), "max_tokens")
+        if req.temperature is not None:  # else the LLM API's default sampling
+            add("sampling_param_temperature", "FP32", np.array([req.temperature], dtype=np.float32), "temperature")
+        if req.top_p < 1.0:
+            add("sampling_param_top_p", "FP32", np.array([req.top_p], dtype=np.float32), "top_p")
+        if req.top_k:
+            add("sampling_param_top_k", "INT32", np.array([req.top_k], dtype=np.int32), "top_k")
+        if req.seed is not None:
+            add("sampling_param_seed", "UINT64", np.array([req.seed], dtype=np.uint64), "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if v != 0.0:
+                add(f"sampling_param_{name}", "FP32", np.array([v], dtype=np.float32), name)
+        if req.stop:
+            add("sampling_param_stop", "BYTES", np.array([x.encode() for x in req.stop], dtype=np.object_), "stop")
+        if req.ignore_eos:
+            raise bad("ignore_eos", "is not supported by the llmapi model (it has no input for it); leave it unset")
+        if req.logprobs:
+            raise bad(
+                "logprobs",
+                "is not supported by the llmapi model (it returns only cumulative_logprob, no per-token "
+                "log-probabilities); leave it unset",
+            )
+        if "return_finish_reason" in self.inputs:
+            add("return_finish_reason", "BOOL", np.array([True]), "stream")
+        for name in ("text_output", "finish_reason"):
             if name in self.outputs:
                 msg.outputs.add(name=name)
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -244,6 +310,11 @@ class TritonStream:
 
     def __init__(self, backend: TritonBackend, msg):
         self.pool, self.msg = backend.pool, msg
+        # llmapi's text_output is the whole text so far (TensorRT-LLM's CompletionOutput.text; the model sends
+        # it, not text_diff: NVIDIA/TensorRT-LLM tensorrt_llm/executor/result.py a678b91): the new text is
+        # what follows the text already seen.
+        self._cumulative = backend.interface == "llmapi"
+        self._seen = ""
         self.call, self._reused = self.pool.take()
         self._sent = False
         self._ended = False  # Triton sent the request's final response: the call is clean
@@ -315,6 +386,16 @@ class TritonStream:
                 piece.prompt_tokens = int.from_bytes(raws[i][:4], "little", signed=True)
             elif name == "num_output_tokens":
                 piece.completion_tokens = int.from_bytes(raws[i][:4], "little", signed=True)
+            elif name == "output_log_probs":
+                piece.logprobs = np.frombuffer(raws[i], dtype=np.float32).tolist()
+            elif name == "finish_reason":
+                reasons = deserialize_bytes_tensor(raws[i])
+                reason = reasons[0].decode("utf-8", "replace") if len(reasons) else ""
+                piece.finish_reason = reason if reason not in ("", "None") else None
+        if self._cumulative:
+            full = piece.text
+            piece.text = full[len(self._seen) :] if full.startswith(self._seen) else full
+            self._seen = full
         if piece.final:
             self.close()
         return piece
