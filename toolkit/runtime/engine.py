@@ -72,10 +72,10 @@ class EngineConfig:
     # INT8-SQ / INT4-AWQ exports: torch's W8A16 / W4A16 CPU kernels read the integer codes (a
     # half / quarter of bf16's bytes per token); False = dequantized dense bf16 (the reference path).
     int_weight_kernels: bool = True
-    # One-row bf16 matmuls (a decode's projections) through rtk's GEMV kernel (runtime/gemv.py),
-    # bit-identical to oneDNN's and checked per weight shape at load, at ~1.6x its bandwidth here;
-    # False = oneDNN for every call.
-    gemv_kernel: bool = True
+    # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16, built once per host): the decode rows'
+    # bf16 matmuls (~1.6x oneDNN's bandwidth here) and RMSNorm in one call, each bit-identical to what
+    # it replaces and checked per shape at load; False = torch's operators only.
+    cpu_kernels: bool = True
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
     # request's bits never depend on the batch); "attention" = one masked attention call for all
@@ -196,7 +196,7 @@ class Engine:
             attention_dtype=torch.float32 if config.attention_dtype == "float32" else dtype,
             int_kernels=config.int_weight_kernels,
             batch_invariant=config.decode_batching != "full",
-            gemv_kernel=config.gemv_kernel,
+            cpu_kernels=config.cpu_kernels,
         )
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)

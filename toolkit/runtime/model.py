@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SourceError
-from . import gemv
+from . import kernels
 from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
 from .kv_cache import KVPool, KVQuant
 
@@ -84,7 +84,7 @@ MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is
 # and with decode_batching "full" (one GEMM over all rows) a call of more rows than this does too.
 INT_MAX_ROWS = {8: 4, 4: 8}
 
-# rtk's GEMV (gemv.py) computes every row as a one-row call, reading the weights once per call; on
+# rtk's GEMV (kernels.py) computes every row as a one-row call, reading the weights once per call; on
 # SmolLM2's layer shapes (2 threads, weights from DRAM) it took 0.63-0.79x oneDNN's time up to 16 rows
 GEMV_MAX_ROWS = 16
 
@@ -161,14 +161,14 @@ class Projection:
         if shape not in cache:
             cache[shape] = self._probe_min_rows()
         self.min_rows = cache[shape]
-        # one-row calls through rtk's GEMV (gemv.py) where it gives oneDNN's bits for this shape;
+        # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits for this shape;
         # integer-kernel projections decode through their own kernel
         if gemv_kernel and self.packed is not None and not (self.int8 or self.int4) and self.in_features % 2 == 0:
-            if gemv.available():
-                packed = gemv.pack(weight)
+            if kernels.available():
+                packed = kernels.pack(weight)
                 key = (*shape[:3], "gemv")
                 if key not in cache:
-                    cache[key] = gemv.agrees(self._matmul, packed, self.out_features, bias)
+                    cache[key] = kernels.agrees(self._matmul, packed, self.out_features, bias)
                     if not cache[key]:
                         log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
                 self.gemv = packed if cache[key] else None
@@ -294,7 +294,7 @@ class Projection:
         return y if self.bias is None else y + self.bias
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv.gemv(x, self.gemv, self.out_features, self.bias)
+        return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] == 1:
@@ -544,7 +544,7 @@ class Transformer:
         attention_dtype: torch.dtype = torch.float32,
         int_kernels: bool = True,
         batch_invariant: bool = True,
-        gemv_kernel: bool = True,
+        cpu_kernels: bool = True,
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -556,10 +556,11 @@ class Transformer:
         self.embed = ckpt.embed_tokens.to(dtype)
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
-        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes, gemv_kernel=gemv_kernel)
+        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes, gemv_kernel=cpu_kernels)
         self.layers = [
-            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, gemv_kernel) for spec in ckpt.layers
+            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels) for spec in ckpt.layers
         ]
+        self.fast_norm = cpu_kernels and self._norm_kernel_agrees()
         # min_rows per weight shape, and the shapes whose one-row calls run rtk's GEMV
         self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items() if k != "gemv"}
         self.gemv_shapes = sorted(f"{o}x{i}" for (o, i, _, k), ok in probes.items() if k == "gemv" and ok)
@@ -603,9 +604,31 @@ class Transformer:
         )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fast_norm:
+            return kernels.rms_norm(x, weight, self.eps)
+        return self._rms_norm_torch(x, weight)
+
+    def _rms_norm_torch(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype
         # (F.rms_norm on fp32 gives the same bits as its pow/mean/rsqrt sequence, in one op).
         return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def _norm_kernel_agrees(self) -> bool:
+        """rtk's RMSNorm kernel (bf16 only) where it gives the torch operators' bits on random rows."""
+        if self.dtype != torch.bfloat16 or not kernels.available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        h = self.config.hidden_size
+        x = (torch.randn(64, h, generator=g) * 4).to(torch.bfloat16)
+        with torch.inference_mode():
+            ok = all(
+                torch.equal(kernels.rms_norm(x[:rows], w, self.eps), self._rms_norm_torch(x[:rows], w))
+                for w in (self.final_norm, self.layers[0].input_norm)
+                for rows in (1, 64)
+            )
+        if not ok:
+            log.info("rtk's RMSNorm kernel differs from torch's operators here; torch computes it")
+        return ok
 
     def forward(self, input_ids: torch.Tensor, plan: StepPlan, pool: KVPool) -> torch.Tensor:
         """Logits (float32) for ``plan.logit_rows`` (all rows when None) of the flat token batch."""

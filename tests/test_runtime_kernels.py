@@ -1,8 +1,11 @@
-"""rtk's one-row bf16 GEMV kernel (toolkit/runtime/gemv_bf16.cpp) against oneDNN's one-row kernel.
+"""rtk's CPU kernels (toolkit/runtime/kernels.cpp): the bf16 GEMV against oneDNN's one-row kernel, RMSNorm
+against torch's operators.
 
-The engine uses the kernel only because it computes oneDNN's bits (the kernel that transformers'
-bf16 decode runs here), so the comparison is exact, on SmolLM2's shapes, a reduction longer than
-one 512-wide chunk, output counts that are not a multiple of the 64-output block, and a bias.
+The engine may use them only because they compute the bits of what they replace (oneDNN's one-row
+kernel is what transformers' bf16 decode runs here), so every comparison is exact: SmolLM2's
+shapes, a reduction longer than one 512-wide chunk, output counts that are not a multiple of the
+64-output block, a bias, several rows in one call, and row lengths that take every branch of
+torch's float sum.
 """
 
 from __future__ import annotations
@@ -10,18 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime import gemv
+from toolkit.runtime import kernels
 from toolkit.runtime.checkpoint import Linear
 from toolkit.runtime.model import Projection, bf16_is_fast
 
 pytestmark = pytest.mark.skipif(
-    not (bf16_is_fast() and gemv.cpu_has_avx512_bf16()), reason="the kernel needs AVX512-BF16"
+    not (bf16_is_fast() and kernels.cpu_has_avx512_bf16()), reason="the kernel needs AVX512-BF16"
 )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert gemv.available(), "the kernel failed to build or load (see the log)"
+    assert kernels.available(), "the kernel failed to build or load (see the log)"
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -37,13 +40,13 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def test_gemv_gives_onednns_bits(shape, threads):
     g = torch.Generator().manual_seed(shape[0] + shape[1])
     weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
-    packed = gemv.pack(weight)
+    packed = kernels.pack(weight)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for _ in range(8):
             x = torch.randn(1, shape[1], generator=g).to(torch.bfloat16)
-            assert torch.equal(gemv.gemv(x, packed, shape[0], None), onednn(x, weight, None))
+            assert torch.equal(kernels.gemv(x, packed, shape[0], None), onednn(x, weight, None))
     finally:
         torch.set_num_threads(before)
 
@@ -52,10 +55,10 @@ def test_gemv_with_bias():
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 576, generator=g).to(torch.bfloat16)
     bias = torch.randn(200, generator=g).to(torch.bfloat16)
-    packed = gemv.pack(weight)
+    packed = kernels.pack(weight)
     for _ in range(8):
         x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
-        assert torch.equal(gemv.gemv(x, packed, 200, bias), onednn(x, weight, bias))
+        assert torch.equal(kernels.gemv(x, packed, 200, bias), onednn(x, weight, bias))
 
 
 def test_projection_uses_gemv_for_one_row_only():
@@ -73,9 +76,21 @@ def test_projection_uses_gemv_for_one_row_only():
 def test_every_row_of_a_multi_row_call_gets_the_one_row_bits(shape):
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
-    packed = gemv.pack(weight)
+    packed = kernels.pack(weight)
     x = torch.randn(11, shape[1], generator=g).to(torch.bfloat16)
-    many = gemv.gemv(x, packed, shape[0], None)
+    many = kernels.gemv(x, packed, shape[0], None)
     assert many.shape == (11, shape[0])
     for i in range(11):
         assert torch.equal(many[i : i + 1], onednn(x[i : i + 1], weight, None))
+
+
+@pytest.mark.parametrize("hidden", [576, 128, 100, 2048, 70000])  # 70000: aten's cascaded sum levels
+def test_rms_norm_gives_torchs_bits(hidden):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(hidden)
+    for rows in (1, 3, 40):
+        x = (torch.randn(rows, hidden, generator=g) * 3).to(torch.bfloat16)
+        w = torch.randn(hidden, generator=g).to(torch.bfloat16)
+        expected = w * F.rms_norm(x.float(), (hidden,), eps=1e-5).to(torch.bfloat16)
+        assert torch.equal(kernels.rms_norm(x, w, 1e-5), expected)
