@@ -172,3 +172,35 @@ def test_the_launch_starts_and_stops_the_front_door_with_the_server(served):
     assert read_state(repo) is None
     with pytest.raises(ProcessLookupError):
         os.kill(state.frontdoor_pid, 0)
+
+
+def test_logprobs_are_the_engines_and_match_transformers(served, tiny_llama_dir):
+    """logprobs through the front door are the engine's output_log_probs, one per generated token; the first
+    token's (which depends on the prompt only: rtk's preprocessing renders the chat template and encodes it
+    without special tokens) is what transformers computes.  Later tokens are not compared: this random tiny
+    model's greedy continuation drifts between the engine's bf16 kernels and transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    n = 6
+    body = {"model": served["model"], "messages": messages, "max_tokens": n, "logprobs": True, "ignore_eos": True}
+    r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    entries = got["choices"][0]["logprobs"]["content"]
+    assert len(entries) == n == got["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in entries) == got["choices"][0]["message"]["content"]
+    assert all(e["logprob"] <= 0 for e in entries)
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir, trust_remote_code=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+    assert len(ids) == got["usage"]["prompt_tokens"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+    first = int(torch.argmax(logp))
+    assert entries[0]["token"] == tok.decode([first], skip_special_tokens=True)
+    assert entries[0]["logprob"] == pytest.approx(float(logp[first]), abs=0.05)
