@@ -2,6 +2,7 @@
 """What Triton adds to rtk's CPU engine: TTFT and ITL through Triton vs calling the engine directly.
 
     python scripts/bench_serving.py triton_repo/smollm2-cpu [--requests 24] [--concurrency 1 8]
+        [--paths engine tensorrt_llm ensemble frontdoor] [--compare-frontdoor DIR]
 
 For each concurrency level the same closed-loop workload (every stream sends its next request when
 the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
@@ -12,7 +13,12 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
   over that ensemble: ``/v1/chat/completions`` SSE, ``ignore_eos``; its TTFT and ITL are also given
-  as added ms against ``ensemble`` (what the front door costs).
+  as added ms against ``ensemble`` (what the front door costs), with the front door process's CPU
+  time per request and per token (from /proc: on a shared host that CPU is taken from the engine).
+  The client is a minimal HTTP/1.1 reader on a kept-alive socket (TCP_NODELAY), so that the client's
+  own parsing costs about what tritonclient's does on the gRPC paths;
+* ``frontdoor@NAME`` — with ``--compare-frontdoor DIR``: the same front door started from another
+  checkout of rtk (``git archive COMMIT toolkit | tar -x -C DIR``), for before/after in one run.
 
 Both engines are loaded (the server's by tritonserver from toolkit/triton/server.py, on free ports) but
 only one path runs at a time: the paths take turns, ``--rounds`` times per level, so drift of a
@@ -45,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
 
 QUESTION = "Explain in a few sentences why the sky is blue."
+PATHS = ("engine", "tensorrt_llm", "ensemble", "frontdoor")
 
 
 def percentile(xs, q):
@@ -236,37 +243,64 @@ def grpc_one(stream: SharedStream, model, inputs_fn):
 
 
 def frontdoor_one(url, model, n):
-    """One streamed chat request through the front door; one httpx client (keep-alive) per thread."""
-    import httpx
+    """One streamed chat request through the front door on this thread's kept-alive connection: HTTP/1.1
+    with a chunked SSE body, read with the least work per token (a token is a chunk whose event has
+    ``"content"``)."""
+    import socket
+    from urllib.parse import urlsplit
 
     local = threading.local()
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": QUESTION}],
-        "max_tokens": n,
-        "stream": True,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    u = urlsplit(url)
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": n,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
 
     def one():
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=url, timeout=300)
-        times = []
+        if not hasattr(local, "sock"):
+            local.sock = socket.create_connection((u.hostname, u.port))
+            local.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            local.file = local.sock.makefile("rb")
+        f, times = local.file, []
         sent = time.perf_counter()
-        with local.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"front door: HTTP {r.status_code} {r.read()[:300]!r}")
-            for line in r.iter_lines():
-                if line.startswith('data: {"id"') and '"content"' in line:
-                    times.append(time.perf_counter())
+        local.sock.sendall(head + body)
+        status = f.readline()
+        while f.readline() not in (b"\r\n", b""):
+            pass
+        if b" 200 " not in status:
+            raise RuntimeError(f"front door: {status!r}")
+        while True:  # chunked transfer encoding: size line, data, CRLF; a 0 size ends the body
+            size = int(f.readline().strip(), 16)
+            if size == 0:
+                f.readline()
+                break
+            data = f.read(size)
+            f.readline()
+            if b'"content"' in data:
+                times.append(time.perf_counter())
         return sent, times, None
 
     return one
 
 
-def start_frontdoor(repo, server):
-    """``python -m toolkit.frontdoor`` on a free port; returns (process, url)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_frontdoor(repo, server, root=ROOT):
+    """``python -m toolkit.frontdoor`` (from the rtk checkout ``root``) on a free port; returns (process, url)."""
     import subprocess
 
     from toolkit.triton.server import free_ports
@@ -276,7 +310,7 @@ def start_frontdoor(repo, server):
         sys.executable,
         "-m",
         "toolkit.frontdoor",
-        str(repo),
+        str(Path(repo).resolve()),
         "--triton-grpc",
         server.grpc_url,
         "--metrics-url",
@@ -284,7 +318,8 @@ def start_frontdoor(repo, server):
         "--port",
         str(port),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root, env=env)
     line = proc.stdout.readline()
     if not line.startswith("ready"):
         proc.kill()
@@ -308,6 +343,19 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="the paths take turns this many times per level")
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(PATHS),
+        choices=PATHS,
+        help="which paths to run; ratios are against the first",
+    )
+    ap.add_argument(
+        "--compare-frontdoor",
+        type=Path,
+        metavar="DIR",
+        help="also run the front door from this other rtk checkout (path frontdoor@DIR's name)",
+    )
     args = ap.parse_args(argv)
 
     import rtk_text
@@ -340,10 +388,11 @@ def main(argv=None) -> int:
     t = launch.resolve(repo)
     server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
-    bg, streams, fd_proc = None, [], None
+    bg, streams, doors = None, [], {}
     try:
         server.wait_ready(models=t.models)
-        bg = BackgroundEngine(load_engine(engine_dir))
+        if "engine" in args.paths:
+            bg = BackgroundEngine(load_engine(engine_dir))
 
         def llm_inputs():
             return [
@@ -364,28 +413,48 @@ def main(argv=None) -> int:
             ]
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
-        fd_proc, fd_url = start_frontdoor(repo, server)
-        with urllib.request.urlopen(fd_url + "/v1/models") as resp:
-            fd_model = json.loads(resp.read())["data"][0]["id"]
+        roots = {"frontdoor": ROOT}
+        if args.compare_frontdoor:
+            roots[f"frontdoor@{args.compare_frontdoor.name}"] = args.compare_frontdoor.resolve()
+        for name, root in roots.items():
+            if "frontdoor" in args.paths:
+                doors[name] = start_frontdoor(repo, server, root)
+        fd_model = None
+        for _, fd_url in doors.values():
+            with urllib.request.urlopen(fd_url + "/v1/models") as resp:
+                fd_model = json.loads(resp.read())["data"][0]["id"]
         paths = {
-            "engine": engine_runner(bg, prompt_ids, n),
+            "engine": engine_runner(bg, prompt_ids, n) if bg is not None else None,
             "tensorrt_llm": client_runner(grpc_one(streams[0], "tensorrt_llm", llm_inputs)),
             "ensemble": client_runner(grpc_one(streams[1], "ensemble", ens_inputs)),
-            "frontdoor": client_runner(frontdoor_one(fd_url, fd_model, n)),
+            **{name: client_runner(frontdoor_one(url, fd_model, n)) for name, (_, url) in doors.items()},
         }
+        paths = {k: v for k, v in paths.items() if k in args.paths or k in doors}
         results = {p: {c: Recorder() for c in args.concurrency} for p in paths}
+        # The front door processes' CPU: while their path runs (busy), and while the others run (idle polling).
+        cpu = {name: {c: [0.0, 0.0, 0.0, 0.0] for c in args.concurrency} for name in doors}  # busy s, t, idle s, t
         for c in args.concurrency:
             per_round = max(c, args.requests // args.rounds)
             for r in range(args.rounds):  # interleaved, so drift of a shared host hits every path alike
                 for name, run in paths.items():
+                    before = {d: cpu_seconds(p.pid) for d, (p, _) in doors.items()}
+                    t0 = time.perf_counter()
                     run(c, per_round, args.warmup if r == 0 else 0, results[name][c])
+                    dt = time.perf_counter() - t0
+                    for d, (p, _) in doors.items():
+                        used = cpu_seconds(p.pid) - before[d]
+                        acc = cpu[d][c]
+                        if d == name:
+                            acc[0], acc[1] = acc[0] + used, acc[1] + dt
+                        else:
+                            acc[2], acc[3] = acc[2] + used, acc[3] + dt
             print(f"# {c} stream(s) done", flush=True)
     finally:
         for st in streams:
             st.close()
-        if fd_proc is not None:
-            fd_proc.terminate()
-            fd_proc.wait(10)
+        for p, _ in doors.values():
+            p.terminate()
+            p.wait(10)
         if bg is not None:
             bg.close()
         server.stop()
@@ -398,9 +467,9 @@ def main(argv=None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
-        base = results["engine"][c]
+        base = results[next(iter(paths))][c]
         b_ttft, b_itl = statistics.median(base.ttft), statistics.median(base.itl)
-        for path in ("engine", "tensorrt_llm", "ensemble", "frontdoor"):
+        for path in paths:
             r = results[path][c]
             ttft, itl = statistics.median(r.ttft), statistics.median(r.itl)
             print(
@@ -408,21 +477,31 @@ def main(argv=None) -> int:
                 f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
                 f"{itl / b_itl:.2f} |"
             )
-    print("\nThe front door against the ensemble it fronts (medians; added ms per request and per token)")
-    print("| streams | TTFT added ms | ITL added ms |")
-    print("|---|---|---|")
-    for c in args.concurrency:
-        e, f = results["ensemble"][c], results["frontdoor"][c]
+    if doors and "ensemble" in paths:
         print(
-            f"| {c} | {(statistics.median(f.ttft) - statistics.median(e.ttft)) * ms:+.2f} | "
-            f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} |"
+            "\nThe front door against the ensemble it fronts (medians; added ms per request and per token; its CPU:"
+            " busy minus the idle polling rate)"
         )
+        print("| streams | front door | TTFT added ms | ITL added ms | CPU ms per request | CPU us per token |")
+        print("|---|---|---|---|---|---|")
+        for c in args.concurrency:
+            e = results["ensemble"][c]
+            for name in doors:
+                f = results[name][c]
+                busy, busy_t, idle, idle_t = cpu[name][c]
+                own = busy - (idle / idle_t if idle_t else 0.0) * busy_t
+                n_req, n_tok = len(f.ttft), len(f.itl) + len(f.ttft)
+                print(
+                    f"| {c} | {name} | {(statistics.median(f.ttft) - statistics.median(e.ttft)) * ms:+.2f} | "
+                    f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} | "
+                    f"{own / n_req * 1e3:.2f} | {own / n_tok * 1e6:.0f} |"
+                )
     print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
         for path in ("engine", "tensorrt_llm"):
-            split = results[path][c].split
+            split = results[path][c].split if path in results else None
             if split:
                 cols = " | ".join(f"{statistics.median(x[i] for x in split):.1f}" for i in range(4))
                 print(f"| {c} | {path} | {cols} |")
