@@ -22,6 +22,8 @@ from conftest import make_tiny_llama, spec_for
 
 from toolkit.cli import cli
 from toolkit.errors import UsageError
+from toolkit.slo.runner import Target
+from toolkit.spec import load_spec
 from toolkit.targets import build
 from toolkit.triton import launch
 from toolkit.triton.emit import emit
@@ -56,7 +58,9 @@ def _rebuild(spec, root: Path, checkpoint: Path) -> Path:
     hf = root / "quantized" / "hf"
     shutil.rmtree(hf, ignore_errors=True)
     shutil.copytree(checkpoint, hf)
-    engine = build(spec, root / "quantized", root / "engine").path
+    # force: without a quantize manifest the build's cache key is the files' sizes and mtimes (whole seconds),
+    # which two tiny checkpoints written within one second share.
+    engine = build(spec, root / "quantized", root / "engine", force=True).path
     return emit(spec, engine).path
 
 
@@ -193,7 +197,9 @@ def test_reload_swaps_servers_while_a_stream_finishes_on_the_old_one(served):
     after = _complete(fd, 8)
     assert _successes(new) == counted + 1
     assert after["text"] != before["text"]
-    # `rtk serve --stop` finds the new server through the state file.
+    # `rtk slo SPEC` loads the new server; `rtk serve --stop` stops it (both through the state file).
+    loaded = load_spec(served["spec_path"])
+    assert Target.from_spec(loaded, loaded.slo).url == new.grpc_url != served["spec"].serving.grpc_url
     stopped = CliRunner().invoke(cli, ["serve", str(served["spec_path"]), "--stop"])
     assert stopped.exit_code == 0 and str(new.pid) in stopped.output, stopped.output
     assert not _alive(new.pid) and not state_path(served["repo"]).exists()

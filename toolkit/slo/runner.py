@@ -56,6 +56,8 @@ class Target:
         repository: str | os.PathLike | None = None,
     ) -> Target:
         s = spec.serving if spec is not None else None
+        # The spec's background server, from its state file: after `rtk serve --reload` it runs on other ports.
+        running = _background_server(spec) if spec is not None and url is None else None
         if url is None:
             if s is None:
                 raise UsageError("no server to load: pass --url (gRPC host:port or http://host:port) or a spec")
@@ -64,11 +66,11 @@ class Target:
                     raise UsageError(
                         "serving.frontend is off: pass --url http://HOST:PORT of an OpenAI-compatible server"
                     )
-                url = s.frontend.url
+                url = running.frontdoor_url if running is not None and running.frontdoor_url else s.frontend.url
             else:
-                url = s.grpc_url if slo.transport == "grpc" else s.http_url
+                url = (running or s).grpc_url if slo.transport == "grpc" else (running or s).http_url
         if metrics_url is None and s is not None:
-            metrics_url = s.metrics_url
+            metrics_url = (running or s).metrics_url
         if repository is None and spec is not None:
             repository = spec.repository_dir()
         model = slo.model or ("" if slo.transport == "openai" else slo.endpoint)  # openai: the server's first model
@@ -80,6 +82,14 @@ class Target:
             metrics_url=metrics_url,
             repository=str(repository) if repository else None,
         )
+
+
+def _background_server(spec: Spec):
+    """The live detached server (`rtk serve --detach`) of the spec's repository, or None."""
+    from ..triton.server import http_ready, read_state
+
+    st = read_state(spec.repository_dir())
+    return st if st is not None and http_ready(st.http_url) else None
 
 
 @dataclass
