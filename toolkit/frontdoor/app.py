@@ -110,6 +110,8 @@ class FrontDoor:
                 self.tiers.append(DeploymentTier(t.label, url, t.model, key, self.http))
         await self.sessions.start()
         await self.backend.open()
+        if self.backend.interface == "llmapi" and self.config.tokenizer_dir is not None:
+            await asyncio.to_thread(self._load_chat_tokenizer)  # the chat template, off the event loop
         await self.backend.read_gauges(self.http)
         self._tasks.append(asyncio.create_task(self._poll()))
 
@@ -262,20 +264,21 @@ class FrontDoor:
         if req.kind == "chat" and req.session_id is None and self.backend.interface == "llmapi":
             req.rendered = self.render_chat(req.messages)
 
+    def _load_chat_tokenizer(self) -> None:
+        d = self.config.tokenizer_dir
+        try:
+            from transformers import AutoTokenizer
+
+            self.chat_tokenizer = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 — chat requests are refused (400), the server keeps serving
+            log.warning("front door: cannot load the chat template from %s: %r", d, exc)
+            self.chat_tokenizer = False
+
     def render_chat(self, messages: list[dict]) -> str:
         """The chat as the model's chat template renders it, with the generation prompt (the repository's
         tokenizer, loaded once, never running code shipped with the model)."""
         if self.chat_tokenizer is None:
-            d = self.config.tokenizer_dir
-            try:
-                from transformers import AutoTokenizer
-
-                self.chat_tokenizer = AutoTokenizer.from_pretrained(
-                    str(d), trust_remote_code=False, local_files_only=True
-                )
-            except Exception as exc:  # noqa: BLE001 — the request is refused below, the server keeps serving
-                log.warning("front door: cannot load the chat template from %s: %r", d, exc)
-                self.chat_tokenizer = False
+            self._load_chat_tokenizer()
         if not self.chat_tokenizer or not getattr(self.chat_tokenizer, "chat_template", None):
             raise bad("messages", "this deployment has no chat template; send a plain prompt to /v1/completions")
         return self.chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
