@@ -94,3 +94,15 @@ def test_rms_norm_gives_torchs_bits(hidden):
         w = torch.randn(hidden, generator=g).to(torch.bfloat16)
         expected = w * F.rms_norm(x.float(), (hidden,), eps=1e-5).to(torch.bfloat16)
         assert torch.equal(kernels.rms_norm(x, w, 1e-5), expected)
+
+
+def test_gather_kv_is_index_select_then_float():
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(300, 3, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(300, 3, 64, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, 300, (257,), generator=g)
+    ko, vo = kernels.gather_kv(k, v, slots)
+    assert ko.dtype == torch.float32 and ko.shape == (257, 3, 64)
+    assert torch.equal(ko, k.index_select(0, slots).float()) and torch.equal(vo, v.index_select(0, slots).float())
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.gather_kv(k, v, torch.tensor([300]))

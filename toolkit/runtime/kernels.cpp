@@ -1,4 +1,5 @@
-// rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces.
+// rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
+// (1. gemv, 2. rms_norm, 3. gather_kv below).
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
@@ -194,10 +195,43 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// 3. gather_kv: K and V rows of the paged cache at the given slots, bf16 -> float32 in one pass
+//    (exact: every bf16 value is a float32 value), for float32 attention.
+
+std::vector<at::Tensor> gather_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.is_contiguous() &&
+                  v.is_contiguous() && k.sizes() == v.sizes() && slots.scalar_type() == at::kLong,
+              "rtk_kernels.gather_kv: contiguous bf16 K and V of one shape, int64 slots");
+  const int64_t row = k.numel() / k.size(0), rows = k.size(0);
+  auto sc = slots.contiguous();
+  const int64_t n = sc.numel();
+  std::vector<int64_t> shape(k.sizes().begin(), k.sizes().end());
+  shape[0] = n;
+  auto ko = at::empty(shape, k.options().dtype(at::kFloat));
+  auto vo = at::empty(shape, k.options().dtype(at::kFloat));
+  const auto* idx = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < rows, "rtk_kernels.gather_kv: slot out of range");
+  const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  float* kd = ko.data_ptr<float>();
+  float* vd = vo.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)), [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const uint16_t* kr = ks + idx[i] * row;
+      const uint16_t* vr = vs + idx[i] * row;
+      float* kw = kd + i * row;
+      float* vw = vd + i * row;
+      for (int64_t j = 0; j < row; ++j) kw[j] = bf16_to_float(kr[j]), vw[j] = bf16_to_float(vr[j]);
+    }
+  });
+  return {ko, vo};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_kernels, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("gather_kv(Tensor k, Tensor v, Tensor slots) -> Tensor[]", &gather_kv);
 }

@@ -6,6 +6,8 @@
   at load), and computes each row of a multi-row call exactly as a one-row call.
 * ``rms_norm``: transformers' LlamaRMSNorm of bf16 rows in one call (~8 us against ~26 us for the
   ~10 torch operators it replaces, with their bits; the model checks that at load).
+* ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
+  (for float32 attention; two index_select and two conversions otherwise).
 
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16, about
 15 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is impossible (no
@@ -105,3 +107,9 @@ def agrees(reference, packed: torch.Tensor, out_features: int, bias: torch.Tenso
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm of bf16 rows ``[T, H]`` (fp32 inside), in one call."""
     return torch.ops.rtk_kernels.rms_norm(x, weight, eps)
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``slots`` (1-D) of bf16 ``k`` and ``v`` (``[S, ...]``) as float32, in one pass."""
+    ko, vo = torch.ops.rtk_kernels.gather_kv(k, v, slots)
+    return ko, vo

@@ -174,6 +174,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=store)
         self.v = torch.zeros(shape, dtype=store)
         self._k_layers, self._v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))  # views, made once
+        self.fast_gather = False  # rtk's gather_kv kernel for bf16 -> float32 reads (set by the model)
 
     @property
     def nbytes(self) -> int:
@@ -206,6 +207,12 @@ class KVPool:
         compute dtype); quantized codes are dequantized straight into ``dtype``."""
         dtype = dtype or self.dtype
         flat = slots.reshape(-1)
+        if self.fast_gather and self.quant is None and self.dtype == torch.bfloat16 and dtype == torch.float32:
+            from . import kernels
+
+            k, v = kernels.gather_kv(self._k_layers[layer], self._v_layers[layer], flat)
+            tail = k.shape[1:]
+            return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
         k = self._k_layers[layer].index_select(0, flat)
         v = self._v_layers[layer].index_select(0, flat)
         if self.quant is not None:

@@ -599,9 +599,11 @@ class Transformer:
         return per + self.config.hidden_size * self.embed.element_size()
 
     def new_pool(self, num_blocks: int, tokens_per_block: int) -> KVPool:
-        return KVPool(
+        pool = KVPool(
             len(self.layers), num_blocks, tokens_per_block, self.num_kv_heads, self.head_dim, self.dtype, self.kv_quant
         )
+        pool.fast_gather = self.fast_norm  # rtk's kernels loaded, bf16 compute (gather_kv is a plain copy)
+        return pool
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fast_norm:
