@@ -265,6 +265,12 @@ def main() -> int:
     for _ in range(R):
         b1_e.append(engine_run(engine, one, args.new))
         b1_h.append(hf_run(hf, one, args.new))
+    # the same engine on torch's operators only (EngineConfig.cpu_kernels False): what rtk's kernels add
+    plain = Engine(ckpt, EngineConfig(max_num_tokens=512, cpu_kernels=False, **base))
+    engine_run(plain, one, 8)
+    b1_plain = [engine_run(plain, one, args.new) for _ in range(R)]
+    conc_plain = [engine_concurrent(plain, eight, args.new) for _ in range(R)]
+    del plain
     reuse_engine = Engine(ckpt, EngineConfig(max_num_tokens=512, **{**base, "enable_kv_cache_reuse": True}))
     engine_run(reuse_engine, one, 1)  # the prompt's blocks are now cached
     ttft_reuse = [engine_run(reuse_engine, one, 1)[0] for _ in range(R)]
@@ -388,12 +394,28 @@ def main() -> int:
             "",
             None,
         ),
+        (
+            "  same, engine without rtk's CPU kernels (cpu_kernels false): decode tokens/s, time to first token ms",
+            f"{med(r[1] for r in b1_plain):.1f}, {med(r[0] for r in b1_plain) * 1e3:.0f}",
+            "",
+            f"kernels: {tps_e / med(r[1] for r in b1_plain):.2f}x decode",
+            "",
+            None,
+        ),
         ("  same prompt again, its blocks in the prefix cache, ms", f"{med(ttft_reuse) * 1e3:.0f}", "", "", "", None),
         (
             "8 concurrent, aggregate output tokens/s, decode_batching attention (transformers: one batched generate)",
             f"{c_e:.1f}",
             f"{c_h:.1f}",
             f"{c_e / c_h:.2f}x",
+            "",
+            None,
+        ),
+        (
+            "  same, engine without rtk's CPU kernels",
+            f"{med(conc_plain):.1f}",
+            "",
+            f"kernels: {c_e / med(conc_plain):.2f}x",
             "",
             None,
         ),
@@ -447,7 +469,8 @@ def main() -> int:
     print(
         f"medians of {R} runs; new tokens per request {args.new}; "
         f"engine: max_batch_size 8, tokens_per_block 32, max_num_tokens 512 (ITL run: {args.itl_budget}); "
-        f"single-row kernels: {engine.model.single_row_modes}"
+        f"single-row kernels: {engine.model.single_row_modes}; rtk's GEMV for shapes {engine.model.gemv_shapes}, "
+        f"its RMSNorm: {engine.model.fast_norm}"
     )
     if args.json:
         args.json.write_text(
