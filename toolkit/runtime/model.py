@@ -6,7 +6,9 @@ formats already dequantized) and are prepared once for speed:
 * converted to the compute dtype (bf16 where the CPU has native bf16 dot products, else fp32);
 * q/k/v and gate/up fused into single matmuls when their activation emulation is identical;
 * bf16 weights pre-packed into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
-  what Inductor's CPU freezing does), which doubles GEMV bandwidth here with bit-identical results.
+  what Inductor's CPU freezing does), which doubles GEMV bandwidth here with bit-identical results;
+* decode rows' matmuls, RMSNorm and float32 K/V reads through rtk's own CPU kernels
+  (:mod:`toolkit.runtime.kernels`) where they give the same bits (checked at load).
 
 Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre_quant_scale``
 are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype.
