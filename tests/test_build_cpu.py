@@ -65,6 +65,23 @@ def test_a_changed_engine_config_schema_rebuilds(tmp_path, tiny_llama_dir, quant
     assert not again.skipped and json.loads((out / ENGINE_CONFIG).read_text())["a_new_knob"] == 1
 
 
+def test_a_manifestless_checkpoint_changed_within_the_same_second_rebuilds(tmp_path, tiny_llama_dir, quantized_dir):
+    """Same file sizes and mtimes, other weights: the build must not reuse the old engine."""
+    import os
+
+    spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
+    out = tmp_path / "engine"
+    build(spec, quantized_dir, out)
+    weights = next((quantized_dir / "hf").glob("*.safetensors"))
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-2:] = bytes(b ^ 0xFF for b in data[-2:])  # the last tensor's last value, same length
+    weights.unlink()  # the build linked it: write a new file, not through the link
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not build(spec, quantized_dir, out).skipped
+
+
 def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path, tiny_llama_dir, quantized_dir):
     spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
     out = build(spec, quantized_dir, tmp_path / "engine").path

@@ -15,6 +15,7 @@ cannot run fails here, not when Triton loads the model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict
@@ -103,4 +104,13 @@ def load_engine(engine_dir: str | os.PathLike, **overrides):
 
 
 def _fingerprint(d: Path) -> dict:
-    return {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(d.iterdir()) if p.is_file()}
+    """A manifest-less checkpoint's identity: small files (configs, tokenizer) by content, weight files
+    by size and nanosecond mtime (two checkpoints written in the same second must not share a key)."""
+
+    def ident(p: Path) -> str | list[int]:
+        st = p.stat()
+        if st.st_size <= 16 << 20:
+            return hashlib.sha256(p.read_bytes()).hexdigest()
+        return [st.st_size, st.st_mtime_ns]
+
+    return {p.name: ident(p) for p in sorted(d.iterdir()) if p.is_file()}
