@@ -470,7 +470,7 @@ def main() -> int:
         f"medians of {R} runs; new tokens per request {args.new}; "
         f"engine: max_batch_size 8, tokens_per_block 32, max_num_tokens 512 (ITL run: {args.itl_budget}); "
         f"single-row kernels: {engine.model.single_row_modes}; rtk's GEMV for shapes {engine.model.gemv_shapes}, "
-        f"its RMSNorm: {engine.model.fast_norm}"
+        f"its K/V gather: {engine.model.fast_gather}"
     )
     if args.json:
         args.json.write_text(

@@ -73,8 +73,8 @@ class EngineConfig:
     # half / quarter of bf16's bytes per token); False = dequantized dense bf16 (the reference path).
     int_weight_kernels: bool = True
     # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16, built once per host): the decode rows'
-    # bf16 matmuls (~1.6x oneDNN's bandwidth here) and RMSNorm in one call, each bit-identical to what
-    # it replaces and checked per shape at load; False = torch's operators only.
+    # bf16 matmuls (~1.6x oneDNN's bandwidth here, bit-identical, checked per shape at load) and the
+    # K/V reads of float32 attention in one pass; False = torch's operators only.
     cpu_kernels: bool = True
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a

@@ -1,5 +1,5 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
-// (1. gemv, 2. rms_norm, 3. gather_kv below).
+// (1. gemv, 2. gather_kv below).
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
@@ -23,7 +23,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -113,46 +112,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   return y;
 }
 
-// 2. rms_norm: transformers' LlamaRMSNorm on bf16 rows in one call instead of ~10 torch operators:
-//    weight * bf16(x * rsqrt(mean(x^2) + eps)) with x in fp32, the mean being torch's own float sum
-//    (aten's vectorized inner sum on a 16-lane AVX512 build: 4 interleaved vector accumulators in
-//    cascade levels, then the scalar tail and the 16 lanes in order) divided by the row length.
-
-constexpr int kLanes = 16, kIlp = 4, kLevels = 4;
-
-float aten_row_sum(const float* v, int64_t n) {
-  const int64_t vecs = n / kLanes, rows = vecs / kIlp;
-  float acc[kLevels][kIlp][kLanes] = {};
-  int64_t ceil_log2 = rows <= 2 ? 1 : static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels);
-  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
-  auto add_row = [&](int64_t i) {
-    for (int k = 0; k < kIlp; ++k)
-      for (int l = 0; l < kLanes; ++l) acc[0][k][l] += v[(i * kIlp + k) * kLanes + l];
-  };
-  int64_t i = 0;
-  while (i + level_step <= rows) {
-    for (int64_t j = 0; j < level_step; ++j, ++i) add_row(i);
-    for (int j = 1; j < kLevels; ++j) {
-      for (int k = 0; k < kIlp; ++k)
-        for (int l = 0; l < kLanes; ++l) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0;
-      if ((i & (level_mask << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < rows; ++i) add_row(i);
-  for (int j = 1; j < kLevels; ++j)
-    for (int k = 0; k < kIlp; ++k)
-      for (int l = 0; l < kLanes; ++l) acc[0][k][l] += acc[j][k][l];
-  for (int64_t t = rows * kIlp; t < vecs; ++t)
-    for (int l = 0; l < kLanes; ++l) acc[0][0][l] += v[t * kLanes + l];
-  for (int k = 1; k < kIlp; ++k)
-    for (int l = 0; l < kLanes; ++l) acc[0][0][l] += acc[0][k][l];
-  float total = 0;
-  for (int64_t t = vecs * kLanes; t < n; ++t) total += v[t];
-  for (int l = 0; l < kLanes; ++l) total += acc[0][0][l];
-  return total;
-}
-
 inline float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -160,42 +119,7 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch (NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "rtk_kernels.rms_norm: x [T, H] and weight [H] in bf16");
-  const int64_t t = x.size(0), h = x.size(1);
-  TORCH_CHECK(weight.numel() == h, "rtk_kernels.rms_norm: weight length");
-  auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  auto y = at::empty({t, h}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const auto* ws = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float eps_f = static_cast<float>(eps);
-  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> xf(h), sq(h);
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t i = 0; i < h; ++i) xf[i] = bf16_to_float(xs[r * h + i]), sq[i] = xf[i] * xf[i];
-      float mean = aten_row_sum(sq.data(), h) / static_cast<float>(h);
-      const float scale = 1.0f / std::sqrt(mean + eps_f);
-      for (int64_t i = 0; i < h; ++i) {
-        const float normed = bf16_to_float(float_to_bf16(xf[i] * scale));
-        ys[r * h + i] = float_to_bf16(bf16_to_float(ws[i]) * normed);
-      }
-    }
-  });
-  return y;
-}
-
-// 3. gather_kv: K and V rows of the paged cache at the given slots, bf16 -> float32 in one pass
+// 2. gather_kv: K and V rows of the paged cache at the given slots, bf16 -> float32 in one pass
 //    (exact: every bf16 value is a float32 value), for float32 attention.
 
 std::vector<at::Tensor> gather_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
@@ -232,6 +156,5 @@ std::vector<at::Tensor> gather_kv(const at::Tensor& k, const at::Tensor& v, cons
 TORCH_LIBRARY(rtk_kernels, m) {
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("gather_kv(Tensor k, Tensor v, Tensor slots) -> Tensor[]", &gather_kv);
 }

@@ -4,13 +4,11 @@
   weights at ~18 GB/s on the development host (2 threads) against ~31 GB/s for a plain read; this
   kernel reads them at ~30 GB/s with the same arithmetic (:func:`agrees` checks it per weight shape
   at load), and computes each row of a multi-row call exactly as a one-row call.
-* ``rms_norm``: transformers' LlamaRMSNorm of bf16 rows in one call (~8 us against ~26 us for the
-  ~10 torch operators it replaces, with their bits; the model checks that at load).
 * ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
   (for float32 attention; two index_select and two conversions otherwise).
 
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16, about
-15 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is impossible (no
+10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is impossible (no
 AVX512-BF16, no compiler, a build error) :func:`available` is False and the engine keeps torch's
 operators.
 """
@@ -102,11 +100,6 @@ def agrees(reference, packed: torch.Tensor, out_features: int, bias: torch.Tenso
         expected = torch.cat([reference(x[i : i + 1]) for i in range(rows)])
         one = torch.cat([gemv(x[i : i + 1], packed, out_features, bias) for i in range(rows)])
         return torch.equal(one, expected) and torch.equal(gemv(x, packed, out_features, bias), expected)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm of bf16 rows ``[T, H]`` (fp32 inside), in one call."""
-    return torch.ops.rtk_kernels.rms_norm(x, weight, eps)
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
