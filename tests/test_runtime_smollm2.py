@@ -122,3 +122,42 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     # compute alone moves this model's FP8 perplexity by ~3 % (measured +2.4 % on 8 texts), so this is a sanity
     # bound, the float32 line above the check
     assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
+
+
+def test_rtk_cpu_kernels_change_no_bit_of_the_logits(smollm2_dir, tokenizer):
+    """Every step's logits with rtk's kernels (GEMV, K/V gather) equal torch's operators' bit for bit:
+    a lone request, then four decoding together (two joining mid-way: multi-row GEMV calls)."""
+    from toolkit.runtime import kernels
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    seen: dict[bool, list[torch.Tensor]] = {}
+    for on in (True, False):
+        engine = Engine(
+            smollm2_dir,
+            EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, cpu_kernels=on),
+        )
+        assert bool(engine.model.gemv_shapes) == on
+        steps: list[torch.Tensor] = []
+        forward = engine.model.forward
+
+        def record(*args, forward=forward, steps=steps):
+            steps.append(forward(*args))
+            return steps[-1]
+
+        engine.model.forward = record
+        engine.generate(GenerationRequest(prompt_ids=prompts[0], max_new_tokens=12, end_id=-1))
+        for p in prompts[:2]:
+            engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=12, end_id=-1))
+        for step in range(40):
+            if step == 3:
+                for p in prompts[2:]:
+                    engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=12, end_id=-1))
+            if not engine.has_work():
+                break
+            engine.step()
+        seen[on] = steps
+    assert len(seen[True]) == len(seen[False]) > 20
+    for a, b in zip(seen[True], seen[False], strict=True):
+        assert torch.equal(a, b)
