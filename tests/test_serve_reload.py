@@ -271,3 +271,19 @@ def test_reload_refuses_a_multi_rank_deployment(idle):
     assert t.launch().uses_mpi
     with pytest.raises(UsageError, match="MPI with 2 rank"):
         launch._swappable(t, idle["repo"])
+
+
+def test_reload_refuses_the_llmapi_target(idle):
+    from toolkit.spec import BuildSpec, ServingSpec
+    from toolkit.targets import TARGETS
+
+    t = launch.ServeTarget(
+        repository=Path(idle["repo"]),
+        target=TARGETS["llmapi"],
+        build=BuildSpec(target="llmapi"),
+        serving=ServingSpec(),
+        engine_dir=None,
+        models=[],
+    )
+    with pytest.raises(UsageError, match="no ensemble"):
+        launch._swappable(t, idle["repo"])

@@ -443,7 +443,9 @@ def _swappable(t: ServeTarget, source) -> ServerState:
         )
     if not t.target.ensemble:
         raise UsageError(
-            f"--reload switches servers in the front door; the {t.target.name} target's repository has none{why}"
+            f"--reload checks the new server with one generation through its ensemble before the swap; the "
+            f"{t.target.name} target's repository has no ensemble (its one tensorrt_llm model takes other inputs, "
+            f"and that check is not written for it){why}"
         )
     if not t.serving.frontend.enabled:
         raise UsageError(
