@@ -256,34 +256,28 @@ def test_reload_refuses_replicas_and_an_unfinished_reload(idle):
     assert not _servers_of(repo)  # nothing was started
 
 
-def test_reload_refuses_a_multi_rank_deployment(idle):
+def _gpu_target(repo, target: str, **build) -> launch.ServeTarget:
+    """A ServeTarget for a GPU target's repository (never started: only the refusals are checked)."""
     from toolkit.spec import BuildSpec, ServingSpec
     from toolkit.targets import TARGETS
 
-    t = launch.ServeTarget(
-        repository=Path(idle["repo"]),
-        target=TARGETS["trt-engine"],
-        build=BuildSpec(target="trt-engine", tp_size=2),
+    return launch.ServeTarget(
+        repository=Path(repo),
+        target=TARGETS[target],
+        build=BuildSpec(target=target, **build),
         serving=ServingSpec(),
         engine_dir=None,
         models=[],
     )
+
+
+def test_reload_refuses_a_multi_rank_deployment(idle):
+    t = _gpu_target(idle["repo"], "trt-engine", tp_size=2)
     assert t.launch().uses_mpi
     with pytest.raises(UsageError, match="MPI with 2 rank"):
         launch._swappable(t, idle["repo"])
 
 
 def test_reload_refuses_the_llmapi_target(idle):
-    from toolkit.spec import BuildSpec, ServingSpec
-    from toolkit.targets import TARGETS
-
-    t = launch.ServeTarget(
-        repository=Path(idle["repo"]),
-        target=TARGETS["llmapi"],
-        build=BuildSpec(target="llmapi"),
-        serving=ServingSpec(),
-        engine_dir=None,
-        models=[],
-    )
     with pytest.raises(UsageError, match="no ensemble"):
-        launch._swappable(t, idle["repo"])
+        launch._swappable(_gpu_target(idle["repo"], "llmapi"), idle["repo"])
