@@ -191,3 +191,18 @@ def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+def test_each_server_gets_its_own_python_backend_shm_prefix(tmp_path):
+    """Two python-backend servers on one host must not share shared-memory region names."""
+    (tmp_path / "repo").mkdir()
+    a = TritonServer(tmp_path / "repo", http_port=18000, grpc_port=18001, metrics_port=18002)
+    b = TritonServer(tmp_path / "repo", http_port=18010, grpc_port=18011, metrics_port=18012)
+
+    def prefixes(server):
+        return [x for x in server.command() if "shm-region-prefix-name" in x]
+
+    assert prefixes(a) == ["--backend-config=python,shm-region-prefix-name=rtk18000_"]
+    assert prefixes(b) == ["--backend-config=python,shm-region-prefix-name=rtk18010_"]
+    b.extra_args.append("--backend-config=python,shm-region-prefix-name=mine_")
+    assert prefixes(b) == ["--backend-config=python,shm-region-prefix-name=mine_"]  # a given one is kept, alone

@@ -358,6 +358,10 @@ class TritonServer(Endpoints):
             cmd.append(f"--cache-config={self.cache_config}")
         if launch.uses_mpi:
             cmd.append(f"--backend-config=python,shm-region-prefix-name=prefix{rank}_")
+        elif not any("shm-region-prefix-name" in a for a in self.extra_args):
+            # Every python-backend server on a host needs its own shared-memory prefix (nvidia-pytriton
+            # gives each of its servers one too); the HTTP port is unique among running servers.
+            cmd.append(f"--backend-config=python,shm-region-prefix-name=rtk{self.http_port}_")
         return cmd + list(launch.server_args) + self.extra_args
 
     def command(self) -> list[str]:
