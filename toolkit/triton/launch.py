@@ -379,9 +379,9 @@ def reload(
     old = _swappable(t, source)
     with _reload_lock(t.repository):
         t0 = time.monotonic()
+        # Its own ports, so its own python-backend shm prefix (TritonServer's default): the old server's
+        # regions stay in use until it stops.
         server = make_server(t, host=old.host, free_ports=True, ready_timeout_s=ready_timeout_s)
-        # Its own python-backend shared-memory prefix: the old server's regions stay in use until it stops.
-        server.extra_args.append(f"--backend-config=python,shm-region-prefix-name=rtk_{server.http_port}_")
         try:
             server.start(detach=True)
             base = _priority(old.pid)
