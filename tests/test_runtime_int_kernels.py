@@ -1,9 +1,11 @@
-"""Integer weight kernels of the CPU engine: INT8-SQ and INT4-AWQ weights read as codes by torch's
-W8A16 / W4A16 CPU kernels instead of dequantized bf16.
+"""Quantized weights read as codes by the CPU engine's decode GEMVs instead of dequantized bf16.
 
-The reference is the dense product with the dequantized weight (``codes * scale``, what the
-quality report and TensorRT-LLM compute).  The kernels round differently (bf16 scales, their own
-accumulation order), so agreement is within a stated tolerance; batch invariance stays exact.
+* rtk's own GEMV (``cpu_kernels``, toolkit/runtime/kernels.cpp) reads FP8, INT8 and INT4 codes and
+  rebuilds the dense bf16 weights in registers: its logits equal the dense path's bit for bit.
+* torch's W8A16 / W4A16 CPU kernels (``int_weight_kernels`` without rtk's kernels) round
+  differently (bf16 scales, their own accumulation order), so agreement with the dense product
+  (``codes * scale``, what the quality report and TensorRT-LLM compute) is within a stated
+  tolerance; batch invariance stays exact.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime.checkpoint import IntWeight, Linear
+from toolkit.runtime.checkpoint import Linear, WeightCodes
 from toolkit.runtime.model import INT_MAX_ROWS, Projection, bf16_is_fast
 
 pytestmark = pytest.mark.skipif(not bf16_is_fast(), reason="integer kernels are used with bf16 compute only")
@@ -23,11 +25,11 @@ def int_linear(out_f: int, in_f: int, bits: int, seed: int, group: int = 64) -> 
         codes = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
         scale = torch.rand(out_f, generator=g) * 1e-3 + 1e-4
         weight = codes.float() * scale[:, None]
-        return Linear(weight=weight, int_weight=IntWeight(8, codes, scale))
+        return Linear(weight=weight, codes=WeightCodes(8, codes, scale))
     codes = torch.randint(-8, 8, (out_f, in_f), generator=g, dtype=torch.int8)
     scale = torch.rand(out_f, in_f // group, generator=g) * 1e-2 + 1e-3
     weight = codes.float() * scale.repeat_interleave(group, dim=1)
-    return Linear(weight=weight, int_weight=IntWeight(4, codes, scale, group))
+    return Linear(weight=weight, codes=WeightCodes(4, codes, scale, group))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -77,7 +79,7 @@ def test_fused_group_uses_integer_kernels_only_when_every_part_has_codes():
 
 @pytest.mark.parametrize("fmt,bits", [("int4_awq", 4), ("int8_sq", 8)])
 def test_engine_reads_integer_codes_of_an_export(tmp_path, tiny_llama_dir, fmt, bits):
-    """A real ModelOpt export (tiny Llama): the engine's integer kernels against its dense path."""
+    """A real ModelOpt export (tiny Llama): torch's integer kernels against the engine's dense path."""
     from conftest import spec_for
 
     from toolkit.quantize import quantize
@@ -91,8 +93,8 @@ def test_engine_reads_integer_codes_of_an_export(tmp_path, tiny_llama_dir, fmt, 
     spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, **calib})
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     cfg = dict(max_batch_size=2, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
-    fast = Engine(hf, EngineConfig(**cfg))
-    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False))
+    fast = Engine(hf, EngineConfig(**cfg, cpu_kernels=False))
+    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
     exact = Engine(hf, EngineConfig(**cfg, dtype="float32"))  # the quality report's arithmetic
     kernels = {
         p.kernel
@@ -134,3 +136,61 @@ def test_prompt_rows_use_the_bf16_weights(bits):
         # full batching (singles=None): by row count
         assert torch.equal(full(x[:limit], singles=None), proj(x[:limit], singles=limit))
         assert torch.equal(full(x, singles=None), dense(x, singles=None))
+
+
+def step_logits(engine, prompts: list[list[int]], new_tokens: int = 10) -> list[torch.Tensor]:
+    """Every forward's logits while ``prompts`` generate: the first alone, then all together."""
+    from toolkit.runtime.engine import GenerationRequest
+
+    steps: list[torch.Tensor] = []
+    forward = engine.model.forward
+
+    def record(*args):
+        steps.append(forward(*args))
+        return steps[-1]
+
+    engine.model.forward = record
+    engine.generate(GenerationRequest(prompt_ids=prompts[0], max_new_tokens=new_tokens, end_id=-1))
+    for p in prompts:
+        engine.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=new_tokens, end_id=-1))
+    while engine.has_work():
+        engine.step()
+    return steps
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq", "int4_awq"])
+def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama_dir, fmt):
+    """A real ModelOpt export (tiny Llama): decoding through rtk's GEMV over the codes, alone and three
+    sequences together, gives every step the logits of the dense bf16 path (torch's operators) exactly."""
+    from conftest import spec_for
+
+    from toolkit.quantize import quantize
+    from toolkit.runtime import kernels
+    from toolkit.runtime.engine import Engine, EngineConfig
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+    spec = spec_for(
+        f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "max_perplexity_increase": 100.0, **calib}
+    )
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
+    fast = Engine(hf, EngineConfig(**cfg))
+    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
+    kind = {"fp8": "fp8", "int8_sq": "int8", "int4_awq": "int4"}[fmt]
+    used = {
+        p.kernel
+        for layer in fast.model.layers
+        for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        for p in g.parts
+    }
+    assert used == {f"rtk-{kind}"}
+    layer_bytes = [sum(layer.nbytes for layer in e.model.layers) for e in (fast, dense)]
+    assert layer_bytes[0] < (0.55 if kind != "int4" else 0.35) * layer_bytes[1]  # codes, not bf16
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (21, 9, 34)]
+    got, want = step_logits(fast, prompts), step_logits(dense, prompts)
+    assert len(got) == len(want) > 15
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {step}"

@@ -1,5 +1,6 @@
 """rtk's CPU kernels (toolkit/runtime/kernels.cpp): the bf16 GEMV against oneDNN's one-row kernel, the
-K/V gather against index_select.
+GEMV over FP8 / INT8 / INT4 codes against the bf16 GEMV over the dense weights, the fused input
+quantization against torch's operators, the K/V gather against index_select.
 
 The engine may use them only because they compute the bits of what they replace (oneDNN's one-row
 kernel is what transformers' bf16 decode runs here), so every comparison is exact: SmolLM2's
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from toolkit.runtime import kernels
-from toolkit.runtime.checkpoint import Linear
+from toolkit.runtime.checkpoint import Linear, fake_quant
 from toolkit.runtime.model import Projection, bf16_is_fast
 
 pytestmark = pytest.mark.skipif(
@@ -93,3 +94,71 @@ def test_gather_kv_is_index_select_then_float():
     assert torch.equal(ko, k.index_select(0, slots).float()) and torch.equal(vo, v.index_select(0, slots).float())
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.gather_kv(k, v, torch.tensor([300]))
+
+
+def quantized(kind: str, n: int, k: int, seed: int, group: int = 64):
+    """Codes, their scale and the dense float32 weight ``codes.float() * scale``, as the checkpoint reader has them."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int8":
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) * 1e-3 + 1e-5
+        return codes, scale, codes.float() * scale[:, None]
+    if kind == "int4":
+        codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, k // group, generator=g) * 1e-2 + 1e-4
+        return codes, scale, codes.float() * scale.repeat_interleave(group, dim=1)
+    w = torch.randn(n, k, generator=g) * 40
+    w[0, :6] = torch.tensor([0.0, 448.0, -448.0, 2.0**-9, -(2.0**-7), 0.01])  # extremes and subnormals of e4m3
+    codes = w.clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.full((n,), 3.1e-4)
+    scale[n // 2 :] = 0.0213  # fused projections: a scale per part
+    return codes, scale, codes.float() * scale[:, None]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (3072, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_over_codes_gives_the_dense_weights_bits(kind, shape, threads):
+    codes, scale, dense = quantized(kind, *shape, seed=shape[0])
+    weight = dense.to(torch.bfloat16)
+    q = kernels.QuantizedWeight.pack(kind, codes, scale)
+    assert torch.equal(q.weight(), weight)
+    padded = -(-shape[0] // 64) * 64 * shape[1]  # outputs in blocks of 64, as the bf16 GEMV packs them
+    assert q.nbytes < padded * 2 * (0.55 if kind != "int4" else 0.35)  # codes and scales, not bf16
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
+            for b in (None, bias):
+                want = torch.cat([onednn(x[i : i + 1], weight, b) for i in range(rows)])
+                assert torch.equal(q(x, b), want), (rows, b is not None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemv_over_codes_refuses_a_mismatch():
+    codes, scale, dense = quantized("int8", 128, 256, seed=5)
+    q = kernels.QuantizedWeight.pack("int8", codes, scale)
+    weight = dense.to(torch.bfloat16)
+    assert q.agrees(weight, lambda x: onednn(x, weight, None), None)
+    other = weight.clone()
+    other[7, 9] = -other[7, 9] + 1  # one weight that is not what the codes say: the check fails
+    assert not q.agrees(other, lambda x: onednn(x, other, None), None)
+
+
+@pytest.mark.parametrize("act", [None, "fp8", "int8"])
+@pytest.mark.parametrize("pre_quant", [False, True])
+def test_quantize_input_gives_torchs_bits(act, pre_quant):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 576, generator=g) * 5).to(torch.bfloat16)
+    scale = 0.0173
+    x[0, :4] = torch.tensor([1e4, -1e4, 0.5 * scale, 2.5 * scale])  # clamps and round-half-to-even ties
+    pqs = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16) if pre_quant else None
+    want = x if pqs is None else x * pqs
+    if act is not None:
+        want = fake_quant(want, act, torch.tensor(scale, dtype=torch.float32))
+    got = kernels.quantize_input(x, pqs, act, float(torch.tensor(scale, dtype=torch.float32)))
+    assert torch.equal(got, want)

@@ -124,21 +124,30 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
 
 
-def test_rtk_cpu_kernels_change_no_bit_of_the_logits(smollm2_dir, tokenizer):
-    """Every step's logits with rtk's kernels (GEMV, K/V gather) equal torch's operators' bit for bit:
-    a lone request, then four decoding together (two joining mid-way: multi-row GEMV calls)."""
+@pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
+def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokenizer):
+    """Every step's logits with rtk's kernels (GEMV, over bf16 or the FP8 export's codes; input
+    quantization; K/V gather) equal torch's operators' bit for bit: a lone request, then four decoding
+    together (two joining mid-way: multi-row GEMV calls)."""
     from toolkit.runtime import kernels
 
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
+    path = (
+        request.getfixturevalue("smollm2_dir")
+        if checkpoint == "bf16"
+        else request.getfixturevalue("smollm2_fp8_dir") / "hf"
+    )
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     seen: dict[bool, list[torch.Tensor]] = {}
     for on in (True, False):
         engine = Engine(
-            smollm2_dir,
+            path,
             EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, cpu_kernels=on),
         )
         assert bool(engine.model.gemv_shapes) == on
+        if checkpoint == "fp8":
+            assert (engine.model.layers[0].qkv.parts[0].kernel == "rtk-fp8") == on
         steps: list[torch.Tensor] = []
         forward = engine.model.forward
 

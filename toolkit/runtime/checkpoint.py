@@ -148,17 +148,22 @@ def _nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class IntWeight:
-    """A quantized weight's integer codes as stored, for kernels that read them directly.
+class WeightCodes:
+    """A quantized weight's codes as stored, for kernels that read them directly.
 
-    ``weight == codes * scale`` exactly (scale per output row, or per row and group of
+    ``weight == codes.float() * scale`` exactly (scale per output row, or per row and group of
     ``group_size`` inputs).
     """
 
-    bits: int  # 8 (W8A8 SmoothQuant) or 4 (AWQ)
-    codes: torch.Tensor  # int8 [out, in]; int4 values in -8..7
+    bits: int  # 8 (W8A8 SmoothQuant, FP8) or 4 (AWQ)
+    codes: torch.Tensor  # int8 [out, in] (int4 values in -8..7), or float8_e4m3fn [out, in]
     scale: torch.Tensor  # float32 [out] (bits 8) or [out, in / group_size] (bits 4)
     group_size: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """``int8``, ``int4`` or ``fp8``."""
+        return "fp8" if self.codes.dtype == torch.float8_e4m3fn else f"int{self.bits}"
 
 
 @dataclass
@@ -169,7 +174,7 @@ class Linear:
     bias: torch.Tensor | None = None
     pre_quant_scale: torch.Tensor | None = None
     act_quant: ActQuant | None = None
-    int_weight: IntWeight | None = None  # the integer codes behind ``weight`` (integer formats only)
+    codes: WeightCodes | None = None  # the quantized codes behind ``weight`` (FP8, INT8, INT4 formats)
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:
@@ -282,22 +287,23 @@ def unpack_fp4_cols(packed: torch.Tensor) -> torch.Tensor:
 
 def _dequant_weight(
     t: _Tensors, prefix: str, algo: str | None, group_size: int | None, path: Path
-) -> tuple[torch.Tensor, IntWeight | None]:
-    """The dense float32 weight, and the integer codes behind it for integer formats."""
+) -> tuple[torch.Tensor, WeightCodes | None]:
+    """The dense float32 weight, and the codes behind it for the FP8 and integer formats."""
     w = t.require(prefix + ".weight", path)
     scale = t.get(prefix + ".weight_scale")
     if algo is None or scale is None:  # unquantized (or an excluded module)
         return w.to(torch.float32), None
     scale = scale.to(torch.float32)
     if algo == "FP8":
-        return w.to(torch.float32) * scale, None
+        rows = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
+        return w.to(torch.float32) * scale, WeightCodes(8, w.to(torch.float8_e4m3fn), rows)
     if algo.startswith("W8A8_SQ"):
         rows = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
-        return w.to(torch.float32) * rows[:, None], IntWeight(8, w.to(torch.int8), rows)
+        return w.to(torch.float32) * rows[:, None], WeightCodes(8, w.to(torch.int8), rows)
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         codes = unpack_int4_rows(w)
         g = codes.shape[1] // scale.shape[1]
-        return codes.to(torch.float32) * scale.repeat_interleave(g, dim=1), IntWeight(4, codes, scale, g)
+        return codes.to(torch.float32) * scale.repeat_interleave(g, dim=1), WeightCodes(4, codes, scale, g)
     if algo == "NVFP4":
         vals = unpack_fp4_cols(w)
         block = scale.repeat_interleave(16, dim=1)  # fp8 block scales, already cast to float
@@ -341,10 +347,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             prefix = f"model.layers.{i}.{mod}.{p}"
             bias = t.get(prefix + ".bias")
             pqs = t.get(prefix + ".pre_quant_scale")
-            weight, int_weight = _dequant_weight(t, prefix, algo, q.get("group_size"), path)
+            weight, codes = _dequant_weight(t, prefix, algo, q.get("group_size"), path)
             layer[p] = Linear(
                 weight=weight,
-                int_weight=int_weight,
+                codes=codes,
                 bias=None if bias is None else bias.to(torch.float32),
                 pre_quant_scale=None if pqs is None else pqs.to(torch.float32),
                 act_quant=_act_quant(t, prefix, algo),

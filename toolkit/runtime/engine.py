@@ -69,12 +69,15 @@ class EngineConfig:
     # than torch's bf16 CPU attention at decode shapes, and more accurate; "model" = the compute
     # dtype, bit-identical to transformers' bf16 SDPA.
     attention_dtype: str = "float32"
-    # INT8-SQ / INT4-AWQ exports: torch's W8A16 / W4A16 CPU kernels read the integer codes (a
-    # half / quarter of bf16's bytes per token); False = dequantized dense bf16 (the reference path).
+    # INT8-SQ / INT4-AWQ exports where rtk's kernels cannot run: torch's W8A16 / W4A16 CPU kernels
+    # read the integer codes (a half / quarter of bf16's bytes per token, rounding differently);
+    # False = dequantized dense bf16 (the reference path).
     int_weight_kernels: bool = True
-    # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16, built once per host): the decode rows'
-    # bf16 matmuls (~1.6x oneDNN's bandwidth here, bit-identical, checked per shape at load) and the
-    # K/V reads of float32 attention in one pass; False = torch's operators only.
+    # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16, built once per host), each giving the
+    # bits of what it replaces (checked at load): the decode rows' matmuls over bf16 weights (~1.6x
+    # oneDNN's bandwidth here) or over the FP8 / INT8 / INT4 codes of a quantized export, the
+    # projections' input quantization in one pass, and the K/V reads of float32 attention in one
+    # pass; False = torch's operators only.
     cpu_kernels: bool = True
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a

@@ -4,6 +4,12 @@
   weights at ~18 GB/s on the development host (2 threads) against ~31 GB/s for a plain read; this
   kernel reads them at ~30 GB/s with the same arithmetic (:func:`agrees` checks it per weight shape
   at load), and computes each row of a multi-row call exactly as a one-row call.
+* ``gemv_q``: the same GEMV reading 8-bit (INT8, FP8) or 4-bit (INT4) weight codes and their
+  float32 scales, each weight made back into the dense path's ``bf16(float(code) * scale)`` in
+  registers, so its results are the bf16 GEMV's bits with a half / a quarter of the bytes read
+  (:func:`QuantizedWeight.agrees` checks the weights and the products at load).
+* ``quantize_input``: ``pre_quant_scale`` and the FP8 / INT8 activation quantize-dequantize of a
+  projection's input in one pass (eight torch operators otherwise), with torch's bits.
 * ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
   (for float32 attention; two index_select and two conversions otherwise).
 
@@ -20,6 +26,7 @@ import hashlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -106,3 +113,60 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[to
     """Rows ``slots`` (1-D) of bf16 ``k`` and ``v`` (``[S, ...]``) as float32, in one pass."""
     ko, vo = torch.ops.rtk_kernels.gather_kv(k, v, slots)
     return ko, vo
+
+
+QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2}
+ACT_KINDS = {None: 0, "fp8": 1, "int8": 2}
+
+
+@dataclass
+class QuantizedWeight:
+    """Codes and scales packed for :func:`gemv_q`: ``weight == bf16(float(code) * scale)``.
+
+    ``codes``: ``[N, K]`` int8 (``int8``; ``int4`` values in -8..7) or the raw bits of float8_e4m3fn
+    (``fp8``); ``scale``: float32 per output ``[N]``, or per output and group of inputs ``[N, K / g]``.
+    """
+
+    kind: str
+    out_features: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def pack(cls, kind: str, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+        if kind == "fp8":
+            codes = codes.view(torch.uint8)
+            scale = scale.to(torch.float32) * 256  # the kernel's float16 view of e4m3 is 2^-8 of its value
+        packed = torch.ops.rtk_kernels.pack_q(codes.contiguous(), QUANT_KINDS[kind])
+        scales = torch.ops.rtk_kernels.pack_scales(scale.to(torch.float32).contiguous())
+        return cls(kind, codes.shape[0], packed, scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def weight(self) -> torch.Tensor:
+        """The bf16 ``[N, K]`` weights the kernel computes with."""
+        return torch.ops.rtk_kernels.unpack_q(self.codes, self.scales, QUANT_KINDS[self.kind], self.out_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.rtk_kernels.gemv_q(x, self.codes, self.scales, QUANT_KINDS[self.kind], self.out_features, bias)
+
+    def agrees(self, weight: torch.Tensor, reference, bias: torch.Tensor | None, rows: int = 16) -> bool:
+        """True when the kernel's weights are ``weight`` (bf16) exactly and it gives ``reference(x)``'s bits
+        (the bf16 one-row product) on ``rows`` random rows, one at a time and all at once."""
+        if not torch.equal(self.weight(), weight):
+            return False
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            expected = torch.cat([reference(x[i : i + 1]) for i in range(rows)])
+            one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
+            return torch.equal(one, expected) and torch.equal(self(x, bias), expected)
+
+
+def quantize_input(
+    x: torch.Tensor, pre_quant_scale: torch.Tensor | None, act_kind: str | None, act_scale: float
+) -> torch.Tensor:
+    """``fake_quant(x * pre_quant_scale, act_kind, act_scale)`` for bf16 ``x`` (either step optional), in one pass."""
+    return torch.ops.rtk_kernels.quantize_input(x, pre_quant_scale, ACT_KINDS[act_kind], act_scale)

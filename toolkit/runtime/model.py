@@ -8,10 +8,13 @@ formats already dequantized) and are prepared once for speed:
 * bf16 weights pre-packed into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
   what Inductor's CPU freezing does), which doubles GEMV bandwidth here with bit-identical results;
 * decode rows' matmuls and float32 K/V reads through rtk's own CPU kernels
-  (:mod:`toolkit.runtime.kernels`) where they give the same bits (checked at load).
+  (:mod:`toolkit.runtime.kernels`) where they give the same bits (checked at load); for FP8,
+  INT8 and INT4 exports the decode GEMV reads the codes (a half / a quarter of bf16's bytes) and
+  rebuilds the dense bf16 weights in registers, so quantized and dense paths give the same bits.
 
 Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre_quant_scale``
-are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype.
+are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype
+(in one pass by ``kernels.quantize_input`` where rtk's kernels run).
 
 One forward runs a *flat* batch of tokens from many sequences (TensorRT-LLM's packed,
 "remove input padding" layout): generation rows first, then prompt chunks.  Linear layers see all
@@ -134,8 +137,11 @@ class Projection:
         self.pre_quant_scale = None if first.pre_quant_scale is None else first.pre_quant_scale.to(dtype)
         self.act_kind = first.act_quant.kind if first.act_quant is not None else None
         self.act_scale = first.act_quant.scale if first.act_quant is not None else None
+        self.act_scale_value = 0.0 if self.act_scale is None else float(self.act_scale)
         self.packed = None
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
+        self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
+        self.fused_input = gemv_kernel and dtype == torch.bfloat16 and self.act_kind in (None, "fp8", "int8")
         self.weight = weight
         self.int8 = self.int4 = None
         if int_kernels and dtype == torch.bfloat16:
@@ -163,26 +169,50 @@ class Projection:
         if shape not in cache:
             cache[shape] = self._probe_min_rows()
         self.min_rows = cache[shape]
-        # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits for this shape;
-        # integer-kernel projections decode through their own kernel
-        if gemv_kernel and self.packed is not None and not (self.int8 or self.int4) and self.in_features % 2 == 0:
-            if kernels.available():
-                packed = kernels.pack(weight)
-                key = (*shape[:3], "gemv")
-                if key not in cache:
-                    cache[key] = kernels.agrees(self._matmul, packed, self.out_features, bias)
-                    if not cache[key]:
-                        log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
-                self.gemv = packed if cache[key] else None
+        # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
+        # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
+        usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
+        self.fused_input = self.fused_input and kernels.available()
+        if usable:
+            self.quant = self._pack_codes(linears, weight, bias)
+        if usable and self.quant is None:
+            packed = kernels.pack(weight)
+            key = (*shape[:3], "gemv")
+            if key not in cache:
+                cache[key] = kernels.agrees(self._matmul, packed, self.out_features, bias)
+                if not cache[key]:
+                    log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
+            self.gemv = packed if cache[key] else None
+        if self.quant is not None:  # decode reads the codes: torch's integer kernels are not needed
+            self.int8 = self.int4 = self.int_max_rows = None
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
 
     @property
     def kernel(self) -> str:
-        """What computes the matmul: ``int8`` / ``int4`` (integer codes read directly), ``packed`` (oneDNN bf16)
-        or ``dense``."""
+        """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-int4`` (rtk's GEMV over the
+        codes), ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16) or ``dense``."""
+        if self.quant is not None:
+            return f"rtk-{self.quant.kind}"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
+
+    def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
+        """The codes packed for rtk's GEMV, where its weights are exactly ``weight`` and its products oneDNN's."""
+        codes = [lin.codes for lin in linears]
+        if any(c is None for c in codes) or len({(c.kind, c.group_size) for c in codes}) != 1:
+            return None
+        try:
+            quant = kernels.QuantizedWeight.pack(
+                codes[0].kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes])
+            )
+        except RuntimeError as exc:  # e.g. a group size the layout cannot take
+            log.info("rtk's GEMV cannot read the %s codes of %s (%s)", codes[0].kind, tuple(weight.shape), exc)
+            return None
+        if not quant.agrees(weight, self._matmul, bias):
+            log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
+            return None
+        return quant
 
     def _pack_int(self, linears: list[Linear]) -> None:
         """Keep the integer codes for torch's W8A16 / W4A16 CPU kernels (a quarter / half of bf16's bytes).
@@ -192,8 +222,8 @@ class Projection:
         kernel.  The scales are rounded to bf16 (the kernels' scale dtype), so results differ from
         the dense path (bf16 of ``code * scale``) in rounding, not in the weights' values.
         """
-        iws = [lin.int_weight for lin in linears]
-        if any(w is None for w in iws) or len({(w.bits, w.group_size) for w in iws}) != 1:
+        iws = [lin.codes for lin in linears]
+        if any(w is None or w.kind == "fp8" for w in iws) or len({(w.bits, w.group_size) for w in iws}) != 1:
             return
         codes = torch.cat([w.codes for w in iws]).contiguous()
         scale = torch.cat([w.scale for w in iws])
@@ -236,7 +266,9 @@ class Projection:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights read per forward (codes and scales for integer kernels)."""
+        """Bytes of weights a decode forward reads (codes and scales where a kernel reads the codes)."""
+        if self.quant is not None:
+            return self.quant.nbytes
         if self.int8:
             return self.int8[0].numel() + self.int8[1].numel() * 2
         if self.int4:
@@ -249,10 +281,13 @@ class Projection:
         ``singles=None``: one call over all rows, whatever their count (not batch-invariant).
         """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
-        if self.pre_quant_scale is not None:
-            x = x * self.pre_quant_scale
-        if self.act_kind is not None:
-            x = fake_quant(x, self.act_kind, self.act_scale)
+        if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
+            x = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
+        else:
+            if self.pre_quant_scale is not None:
+                x = x * self.pre_quant_scale
+            if self.act_kind is not None:
+                x = fake_quant(x, self.act_kind, self.act_scale)
         if self.int8 is not None or self.int4 is not None:
             if singles is None:
                 return self._int_matmul(x) if x.shape[0] <= self.int_max_rows else self._matmul(x)
@@ -260,7 +295,7 @@ class Projection:
             if x.shape[0] > singles:
                 parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self.gemv is not None:
+        if self.gemv is not None or self.quant is not None:
             rows = x.shape[0]
             if rows <= GEMV_MAX_ROWS and (self.min_rows == 1 or singles is None):
                 # a row-invariant shape (its one-row bits are every call's bits), or decode_batching "full"
@@ -296,10 +331,12 @@ class Projection:
         return y if self.bias is None else y + self.bias
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.bias)
         return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1:
+        if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1:
             return self._gemv(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
