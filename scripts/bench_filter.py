@@ -125,6 +125,65 @@ async def http_request(client, url: str, n_tokens: int) -> tuple[float, list[flo
     return sent, times, nbytes
 
 
+class RawHTTP:
+    """A lean HTTP/1.1 client for one kept-alive connection (asyncio streams): the request's bytes are built
+    once, the chunked SSE body is read with the least work per token (a token is a chunk whose event has
+    ``"content"``), so the client costs about what the gRPC path's client does and the difference is the
+    front door's."""
+
+    def __init__(self, url: str, n_tokens: int):
+        from urllib.parse import urlsplit
+
+        self.url = urlsplit(url)
+        body = json.dumps(
+            {
+                "model": "fake",
+                "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": n_tokens,
+                "stream": True,
+            }
+        ).encode()
+        self.request = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        self.idle: list = []
+
+    async def one(self) -> tuple[float, list[float], int]:
+        kept = bool(self.idle)
+        reader, writer = self.idle.pop() if kept else await asyncio.open_connection(self.url.hostname, self.url.port)
+        times, nbytes = [], 0
+        sent = time.perf_counter()
+        writer.write(self.request)
+        status = await reader.readline()
+        if not status and kept:  # the server closed the idle connection (uvicorn's keep-alive timeout): anew
+            writer.close()
+            reader, writer = await asyncio.open_connection(self.url.hostname, self.url.port)
+            sent = time.perf_counter()
+            writer.write(self.request)
+            status = await reader.readline()
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        if b" 200 " not in status:
+            raise RuntimeError(f"front door: {status!r}")
+        while True:  # chunked transfer encoding: size line, data, CRLF; a 0 size ends the body
+            size = int((await reader.readline()).strip(), 16)
+            if size == 0:
+                await reader.readline()
+                break
+            data = await reader.readexactly(size + 2)
+            if b'"content"' in data:
+                times.append(time.perf_counter())
+                i = data.index(b'"content":') + 10
+                nbytes += len(json.loads(data[i : data.index(b"}", i)]).encode())
+        self.idle.append((reader, writer))
+        return sent, times, nbytes
+
+    def close(self) -> None:
+        for _, w in self.idle:
+            w.close()
+
+
 async def closed_loop(one, concurrency: int, count: int) -> list[tuple[float, list[float], int]]:
     out = []
     left = [count]
@@ -156,15 +215,16 @@ async def measure(args, triton, words) -> int:
     grpc_url = triton.grpc_url
     backend = TritonBackend(grpc_url, "ensemble")
     await backend.open()
-    doors = {
-        "frontdoor": start_front_door(grpc_url, {}),
-        "front+filter": start_front_door(grpc_url, {"keywords": words, "patterns": PATTERNS, "hold_back_chars": 32}),
-    }
+    filters = {"frontdoor": {}, "front+filter": {"keywords": words, "patterns": PATTERNS, "hold_back_chars": 32}}
+    doors = {name: start_front_door(grpc_url, flt) for name, flt in filters.items() if name in args.paths}
     client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64))
-    paths = {
-        "grpc": lambda: grpc_request(backend, args.tokens),
-        **{name: (lambda u=url: http_request(client, u, args.tokens)) for name, (_, url) in doors.items()},
-    }
+    raws = {name: RawHTTP(url, args.tokens) for name, (_, url) in doors.items()}
+    paths = {"grpc": lambda: grpc_request(backend, args.tokens)}
+    for name, (_, url) in doors.items():
+        if args.client == "httpx":
+            paths[name] = lambda u=url: http_request(client, u, args.tokens)
+        else:
+            paths[name] = raws[name].one
     expected = None
     try:
         rows = []
@@ -202,6 +262,8 @@ async def measure(args, triton, words) -> int:
                 )
     finally:
         await client.aclose()
+        for r in raws.values():
+            r.close()
         await backend.close()
         for p, _ in doors.values():
             p.terminate()
@@ -210,7 +272,8 @@ async def measure(args, triton, words) -> int:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(
         f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
-        f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32"
+        f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32  "
+        f"HTTP client: {args.client}"
     )
     print(
         "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
@@ -232,6 +295,19 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-ms", type=float, default=5.0)
     ap.add_argument("--ttft-ms", type=float, default=5.0)
     ap.add_argument("--keywords", type=int, default=200)
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=["frontdoor", "front+filter"],
+        choices=["frontdoor", "front+filter"],
+        help="the front door paths measured beside grpc",
+    )
+    ap.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="HTTP client: raw (asyncio streams, least work per token, like the gRPC path's) or httpx",
+    )
     return asyncio.run(run(ap.parse_args(argv)))
 
 
