@@ -234,3 +234,99 @@ def test_logprob_fields_follow_openai_shapes():
         "top_logprobs": None,
         "text_offset": [5, 5, 6],
     }
+
+
+@pytest.mark.parametrize("interface", ["ensemble", "llmapi"])
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 2**63 - 5, "stop": ["\n\n", "ünïcode"]},
+        {"temperature": 1.3, "presence_penalty": -0.25, "frequency_penalty": 1.1, "max_tokens": 7},
+    ],
+)
+def test_triton_request_tensors_match_tritonclients_numpy_serialisation(interface, batched, extra):
+    """The gRPC request is built without numpy; every input must be what tritonclient's InferInput makes of
+    the same numpy array (dtype, shape, raw bytes)."""
+    import numpy as np
+    from tritonclient.grpc import InferInput
+
+    from toolkit.frontdoor.triton import LLMAPI_MARK, TritonBackend
+
+    backend = TritonBackend("127.0.0.1:1")
+    backend.batched = batched
+    if interface == "llmapi":
+        backend.interface = "llmapi"
+        backend.inputs = {
+            "text_input",
+            "streaming",
+            LLMAPI_MARK,
+            "return_finish_reason",
+            *(f"sampling_param_{n}" for n in ("temperature", "top_p", "top_k", "seed", "stop")),
+            *(f"sampling_param_{n}_penalty" for n in ("presence", "frequency")),
+        }
+        backend.outputs = {"text_output", "finish_reason"}
+    else:
+        backend.inputs = {
+            "text_input",
+            "max_tokens",
+            "stream",
+            "exclude_input_in_output",
+            "return_num_input_tokens",
+            "return_num_output_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop_words",
+            "end_id",
+            "presence_penalty",
+            "frequency_penalty",
+        }
+        backend.outputs = {"text_output", "num_input_tokens", "num_output_tokens"}
+    body = {"model": "m", "messages": [{"role": "user", "content": 'héllo "there"\n'}], **extra}
+    if interface == "ensemble":
+        body["ignore_eos"] = True
+    req = parse_request("chat", body, served_model="m", max_seq_len=4096, default_max_tokens=16)
+    if interface == "llmapi":
+        req.rendered = "<|user|>héllo<|assistant|>"
+    msg = backend.build(req)
+
+    types = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+    values = {  # each input's values, as the numpy-based builder made them
+        "text_input": [req.text_input().encode()],
+        "max_tokens": [req.max_tokens],
+        "sampling_param_max_tokens": [req.max_tokens],
+        "temperature": [req.temperature],
+        "sampling_param_temperature": [req.temperature],
+        "top_p": [req.top_p],
+        "sampling_param_top_p": [req.top_p],
+        "top_k": [req.top_k],
+        "sampling_param_top_k": [req.top_k],
+        "seed": [req.seed],
+        "sampling_param_seed": [req.seed],
+        "stop_words": [s.encode() for s in req.stop],
+        "sampling_param_stop": [s.encode() for s in req.stop],
+        "end_id": [-1],
+        "presence_penalty": [req.presence_penalty],
+        "sampling_param_presence_penalty": [req.presence_penalty],
+        "frequency_penalty": [req.frequency_penalty],
+        "sampling_param_frequency_penalty": [req.frequency_penalty],
+    }
+    seen = set()
+    assert len(msg.inputs) == len(msg.raw_input_contents)
+    for tensor, raw in zip(msg.inputs, msg.raw_input_contents, strict=True):
+        arr = np.array(values.get(tensor.name, [True]), dtype=types[tensor.datatype])
+        if interface == "ensemble" and tensor.name not in ("stop_words",):
+            arr = arr.reshape(1)  # a scalar input
+        elif interface == "ensemble":
+            arr = arr.reshape(1, -1)
+        if batched:
+            arr = arr[np.newaxis, ...]
+        ref = InferInput(tensor.name, list(arr.shape), tensor.datatype)
+        ref.set_data_from_numpy(arr)
+        assert list(tensor.shape) == list(arr.shape), tensor.name
+        assert raw == ref._raw_content, tensor.name
+        seen.add(tensor.name)
+    assert "text_input" in seen and ("stop" not in extra or {"stop_words", "sampling_param_stop"} & seen)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import struct
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+from tritonclient.utils import deserialize_bytes_tensor
 
 from .protocol import APIError, GenRequest, bad
 
@@ -77,6 +78,17 @@ def parse_gauges(text: str) -> EngineGauges:
         if key:
             setattr(g, key, getattr(g, key) + v)
     return g
+
+
+_PACK = {"BOOL": "?", "INT32": "i", "UINT64": "Q", "FP32": "f"}
+
+
+def raw_tensor(datatype: str, values: list) -> bytes:
+    """The raw contents of a tensor of ``values`` as Triton reads them: little-endian scalars, or for BYTES
+    each element's 4-byte length and its bytes (tritonclient's ``serialize_byte_tensor``), without numpy."""
+    if datatype == "BYTES":
+        return b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    return struct.pack(f"<{len(values)}{_PACK[datatype]}", *values)
 
 
 class TritonBackend:
@@ -162,13 +174,14 @@ class TritonBackend:
         if self.interface == "llmapi":
             return self._build_llmapi(req, msg)
 
+        batch = [1] if self.batched else []
+
         def add(name, datatype, value):
-            arr = np.asarray(value)
-            arr = arr.reshape(1, *arr.shape) if arr.ndim else arr.reshape(1)
-            if self.batched:
-                arr = arr[np.newaxis, ...]
-            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-            msg.raw_input_contents.append(serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes())
+            """A scalar (shape [1]) or a list (shape [1, n]), with the batch dimension when the model has one."""
+            values = value if isinstance(value, list) else [value]
+            shape = [*batch, 1, len(values)] if isinstance(value, list) else [*batch, 1]
+            msg.inputs.add(name=name, datatype=datatype, shape=shape)
+            msg.raw_input_contents.append(raw_tensor(datatype, values))
 
         def optional(name, field_name, wanted):
             if wanted and name not in self.inputs:
@@ -177,38 +190,38 @@ class TritonBackend:
                 )
             return wanted
 
-        add("text_input", "BYTES", np.array(req.text_input().encode("utf-8"), dtype=np.object_))
-        add("max_tokens", "INT32", np.array(req.max_tokens, dtype=np.int32))
+        add("text_input", "BYTES", req.text_input().encode("utf-8"))
+        add("max_tokens", "INT32", req.max_tokens)
         if "stream" in self.inputs:
-            add("stream", "BOOL", np.array(True))
+            add("stream", "BOOL", True)
         if "exclude_input_in_output" in self.inputs:
-            add("exclude_input_in_output", "BOOL", np.array(True))
+            add("exclude_input_in_output", "BOOL", True)
         for name in ("return_num_input_tokens", "return_num_output_tokens"):
             if name in self.inputs:
-                add(name, "BOOL", np.array(True))
+                add(name, "BOOL", True)
         if req.temperature:
             # Greedy is what the engine does when no sampling input is sent (TensorRT-LLM's rule).
             if optional("temperature", "temperature", True):
-                add("temperature", "FP32", np.array(req.temperature, dtype=np.float32))
+                add("temperature", "FP32", req.temperature)
             if optional("top_p", "top_p", req.top_p < 1.0):
-                add("top_p", "FP32", np.array(req.top_p, dtype=np.float32))
+                add("top_p", "FP32", req.top_p)
             if optional("top_k", "top_k", bool(req.top_k)):
-                add("top_k", "INT32", np.array(req.top_k, dtype=np.int32))
+                add("top_k", "INT32", req.top_k)
             if optional("seed", "seed", req.seed is not None):
-                add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
+                add("seed", "UINT64", req.seed)
         if optional("stop_words", "stop", bool(req.stop)):
-            add("stop_words", "BYTES", np.array([s.encode() for s in req.stop], dtype=np.object_))
+            add("stop_words", "BYTES", [s.encode() for s in req.stop])
         if optional("end_id", "ignore_eos", req.ignore_eos):
-            add("end_id", "INT32", np.array(-1, dtype=np.int32))  # no end token: exactly max_tokens tokens
+            add("end_id", "INT32", -1)  # no end token: exactly max_tokens tokens
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if optional(name, name, v != 0.0):
-                add(name, "FP32", np.array(v, dtype=np.float32))
+                add(name, "FP32", v)
         if req.logprobs:
             # TensorRT-LLM's return_log_probs: output_log_probs holds each response's new tokens' log-probs.
             if not ("return_log_probs" in self.inputs and "output_log_probs" in self.outputs):
                 raise bad("logprobs", "is not supported by this deployment (its model returns no log-probabilities)")
-            add("return_log_probs", "BOOL", np.array(True))
+            add("return_log_probs", "BOOL", True)
         for name in ("text_output", "num_input_tokens", "num_output_tokens"):
             if name in self.outputs:
                 msg.outputs.add(name=name)
@@ -229,30 +242,28 @@ class TritonBackend:
                 raise bad(
                     field_name, f"is not supported by this deployment (its model has no '{name}' input); leave it unset"
                 )
-            arr = np.asarray(values).reshape(-1)
-            if self.batched:
-                arr = arr[np.newaxis, ...]
-            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-            msg.raw_input_contents.append(serialize_byte_tensor(arr).item() if datatype == "BYTES" else arr.tobytes())
+            shape = [1, len(values)] if self.batched else [len(values)]
+            msg.inputs.add(name=name, datatype=datatype, shape=shape)
+            msg.raw_input_contents.append(raw_tensor(datatype, values))
 
         where = "messages" if req.kind == "chat" else "prompt"
-        add("text_input", "BYTES", np.array([req.text_input().encode("utf-8")], dtype=np.object_), where)
-        add("streaming", "BOOL", np.array([True]), "stream")
-        add("sampling_param_max_tokens", "INT32", np.array([req.max_tokens], dtype=np.int32), "max_tokens")
+        add("text_input", "BYTES", [req.text_input().encode("utf-8")], where)
+        add("streaming", "BOOL", [True], "stream")
+        add("sampling_param_max_tokens", "INT32", [req.max_tokens], "max_tokens")
         if req.temperature is not None:  # else the LLM API's default sampling
-            add("sampling_param_temperature", "FP32", np.array([req.temperature], dtype=np.float32), "temperature")
+            add("sampling_param_temperature", "FP32", [req.temperature], "temperature")
         if req.top_p < 1.0:
-            add("sampling_param_top_p", "FP32", np.array([req.top_p], dtype=np.float32), "top_p")
+            add("sampling_param_top_p", "FP32", [req.top_p], "top_p")
         if req.top_k:
-            add("sampling_param_top_k", "INT32", np.array([req.top_k], dtype=np.int32), "top_k")
+            add("sampling_param_top_k", "INT32", [req.top_k], "top_k")
         if req.seed is not None:
-            add("sampling_param_seed", "UINT64", np.array([req.seed], dtype=np.uint64), "seed")
+            add("sampling_param_seed", "UINT64", [req.seed], "seed")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if v != 0.0:
-                add(f"sampling_param_{name}", "FP32", np.array([v], dtype=np.float32), name)
+                add(f"sampling_param_{name}", "FP32", [v], name)
         if req.stop:
-            add("sampling_param_stop", "BYTES", np.array([x.encode() for x in req.stop], dtype=np.object_), "stop")
+            add("sampling_param_stop", "BYTES", [x.encode() for x in req.stop], "stop")
         if req.ignore_eos:
             raise bad("ignore_eos", "is not supported by the llmapi model (it has no input for it); leave it unset")
         if req.logprobs:
@@ -262,7 +273,7 @@ class TritonBackend:
                 "log-probabilities); leave it unset",
             )
         if "return_finish_reason" in self.inputs:
-            add("return_finish_reason", "BOOL", np.array([True]), "stream")
+            add("return_finish_reason", "BOOL", [True], "stream")
         for name in ("text_output", "finish_reason"):
             if name in self.outputs:
                 msg.outputs.add(name=name)
