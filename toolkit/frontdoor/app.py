@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..slo.outcome import PRIMARY_TIER as PRIMARY
@@ -452,7 +452,7 @@ class FrontDoor:
                 yield sse(usage_chunk(req, u))
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return _SSE(gen(), headers)
 
     def _relay(self, req: GenRequest, tier: str, pieces: AsyncIterator[str], meta: dict) -> Response:
         """Another deployment's stream, re-framed as ours."""
@@ -489,7 +489,7 @@ class FrontDoor:
                 yield sse(usage_chunk(req, final_usage()))
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return _SSE(gen(), headers)
 
     def _primary(self, req: GenRequest, stream: TritonStream, first, n_prompt: int) -> Response:
         self._count(req, PRIMARY)
@@ -613,7 +613,7 @@ class FrontDoor:
                 if not state["done"] or req.id in est.inflight:
                     await finish(True)
 
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return _SSE(gen(), headers)
 
     # -- /metrics ----------------------------------------------------------------------------------------
     def render_metrics(self) -> str:
@@ -648,6 +648,47 @@ class FrontDoor:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {v}"]
         lines += self.sessions.metric_lines() + self.jobs.metric_lines()
         return "\n".join(lines) + "\n"
+
+
+class _SSE(Response):
+    """A server-sent event stream (Starlette's StreamingResponse, leaner on the time to first token).
+
+    The body is sent from the request's own task; one plain asyncio task waits for the client to
+    disconnect and then cancels it, so the generator's ``finally`` cancels the Triton request and the
+    engine frees its KV blocks.  Starlette's StreamingResponse does the same with an anyio task group
+    (two tasks, cancel scopes), which cost about 0.2 ms of the event loop per request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]):
+        self.body_iterator = content
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**SSE_HEADERS, **headers})
+
+    async def __call__(self, scope, receive, send):
+        task = asyncio.current_task()
+        gone = False
+
+        async def watch():
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self.body_iterator:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()  # the client left: the generator's clean-up has run, nothing more to send
+        finally:
+            watcher.cancel()
 
 
 class _Deferred(Response):
