@@ -194,3 +194,23 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     assert len(got) == len(want) > 15
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"step {step}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
+    """Up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy: every row has the bits
+    of the dense weights' one-row product either way."""
+    from toolkit.runtime import kernels
+    from toolkit.runtime.model import QUANT_MAX_ROWS
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    lin = int_linear(576, 1536, bits=bits, seed=11)
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None
+    dense = Projection([lin], torch.bfloat16, pack=True)  # oneDNN over the dequantized bf16 weights
+    x = torch.randn(12, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.inference_mode():
+        one_row = torch.cat([dense(x[i : i + 1], singles=1) for i in range(12)])
+        for rows in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 12):
+            assert torch.equal(proj(x[:rows], singles=rows), one_row[:rows]), rows

@@ -190,6 +190,15 @@ struct QuantWeights {
       }
     }
   }
+  // the block's bf16 weights in the Bf16Weights layout
+  inline void rebuild(uint16_t* out, int64_t pairs, int64_t group_pairs) {
+    __m512bh w[4];
+    for (int64_t k = 0; k < pairs; ++k) {
+      if (k % group_pairs == 0) begin_group(k / group_pairs);
+      load(k, w);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + (k * kBlock + 16 * j) * 2, (__m512i)w[j]);
+    }
+  }
 };
 
 // codes: [N, K] int8 (int8, or int4 values in -8..7) or uint8 (fp8 e4m3 bits) -> the packed layout above
@@ -252,19 +261,12 @@ at::Tensor unpack_q(const at::Tensor& codes, const at::Tensor& scales, int64_t k
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t per_pair = kind == kInt4 ? kBlock : kBlock * 2;
   for (int64_t b = 0; b < blocks; ++b) {
-    auto run = [&](auto weights) {
-      for (int64_t k = 0; k < pairs; ++k) {
-        if (k % (pairs / groups) == 0) weights.begin_group(k / (pairs / groups));
-        __m512bh w[4];
-        weights.load(k, w);
-        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(os + ((b * pairs + k) * kBlock + 16 * j) * 2, (__m512i)w[j]);
-      }
-    };
     const uint8_t* c = codes.data_ptr<uint8_t>() + b * pairs * per_pair;
     const float* s = scales.data_ptr<float>() + b * groups * 128;
-    if (kind == kInt8) run(QuantWeights<kInt8>{c, s, {}});
-    else if (kind == kFp8) run(QuantWeights<kFp8>{c, s, {}});
-    else run(QuantWeights<kInt4>{c, s, {}});
+    uint16_t* o = os + b * pairs * kBlock * 2;
+    if (kind == kInt8) QuantWeights<kInt8>{c, s, {}}.rebuild(o, pairs, pairs / groups);
+    else if (kind == kFp8) QuantWeights<kFp8>{c, s, {}}.rebuild(o, pairs, pairs / groups);
+    else QuantWeights<kInt4>{c, s, {}}.rebuild(o, pairs, pairs / groups);
   }
   return out.permute({0, 2, 1, 3}).reshape({blocks * kBlock, pairs * 2}).narrow(0, 0, n).contiguous();
 }

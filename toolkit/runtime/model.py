@@ -92,6 +92,10 @@ INT_MAX_ROWS = {8: 4, 4: 8}
 # rtk's GEMV (kernels.py) computes every row as a one-row call, reading the weights once per call; on
 # SmolLM2's layer shapes (2 threads, weights from DRAM) it took 0.63-0.79x oneDNN's time up to 16 rows
 GEMV_MAX_ROWS = 16
+# Over FP8 / INT8 / INT4 codes it is compute-bound (rebuilding each weight costs ~9 instructions per
+# 32): SmolLM2's layers took 0.5-0.7x the bf16 GEMV's time up to 4 rows and 1.0-1.3x from 5 rows
+# (2026-11-30, 2 threads), so more rows read the bf16 copy, which gives the same bits.
+QUANT_MAX_ROWS = 4
 
 
 class Projection:
@@ -175,11 +179,11 @@ class Projection:
         self.fused_input = self.fused_input and kernels.available()
         if usable:
             self.quant = self._pack_codes(linears, weight, bias)
-        if usable and self.quant is None:
+            # beyond QUANT_MAX_ROWS rows rebuilding weights from codes costs more than reading bf16: both
             packed = kernels.pack(weight)
             key = (*shape[:3], "gemv")
             if key not in cache:
-                cache[key] = kernels.agrees(self._matmul, packed, self.out_features, bias)
+                cache[key] = kernels.agrees(self._onednn, packed, self.out_features, bias)
                 if not cache[key]:
                     log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
             self.gemv = packed if cache[key] else None
@@ -209,7 +213,7 @@ class Projection:
         except RuntimeError as exc:  # e.g. a group size the layout cannot take
             log.info("rtk's GEMV cannot read the %s codes of %s (%s)", codes[0].kind, tuple(weight.shape), exc)
             return None
-        if not quant.agrees(weight, self._matmul, bias):
+        if not quant.agrees(weight, self._onednn, bias):
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
             return None
         return quant
@@ -331,13 +335,21 @@ class Projection:
         return y if self.bias is None else y + self.bias
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant(x, self.bias)
+        """Rows with the one-row bits: over the codes for a few rows, else over the bf16 weights (same bits)."""
+        if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.gemv is None):
+            if x.shape[0] <= QUANT_MAX_ROWS:
+                return self.quant(x, self.bias)
+            return torch.cat(
+                [self.quant(x[i : i + QUANT_MAX_ROWS], self.bias) for i in range(0, x.shape[0], QUANT_MAX_ROWS)]
+            )
         return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1:
             return self._gemv(x)
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
