@@ -258,3 +258,59 @@ def test_reports_show_outcomes_and_tiers(tmp_path):
     assert "| cache | 1 |" in md and "count as 2000 ms (the request timeout)" in md
     assert "shed (refused 429/503 or answered by a fallback tier) / measured | 20.00 %" in md
     assert rep.verdict.status == FAIL  # the timed-out request fails the implied error_rate ≤ 0
+
+
+# -- gRPC responses (decoding only; the transport is tested against a server in test_slo_triton.py) ----------
+
+
+def test_grpc_responses_decode_into_the_record():
+    """Text, ids and server stamps as the reader decodes them; the last response with stamps gives them all."""
+    import struct
+
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+    from toolkit.slo.records import SERVER_STAMPS
+    from toolkit.slo.transport import ModelInfo, Unreadable, bytes_elements, decode_grpc, finish_record
+
+    def response(output=None, stamps=None, final=False):
+        resp = service_pb2.ModelInferResponse(model_name="m", id="7")
+        for name, datatype, shape, raw in [*([output] if output else []), *(stamps or [])]:
+            resp.outputs.add(name=name, datatype=datatype, shape=shape)
+            resp.raw_output_contents.append(raw)
+        resp.parameters["triton_final_response"].bool_param = final
+        return resp
+
+    def stamps(*values):
+        return [(n, "INT64", [1, 1], struct.pack("<q", v)) for n, v in zip(SERVER_STAMPS, values, strict=True)]
+
+    def text(s):
+        return ("text_output", "BYTES", [1, 1], struct.pack("<I", len(s.encode())) + s.encode())
+
+    for items in ([], [b""], [b"a", "é".encode(), b"xyz\x00"]):
+        raw = serialize_byte_tensor(np.array(items, dtype=object)).item() if items else b""
+        assert bytes_elements(raw) == list(deserialize_bytes_tensor(raw))
+    with pytest.raises(ValueError, match="runs past"):
+        bytes_elements(struct.pack("<I", 9) + b"short")
+
+    ens = ModelInfo(name="m", interface="ensemble", max_batch_size=0, inputs=set(), outputs=set())
+    rec = RequestRecord(index=7, scheduled_ns=0, sent_ns=0, requested_output_tokens=2, final_ns=9 * MS)
+    rec.raw = [
+        (3 * MS, decode_grpc(ens, response(text("Hel"), stamps(100, 110, 120, 0)))),
+        (5 * MS, decode_grpc(ens, response(text("lo é"), stamps(100, 110, 120, 150)))),
+        (9 * MS, decode_grpc(ens, response(final=True))),  # an empty final response: no tokens, no stamps
+    ]
+    finish_record(rec, ens, "grpc")
+    assert rec.text == "Hello é" and rec.chunk_ns == [3 * MS, 5 * MS] and rec.chunk_tokens == [1, 1]
+    assert rec.server == dict(zip(SERVER_STAMPS, (100, 110, 120, 150), strict=True)) and rec.outcome == O.SERVED
+
+    trt = ModelInfo(name="m", interface="tensorrt_llm", max_batch_size=0, inputs=set(), outputs=set())
+    ids = ("output_ids", "INT32", [1, 1, 3], struct.pack("<3i", 5, 6, 7) + struct.pack("<2i", 8, 9))  # beam 2 dropped
+    d = decode_grpc(trt, response(ids, stamps(1, 2, 3, 4)))
+    assert d.tokens == 3 and d.ids == [5, 6, 7] and d.stamps[SERVER_STAMPS[3]] == 4
+
+    bad = RequestRecord(index=8, requested_output_tokens=1, final_ns=2)
+    bad.raw = [(1, Unreadable("ValueError: broken"))]
+    finish_record(bad, ens, "grpc")
+    assert bad.error == "unreadable response: ValueError: broken" and bad.outcome == O.FAILED

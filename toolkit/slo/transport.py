@@ -1,8 +1,11 @@
 """Talking to Triton: the gRPC bidirectional stream and the HTTP ``generate_stream`` SSE endpoint.
 
 Both transports are non-blocking: :meth:`submit` hands a request over and returns; every response
-is timestamped (``time.perf_counter_ns``) the moment the transport's reader sees it, stored raw on
-the record, and decoded only after the run, so the per-token cost on the client stays small.
+is timestamped (``time.perf_counter_ns``) the moment the transport's reader sees it and stored on the
+record; what the metrics need is worked out after the run.  HTTP keeps each ``data:`` line raw and
+parses it then.  gRPC's reader takes each message's few values (tokens, content, server stamps) at
+once and keeps only those, not the message: a long run does not hold every protobuf response in
+memory, and the client's CPU per token is the same either way (``scripts/bench_client.py``).
 
 **gRPC** uses the ``ModelStreamInfer`` RPC through the stub generated from Triton's protocol
 (``tritonclient.grpc.service_pb2_grpc``), one stream for all requests, requests fed from a queue
@@ -37,12 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor  # numpy only; light
 
 from ..errors import ServerError, UsageError
 from .records import SERVER_STAMPS, RequestRecord
 
 now_ns = time.perf_counter_ns
+_INT64 = struct.Struct("<q")  # a server stamp: one little-endian int64
+_UINT32 = struct.Struct("<I")  # the length before each element of a BYTES tensor
+_STAMP_NAMES = frozenset(SERVER_STAMPS)
 
 # What each interface needs and returns.
 INTERFACES = {
@@ -127,27 +132,57 @@ class Decoded:
 
 def decode_grpc(info: ModelInfo, resp, *, content: bool = True, stamps: bool = True) -> Decoded:
     """A ``ModelInferResponse`` → tokens (from the output's shape), and, when asked, text/ids and
-    server stamps, read straight from ``raw_output_contents`` (no InferResult: this runs per token)."""
+    server stamps, read straight from ``raw_output_contents`` in one pass over the outputs (no
+    InferResult, no numpy for the stamps: this runs for every response)."""
     name = INTERFACES[info.interface]["output"]
-    index = {o.name: i for i, o in enumerate(resp.outputs)}
     raws = resp.raw_output_contents
-    st = (
-        {s: int(np.frombuffer(raws[index[s]], dtype=np.int64)[0]) for s in SERVER_STAMPS if s in index}
-        if stamps
-        else {}
-    )
-    if name not in index:
+    st: dict[str, int] = {}
+    at = -1
+    for i, out in enumerate(resp.outputs):
+        n = out.name
+        if n == name:
+            at = i
+        elif stamps and n in _STAMP_NAMES:
+            st[n] = _INT64.unpack_from(raws[i])[0]
+    if at < 0:
         return Decoded(0, stamps=st)
     if info.interface == "ensemble":
         if not content:
             return Decoded(1, stamps=st)
-        raw = raws[index[name]]
-        text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raw))
+        text = "".join(x.decode("utf-8", "replace") for x in bytes_elements(raws[at]))
         return Decoded(1, text=text, stamps=st)
-    shape = resp.outputs[index[name]].shape
+    shape = resp.outputs[at].shape
     n = int(shape[-1]) if len(shape) else 0  # [batch, beam, tokens]: the first beam is the first n values
-    ids = np.frombuffer(raws[index[name]], dtype=np.int32)[:n].tolist() if content else None
+    ids = np.frombuffer(raws[at], dtype=np.int32)[:n].tolist() if content else None
     return Decoded(n, ids=ids, stamps=st)
+
+
+def bytes_elements(raw: bytes) -> list[bytes]:
+    """The elements of a raw Triton BYTES tensor: each is a 4-byte little-endian length, then its bytes
+    (what ``tritonclient.utils.deserialize_bytes_tensor`` reads, without the numpy array)."""
+    out, i, end = [], 0, len(raw)
+    while i < end:
+        (n,) = _UINT32.unpack_from(raw, i)
+        i += 4
+        if i + n > end:
+            raise ValueError(f"BYTES element of {n} bytes at offset {i} runs past the {end}-byte tensor")
+        out.append(raw[i : i + n])
+        i += n
+    return out
+
+
+@dataclass
+class Unreadable:
+    """A gRPC response its reader could not decode; the request fails with this message."""
+
+    message: str
+
+
+def _read_already(info: ModelInfo, d: Decoded | Unreadable, *, content: bool = True, stamps: bool = True) -> Decoded:
+    """gRPC responses are decoded by the transport's reader (GrpcTransport._read)."""
+    if isinstance(d, Unreadable):
+        raise ValueError(d.message)
+    return d
 
 
 def _first_beam(arr: np.ndarray) -> list[int]:
@@ -179,7 +214,7 @@ def _decoder(transport: str):
         from .openai_transport import decode_openai
 
         return decode_openai
-    return decode_grpc if transport == "grpc" else decode_http
+    return _read_already if transport == "grpc" else decode_http
 
 
 def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_output: bool = True) -> None:
@@ -360,6 +395,7 @@ class GrpcTransport(Transport):
     def _read(self, on_response: OnResponse, on_error: OnError) -> None:
         import grpc
 
+        info = self.info
         try:
             for msg in self._call:
                 t = now_ns()
@@ -369,8 +405,12 @@ class GrpcTransport(Transport):
                     # then ends by its timeout.  Only a broken stream (below) fails everything.
                     on_error(resp.id, t, msg.error_message)
                     continue
+                try:
+                    decoded = decode_grpc(info, resp)
+                except Exception as exc:  # noqa: BLE001 - the request's failure, reported with it
+                    decoded = Unreadable(f"{type(exc).__name__}: {exc}")
                 p = resp.parameters
-                on_response(resp.id, t, resp, "triton_final_response" in p and p["triton_final_response"].bool_param)
+                on_response(resp.id, t, decoded, "triton_final_response" in p and p["triton_final_response"].bool_param)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 on_error(None, now_ns(), f"gRPC stream broke: {exc.code().name} {exc.details()}")

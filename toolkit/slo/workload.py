@@ -141,6 +141,7 @@ class SyntheticWorkload:
         corpus = "\n".join(texts)
         self.tokenizer = tokenizer or WordTokenizer(corpus.split())
         self.corpus_ids = np.asarray(self.tokenizer.encode(corpus), dtype=np.int64)
+        self.corpus_list = self.corpus_ids.tolist()
         self.args = (input_tokens, input_std, output_tokens, output_std, turns)
         self.seed = seed
         self.want_ids = want_ids
@@ -165,6 +166,8 @@ class SyntheticWorkload:
         """``n`` consecutive corpus tokens from a random place (wrapping around)."""
         c = self.corpus_ids
         start = rng.randrange(len(c))
+        if start + n <= len(c):  # the common case, without numpy's per-call cost
+            return self.corpus_list[start : start + n]
         return c[(start + np.arange(n)) % len(c)].tolist()
 
 
