@@ -292,7 +292,7 @@ def rate_section(url: str, args, ceiling: float) -> list[str]:
         for rate in [float(r) for r in args.rates.split(",")]:
             lags, achieved, cpus = [], [], []
             for _ in range(args.repeats):
-                n = max(args.requests, int(2 * rate))  # at least ~2 s of load
+                n = max(args.rate_requests, int(2 * rate))  # at least ~2 s of load
                 cpu, rep = rtk_run(url, tokens=8, requests=n, rate=rate, workers=workers)
                 lags.append(rep.dist("client_lag").p99)
                 achieved.append(rep.summary.aggregates["request_throughput"])
@@ -346,6 +346,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="closed loop for the cost runs")
     ap.add_argument("--workers", type=int, default=2, help="client processes to compare with one")
     ap.add_argument("--rates", default="100,200,300,400,600,800,1200,1600", help="open-loop rates to try (req/s)")
+    ap.add_argument("--rate-requests", type=int, default=400, help="least requests per open-loop run")
     ap.add_argument(
         "--sections",
         default="ceiling,cost,rates",
