@@ -255,16 +255,18 @@ def cost_section(url: str, args) -> list[str]:
         f"{n} 64-token requests per repeat; median (min–max) of {args.repeats} repeats, ratios taken within a repeat):",
         "",
         "| client | CPU per 1-token request (µs) | CPU per further streamed token (µs) "
-        "| ratio to tritonclient (request / token) |",
-        "|---|---:|---:|---:|",
+        "| CPU per 8-token request (µs; 1-token + 7 further) | ratio to tritonclient (1-token / token / 8-token) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name in clients:
         d = direct[name]
+        eight = [x[1] + 7 * x[2] for x in d]
         r_req = [x[1] / y[1] for x, y in zip(d, direct[tc], strict=True)]
         r_tok = [x[2] / y[2] for x, y in zip(d, direct[tc], strict=True)]
+        r_eight = [(x[1] + 7 * x[2]) / (y[1] + 7 * y[2]) for x, y in zip(d, direct[tc], strict=True)]
         lines.append(
-            f"| {name} | {spread([x[1] for x in d])} | {spread([x[2] for x in d], '.1f')} "
-            f"| {spread(r_req, '.2f')} / {spread(r_tok, '.2f')} |"
+            f"| {name} | {spread([x[1] for x in d])} | {spread([x[2] for x in d], '.1f')} | {spread(eight)} "
+            f"| {spread(r_req, '.2f')} / {spread(r_tok, '.2f')} / {spread(r_eight, '.2f')} |"
         )
     lines += [
         "",
