@@ -447,10 +447,7 @@ class FrontDoor:
 
         async def gen():
             yield sse(chunk(req, a.text, first=True))
-            yield sse(chunk(req, None, a.finish_reason, extra={TIER_FIELD: tier}))
-            if req.include_usage:
-                yield sse(usage_chunk(req, u))
-            yield b"data: [DONE]\n\n"
+            yield _ending(req, chunk(req, None, a.finish_reason, extra={TIER_FIELD: tier}), u)
 
         return _SSE(gen(), headers)
 
@@ -484,10 +481,7 @@ class FrontDoor:
             async for p in pieces:
                 yield sse(chunk(req, p, first=first))
                 first = False
-            yield sse(chunk(req, None, reason(), first=first, extra={TIER_FIELD: tier}))
-            if req.include_usage:
-                yield sse(usage_chunk(req, final_usage()))
-            yield b"data: [DONE]\n\n"
+            yield _ending(req, chunk(req, None, reason(), first=first, extra={TIER_FIELD: tier}), final_usage())
 
         return _SSE(gen(), headers)
 
@@ -605,10 +599,7 @@ class FrontDoor:
                     )
                     return
                 reason, u = await finish(False)
-                yield sse(chunk(req, None, reason, first=first_chunk, extra={TIER_FIELD: PRIMARY}))
-                if req.include_usage:
-                    yield sse(usage_chunk(req, u))
-                yield b"data: [DONE]\n\n"
+                yield _ending(req, chunk(req, None, reason, first=first_chunk, extra={TIER_FIELD: PRIMARY}), u)
             finally:
                 if not state["done"] or req.id in est.inflight:
                     await finish(True)
@@ -650,6 +641,15 @@ class FrontDoor:
         return "\n".join(lines) + "\n"
 
 
+DONE = b"data: [DONE]\n\n"
+
+
+def _ending(req: GenRequest, final: dict, u: dict) -> bytes:
+    """A stream's last events in one piece (one write): the final chunk, the usage chunk when asked for,
+    and ``[DONE]``."""
+    return sse(final) + (sse(usage_chunk(req, u)) if req.include_usage else b"") + DONE
+
+
 class _SSE(Response):
     """A server-sent event stream (Starlette's StreamingResponse, leaner on the time to first token).
 
@@ -680,9 +680,12 @@ class _SSE(Response):
         watcher = asyncio.ensure_future(watch())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            more = True
             async for data in self.body_iterator:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                more = not data.endswith(DONE)  # the stream's last event: the body ends with it
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise
