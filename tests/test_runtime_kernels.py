@@ -149,16 +149,33 @@ def test_gemv_over_codes_refuses_a_mismatch():
     assert not q.agrees(other, lambda x: onednn(x, other, None), None)
 
 
+def input_values(seed: int) -> torch.Tensor:
+    """bf16 activations over 32 binades (both signs), and the midpoints between neighbouring e4m3 values."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.rand(64, 576, generator=g) * 32 - 20)
+    sign = torch.where(torch.rand(64, 576, generator=g) < 0.5, -1.0, 1.0)
+    x = (mag * sign).to(torch.bfloat16)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite value >= 0
+    mids = ((e4m3[1:] + e4m3[:-1]) / 2).to(torch.bfloat16)  # exact in bf16: ties for the rounding
+    x[0, : mids.numel()] = mids
+    x[1, : mids.numel()] = -mids
+    x[2, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0])
+    return x
+
+
 @pytest.mark.parametrize("act", [None, "fp8", "int8"])
 @pytest.mark.parametrize("pre_quant", [False, True])
-def test_quantize_input_gives_torchs_bits(act, pre_quant):
+@pytest.mark.parametrize("scale", [1.0, 0.0173, 3.7])
+def test_quantize_input_gives_torchs_bits(act, pre_quant, scale):
+    x = input_values(int(scale * 100))
+    if act == "int8":
+        x[3, :4] = torch.tensor([0.5, 1.5, -2.5, 126.5]) * scale  # round half to even
     g = torch.Generator().manual_seed(2)
-    x = (torch.randn(6, 576, generator=g) * 5).to(torch.bfloat16)
-    scale = 0.0173
-    x[0, :4] = torch.tensor([1e4, -1e4, 0.5 * scale, 2.5 * scale])  # clamps and round-half-to-even ties
     pqs = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16) if pre_quant else None
     want = x if pqs is None else x * pqs
     if act is not None:
         want = fake_quant(want, act, torch.tensor(scale, dtype=torch.float32))
     got = kernels.quantize_input(x, pqs, act, float(torch.tensor(scale, dtype=torch.float32)))
-    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # the bits, signed zeros included
+    one = torch.cat([kernels.quantize_input(x[i : i + 1], pqs, act, float(torch.tensor(scale))) for i in range(3)])
+    assert torch.equal(one.view(torch.int16), got[:3].view(torch.int16))

@@ -22,9 +22,6 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -285,7 +282,32 @@ inline float bf16_to_float(uint16_t b) {
 //    or int8 (x / s rounded half to even, clamped to [-128, 127], times s), rounded back to bf16.
 //    Each step is the same IEEE operation torch performs, in the same order.
 
-inline uint16_t float_to_bf16(float f) { return c10::BFloat16(f).x; }
+// float32 -> bf16 bits, rounded to nearest even as c10::BFloat16 does (subnormals kept), 16 lanes
+inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+
+inline __m512 bf16_bits_to_float(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// float32 (|q| <= 448) -> the float32 value of its float8_e4m3fn rounding (nearest even): 3 mantissa
+// bits for normal values (>= 2^-6), multiples of 2^-9 below (e4m3's subnormals)
+inline __m512 round_to_e4m3(__m512 q) {
+  const __m512i u = _mm512_castps_si512(q);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFFF))),
+                                          _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, u));
+  const __m512 big = _mm512_set1_ps(16384.0f);  // ulp 2^-9 just above it
+  const __m512i sub = _mm512_or_si512(sign, _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(a, big), big)));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub));
+}
 
 at::Tensor quantize_input(const at::Tensor& x, const c10::optional<at::Tensor>& pre_quant_scale, int64_t act_kind,
                           double act_scale) {
@@ -301,18 +323,29 @@ at::Tensor quantize_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* ps = pre_quant_scale.has_value() ? reinterpret_cast<const uint16_t*>(pq.data_ptr()) : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float s = static_cast<float>(act_scale);
-  for (int64_t i = 0; i < m * k; ++i) {
-    float v = bf16_to_float(xs[i]);
-    if (ps) v = bf16_to_float(float_to_bf16(v * bf16_to_float(ps[i % k])));
-    if (act_kind == 1) {
-      const float q = std::min(std::max(v / s, -448.0f), 448.0f);
-      v = static_cast<float>(c10::Float8_e4m3fn(q)) * s;
-    } else if (act_kind == 2) {
-      v = std::min(std::max(std::nearbyint(v / s), -128.0f), 127.0f) * s;
-    }
-    ys[i] = float_to_bf16(v);
-  }
+  const __m512 s = _mm512_set1_ps(static_cast<float>(act_scale));
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < k; c += 16) {
+        const __mmask16 mask = static_cast<__mmask16>(k - c >= 16 ? 0xFFFF : (1u << (k - c)) - 1);
+        __m512 v = bf16_bits_to_float(_mm256_maskz_loadu_epi16(mask, xs + r * k + c));
+        if (ps) {  // the bf16 product x * pre_quant_scale
+          v = _mm512_mul_ps(v, bf16_bits_to_float(_mm256_maskz_loadu_epi16(mask, ps + c)));
+          v = _mm512_castsi512_ps(bf16_round_bits(v));
+        }
+        if (act_kind == 1) {
+          __m512 q = _mm512_div_ps(v, s);
+          q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-448.0f)), _mm512_set1_ps(448.0f));
+          v = _mm512_mul_ps(round_to_e4m3(q), s);
+        } else if (act_kind == 2) {
+          __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+          v = _mm512_mul_ps(q, s);
+        }
+        const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16));
+        _mm256_mask_storeu_epi16(ys + r * k + c, mask, out);
+      }
+  });
   return y;
 }
 
