@@ -514,20 +514,22 @@ class FrontDoor:
                     state["responses"] += 1
                     state["text"].append(piece.text)
 
-        async def texts() -> AsyncIterator[tuple[str, list[float]]]:
-            # The hot path: without an output filter, the pieces straight from Triton; with one, through it
-            # (log-probs are refused with an output filter: what it holds back would not line up).
+        def texts() -> AsyncIterator[tuple[str, list[float]]]:
+            # The hot path: without an output filter, the pieces straight from Triton (no generator between);
+            # with one, through it (log-probs are refused with an output filter: what it holds back would not
+            # line up).
             if flt is None:
-                async for item in raw():
-                    yield item
-                return
+                return raw()
 
             async def plain():
                 async for text, _ in raw():
                     yield text
 
-            async for text in self._filtered(plain(), flt):
-                yield text, []
+            async def checked():
+                async for text in self._filtered(plain(), flt):
+                    yield text, []
+
+            return checked()
 
         async def finish(cancelled: bool) -> tuple[str, dict]:
             piece = state["piece"]
