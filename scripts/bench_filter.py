@@ -69,6 +69,12 @@ def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_front_door(grpc_url: str, flt: dict) -> tuple[subprocess.Popen, str]:
     import socket
 
@@ -226,15 +232,26 @@ async def measure(args, triton, words) -> int:
         else:
             paths[name] = raws[name].one
     expected = None
+    idle_cpu = {}  # CPU seconds per second of each front door while idle (its Triton health and metrics poller)
+    for name, (p, _) in doors.items():
+        c0 = cpu_seconds(p.pid)
+        await asyncio.sleep(2.0)
+        idle_cpu[name] = (cpu_seconds(p.pid) - c0) / 2.0
     try:
         rows = []
         for c in args.concurrency:
             res = {name: [] for name in paths}
+            cpu = dict.fromkeys(paths, 0.0)
             for one in paths.values():  # warm-up
                 await closed_loop(one, c, args.warmup)
             for _ in range(args.rounds):
                 for name, one in paths.items():
+                    pid = doors[name][0].pid if name in doors else None
+                    cpu0, wall0 = (cpu_seconds(pid), time.perf_counter()) if pid else (0.0, 0.0)
                     got = await closed_loop(one, c, args.requests // args.rounds)
+                    if pid:
+                        busy = cpu_seconds(pid) - cpu0 - idle_cpu[name] * (time.perf_counter() - wall0)
+                        cpu[name] += busy
                     res[name] += got
                     sizes = {n for _, _, n in got}
                     expected = expected or sizes
@@ -258,6 +275,7 @@ async def measure(args, triton, words) -> int:
                         pct(e2e, 50) * 1e3,
                         pct(added, 50),
                         pct(added, 99),
+                        cpu[name] / len(reqs) * 1e3 if name in doors else float("nan"),
                     )
                 )
     finally:
@@ -277,9 +295,9 @@ async def measure(args, triton, words) -> int:
     )
     print(
         "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
-        "| added/token p50 ms | added/token p99 ms |"
+        "| added/token p50 ms | added/token p99 ms | front door CPU/request ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | " + " | ".join(f"{v:.2f}" for v in r[3:]) + " |")
     return 0
