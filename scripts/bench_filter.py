@@ -1,22 +1,30 @@
 #!/usr/bin/env python
-"""What the front door and its content filter add per token over Triton's gRPC stream.
+"""What the front door and its content filter add to TTFT and per token over Triton's gRPC stream.
 
-    flock /tmp/rtk/cpu.lock python scripts/bench_filter.py [--requests 60] [--tokens 64] [--concurrency 1 4]
+    flock /tmp/rtk/cpu.lock python scripts/bench_filter.py [--requests 60] [--tokens 64] [--concurrency 1 8]
+        [--paths frontdoor front+filter] [--client raw|httpx]
 
-One tritonserver serves a paced decoupled model (tests/triton_helpers.py's fake LLM: a token every
-``--itl-ms``, the text " tok1234" per token), so the engine's own time is fixed and what differs
-between paths is the path.  The same closed-loop workload (each of ``--concurrency`` streams sends
-its next request when the previous one ends) runs three ways, taking turns ``--rounds`` times:
+One tritonserver serves a paced decoupled model (tests/triton_helpers.py's fake LLM: first token after
+``--ttft-ms``, then one every ``--itl-ms``, the text " tok1234" per token), so the engine's own time is
+fixed and what differs between paths is the path.  The same closed-loop workload (each of
+``--concurrency`` streams sends its next request when the previous one ends) runs these ways, taking
+turns ``--rounds`` times:
 
-* ``grpc``          — Triton's gRPC stream, straight from this process (grpc.aio, one call per request);
+* ``grpc``          — Triton's gRPC stream, straight from this process with the front door's own backend
+  code (grpc.aio, kept ``ModelStreamInfer`` calls);
 * ``frontdoor``     — the OpenAI-compatible front door (its own process), SSE over HTTP, no filter;
 * ``front+filter``  — the same with a content filter: ``--keywords`` keywords, 8 regular expressions,
   a 32-character hold-back window; nothing in the text matches, so the answer is unchanged.
 
-Per request: E2E (send → last byte).  Added per token = (E2E − the grpc path's median E2E at that
-concurrency) / tokens, p50 and p99 over requests; the target is p99 ≤ 0.8 ms for front+filter.
-ITL is every gap between consecutive chunks.  The hold-back window delays the first chunk (TTFT) by
-the time the window takes to fill; it is printed apart, as it is not a cost per token.
+The HTTP paths' client is ``--client raw`` (default: asyncio streams on kept-alive connections, one
+``readline`` per chunk, about as little work per message as the gRPC path's client) or ``httpx``.
+
+Per request: TTFT (send → first text), E2E (send → last text).  Added per token = (E2E − the grpc path's
+median E2E at that concurrency) / tokens, p50 and p99 over requests; the targets are p99 ≤ 0.3 ms for the
+front door and ≤ 0.8 ms for front+filter.  ITL is every gap between consecutive chunks.  The hold-back
+window delays the first chunk (TTFT) by the time the window takes to fill.  The front door's CPU per
+request is its process's CPU time while its path ran, less its idle rate (its Triton poller), over the
+requests.
 """
 
 from __future__ import annotations
