@@ -346,7 +346,13 @@ def main() -> int:
             ppl = {}
             for name, eng in (
                 ("kernels", qeng),
-                ("dense", Engine(qdir, EngineConfig(max_num_tokens=512, max_batch_size=1, int_weight_kernels=False))),
+                (
+                    "dense",
+                    Engine(
+                        qdir,
+                        EngineConfig(max_num_tokens=512, max_batch_size=1, int_weight_kernels=False, cpu_kernels=False),
+                    ),
+                ),
             ):
                 ppl[name] = perplexity(lambda x, e=eng: e.prompt_logits(x[0].tolist())[None], texts)
             want_ppl = rep["quantized_ppl"]
