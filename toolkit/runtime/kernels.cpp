@@ -4,7 +4,7 @@
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
 // machine's bandwidth here; this kernel streams them.  It computes every output with the same
-// arithmetic as oneDNN's kernel, so its results are bit-identical (toolkit/runtime/gemv.py checks
+// arithmetic as oneDNN's kernel, so its results are bit-identical (toolkit/runtime/model.py checks
 // that at load for every weight shape and uses the kernel only where it holds).  Each row of a
 // multi-row call is computed exactly as a one-row call, so a row's bits never depend on the batch,
 // and the weights are read from memory once per call.  The one-row arithmetic:
