@@ -691,7 +691,8 @@ class _SSE(Response):
         except asyncio.CancelledError:
             if not gone:
                 raise
-            task.uncancel()  # the client left: the generator's clean-up has run, nothing more to send
+            task.uncancel()  # the client left: nothing more to send
+            await self.body_iterator.aclose()  # its clean-up (cancel the Triton request) has run, or runs now
         finally:
             watcher.cancel()
 
