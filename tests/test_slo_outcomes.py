@@ -264,7 +264,7 @@ def test_reports_show_outcomes_and_tiers(tmp_path):
 
 
 def test_grpc_responses_decode_into_the_record():
-    """Text, ids and server stamps as the reader decodes them; the last response with stamps gives them all."""
+    """Text, ids and server stamps from raw responses after the run; the last response with stamps gives them all."""
     import struct
 
     import numpy as np
@@ -272,7 +272,7 @@ def test_grpc_responses_decode_into_the_record():
     from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
     from toolkit.slo.records import SERVER_STAMPS
-    from toolkit.slo.transport import ModelInfo, Unreadable, bytes_elements, decode_grpc, finish_record
+    from toolkit.slo.transport import ModelInfo, bytes_elements, decode_grpc, finish_record
 
     def response(output=None, stamps=None, final=False):
         resp = service_pb2.ModelInferResponse(model_name="m", id="7")
@@ -297,9 +297,9 @@ def test_grpc_responses_decode_into_the_record():
     ens = ModelInfo(name="m", interface="ensemble", max_batch_size=0, inputs=set(), outputs=set())
     rec = RequestRecord(index=7, scheduled_ns=0, sent_ns=0, requested_output_tokens=2, final_ns=9 * MS)
     rec.raw = [
-        (3 * MS, decode_grpc(ens, response(text("Hel"), stamps(100, 110, 120, 0)))),
-        (5 * MS, decode_grpc(ens, response(text("lo é"), stamps(100, 110, 120, 150)))),
-        (9 * MS, decode_grpc(ens, response(final=True))),  # an empty final response: no tokens, no stamps
+        (3 * MS, response(text("Hel"), stamps(100, 110, 120, 0))),
+        (5 * MS, response(text("lo é"), stamps(100, 110, 120, 150))),
+        (9 * MS, response(final=True)),  # an empty final response: no tokens, no stamps
     ]
     finish_record(rec, ens, "grpc")
     assert rec.text == "Hello é" and rec.chunk_ns == [3 * MS, 5 * MS] and rec.chunk_tokens == [1, 1]
@@ -311,6 +311,6 @@ def test_grpc_responses_decode_into_the_record():
     assert d.tokens == 3 and d.ids == [5, 6, 7] and d.stamps[SERVER_STAMPS[3]] == 4
 
     bad = RequestRecord(index=8, requested_output_tokens=1, final_ns=2)
-    bad.raw = [(1, Unreadable("ValueError: broken"))]
+    bad.raw = [(1, response(("text_output", "BYTES", [1, 1], struct.pack("<I", 9) + b"short")))]
     finish_record(bad, ens, "grpc")
-    assert bad.error == "unreadable response: ValueError: broken" and bad.outcome == O.FAILED
+    assert bad.error.startswith("unreadable response: BYTES element of 9 bytes") and bad.outcome == O.FAILED

@@ -1,11 +1,10 @@
 """Talking to Triton: the gRPC bidirectional stream and the HTTP ``generate_stream`` SSE endpoint.
 
 Both transports are non-blocking: :meth:`submit` hands a request over and returns; every response
-is timestamped (``time.perf_counter_ns``) the moment the transport's reader sees it and stored on the
-record; what the metrics need is worked out after the run.  HTTP keeps each ``data:`` line raw and
-parses it then.  gRPC's reader takes each message's few values (tokens, content, server stamps) at
-once and keeps only those, not the message: a long run does not hold every protobuf response in
-memory, and the client's CPU per token is the same either way (``scripts/bench_client.py``).
+is timestamped (``time.perf_counter_ns``) the moment the transport's reader sees it, stored raw on
+the record, and decoded only after the run, so the per-token cost on the client stays small
+(decoding each gRPC message in the reader instead, to hold less in memory, cost more CPU per token
+in ``scripts/bench_client.py``).
 
 **gRPC** uses the ``ModelStreamInfer`` RPC through the stub generated from Triton's protocol
 (``tritonclient.grpc.service_pb2_grpc``), one stream for all requests, requests fed from a queue
@@ -171,20 +170,6 @@ def bytes_elements(raw: bytes) -> list[bytes]:
     return out
 
 
-@dataclass
-class Unreadable:
-    """A gRPC response its reader could not decode; the request fails with this message."""
-
-    message: str
-
-
-def _read_already(info: ModelInfo, d: Decoded | Unreadable, *, content: bool = True, stamps: bool = True) -> Decoded:
-    """gRPC responses are decoded by the transport's reader (GrpcTransport._read)."""
-    if isinstance(d, Unreadable):
-        raise ValueError(d.message)
-    return d
-
-
 def _first_beam(arr: np.ndarray) -> list[int]:
     a = np.asarray(arr)
     while a.ndim > 1:
@@ -214,7 +199,7 @@ def _decoder(transport: str):
         from .openai_transport import decode_openai
 
         return decode_openai
-    return _read_already if transport == "grpc" else decode_http
+    return decode_grpc if transport == "grpc" else decode_http
 
 
 def finish_record(rec: RequestRecord, info: ModelInfo, transport: str, keep_output: bool = True) -> None:
@@ -395,7 +380,6 @@ class GrpcTransport(Transport):
     def _read(self, on_response: OnResponse, on_error: OnError) -> None:
         import grpc
 
-        info = self.info
         try:
             for msg in self._call:
                 t = now_ns()
@@ -405,12 +389,8 @@ class GrpcTransport(Transport):
                     # then ends by its timeout.  Only a broken stream (below) fails everything.
                     on_error(resp.id, t, msg.error_message)
                     continue
-                try:
-                    decoded = decode_grpc(info, resp)
-                except Exception as exc:  # noqa: BLE001 - the request's failure, reported with it
-                    decoded = Unreadable(f"{type(exc).__name__}: {exc}")
                 p = resp.parameters
-                on_response(resp.id, t, decoded, "triton_final_response" in p and p["triton_final_response"].bool_param)
+                on_response(resp.id, t, resp, "triton_final_response" in p and p["triton_final_response"].bool_param)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 on_error(None, now_ns(), f"gRPC stream broke: {exc.code().name} {exc.details()}")
