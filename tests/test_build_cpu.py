@@ -93,6 +93,28 @@ def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path,
     assert built == direct and len(built) == 6
 
 
+def test_a_served_engine_leaves_one_core_unless_the_spec_sets_its_threads(tmp_path, tiny_llama_dir, quantized_dir):
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        unset = build(
+            spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build=BUILD),
+            quantized_dir,
+            tmp_path / "unset",
+        ).path
+        assert load_engine(unset).config.num_threads is None  # the engine alone: torch's default, all cores
+        served = load_engine(unset, served=True)
+        assert served.config.num_threads == max(1, cores - 1) and torch.get_num_threads() == max(1, cores - 1)
+        spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 2})
+        assert load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config.num_threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failed_build_leaves_nothing_behind(tmp_path, tiny_llama_dir, quantized_dir):
     spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
     with pytest.raises(SourceError, match="rtk quantize"):

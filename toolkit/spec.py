@@ -114,7 +114,9 @@ class BuildSpec(Section):
     use_cuda_graph: bool = Field(True, description="llmapi target: capture CUDA graphs for decode")
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1)
-    num_threads: int | None = Field(None, ge=1, description="cpu: torch threads (default: all cores)")
+    num_threads: int | None = Field(
+        None, ge=1, description="cpu: the engine's torch threads (default: all cores but one when served)"
+    )
 
     @field_validator("tokens_per_block")
     @classmethod

@@ -180,7 +180,7 @@ class TritonPythonModel:
         from toolkit.targets.cpu import load_engine
 
         self.engine = load_engine(
-            p["engine_dir"], scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict"
+            p["engine_dir"], served=True, scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict"
         )
         self.config = self.engine.config
         self.background = BackgroundEngine(self.engine)
