@@ -179,3 +179,19 @@ def test_quantize_input_gives_torchs_bits(act, pre_quant, scale):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # the bits, signed zeros included
     one = torch.cat([kernels.quantize_input(x[i : i + 1], pqs, act, float(torch.tensor(scale))) for i in range(3)])
     assert torch.equal(one.view(torch.int16), got[:3].view(torch.int16))
+
+
+def test_projection_checks_the_input_quantization_kernel_at_load(monkeypatch):
+    """A projection quantizes its input with rtk's kernel only where it gives torch's bits for its own scales."""
+    from toolkit.runtime.checkpoint import ActQuant
+
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(
+        weight=torch.randn(128, 576, generator=g),
+        pre_quant_scale=torch.rand(576, generator=g) + 0.5,
+        act_quant=ActQuant("fp8", torch.tensor(0.02)),
+    )
+    assert Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True).fused_input
+    real = kernels.quantize_input
+    monkeypatch.setattr(kernels, "quantize_input", lambda x, *a: real(x, *a) * 1.01)  # a kernel that drifted
+    assert not Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True).fused_input

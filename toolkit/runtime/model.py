@@ -176,10 +176,10 @@ class Projection:
         # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
         # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
-        self.fused_input = self.fused_input and kernels.available()
+        self.fused_input = self.fused_input and kernels.available() and self._fused_input_agrees()
         if usable:
             self.quant = self._pack_codes(linears, weight, bias)
-            # beyond QUANT_MAX_ROWS rows rebuilding weights from codes costs more than reading bf16: both
+            # the bf16 copy too: decode calls of more than QUANT_MAX_ROWS rows read it (rebuilding costs more)
             packed = kernels.pack(weight)
             key = (*shape[:3], "gemv")
             if key not in cache:
@@ -217,6 +217,22 @@ class Projection:
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
             return None
         return quant
+
+    def _fused_input_agrees(self) -> bool:
+        """True when ``kernels.quantize_input`` gives torch's bits for this projection's input quantization."""
+        if self.pre_quant_scale is None and self.act_kind is None:
+            return True
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, self.in_features, generator=g) * torch.exp2(torch.randint(-12, 12, (8, 1), generator=g))
+        x = x.to(torch.bfloat16)
+        want = x if self.pre_quant_scale is None else x * self.pre_quant_scale
+        if self.act_kind is not None:
+            want = fake_quant(want, self.act_kind, self.act_scale)
+        got = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            log.info("rtk's input quantization differs from torch's for %s; torch computes it", self.act_kind)
+            return False
+        return True
 
     def _pack_int(self, linears: list[Linear]) -> None:
         """Keep the integer codes for torch's W8A16 / W4A16 CPU kernels (a quarter / half of bf16's bytes).
