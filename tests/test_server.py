@@ -206,3 +206,24 @@ def test_each_server_gets_its_own_python_backend_shm_prefix(tmp_path):
     assert prefixes(b) == ["--backend-config=python,shm-region-prefix-name=rtk18010_"]
     b.extra_args.append("--backend-config=python,shm-region-prefix-name=mine_")
     assert prefixes(b) == ["--backend-config=python,shm-region-prefix-name=mine_"]  # a given one is kept, alone
+
+
+@pytest.mark.parametrize("writes_first", [False, True])
+def test_a_server_killed_by_a_signal_before_its_first_log_line_is_started_once_more(tmp_path, writes_first):
+    """A stand-in for tritonserver (a script, since the crash cannot be made to order) that dies of SIGBUS:
+    started twice when it died before writing anything, once when it had written a line; then the error."""
+    from toolkit.triton.server import TritonBinary
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    runs = tmp_path / "runs"
+    script = tmp_path / "tritonserver"
+    say = "echo starting;" if writes_first else ""
+    script.write_text(f"#!/bin/sh\necho x >> {runs}\n{say} kill -BUS $$\n")
+    script.chmod(0o755)
+    server = TritonServer(repo, binary=TritonBinary(path=script, kind="configured"), exit_timeout_s=1)
+    with pytest.raises(ServerError, match="exited with code -7 before it was ready"):
+        server.start()
+        server.wait_ready(timeout=20)
+    server.stop()
+    assert len(runs.read_text().split()) == (1 if writes_first else 2)

@@ -67,6 +67,10 @@ _NOISE = ("CudaDriverHelper has not been initialized",)
 # -- finding the binary -----------------------------------------------------------------------
 
 
+# tritonserver killed by a signal before its first log line is started again this many times
+START_RETRIES = 1
+
+
 @dataclass(frozen=True)
 class TritonBinary:
     """A tritonserver executable and what it needs to run: extra flags and environment."""
@@ -325,6 +329,8 @@ class TritonServer(Endpoints):
         self.launch = launch or Launch()
         self.process: subprocess.Popen | None = None
         self._log_file = None
+        self._detach = False
+        self._start_retries = 0
 
     @property
     def binary(self) -> TritonBinary:
@@ -391,8 +397,17 @@ class TritonServer(Endpoints):
             )
         for what, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
             _check_port_free(self.host or "0.0.0.0", port, what)
+        self._detach = detach
+        self._start_retries = START_RETRIES
+        self._launch_process()
+        return self
+
+    def _launch_process(self) -> None:
+        detach = self._detach
         cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log_file is not None:
+            self._log_file.close()
         self._log_file = open(self.log_path, "wb")
         log.info("starting %s", " ".join(cmd))
         attached_here = not detach and threading.current_thread() is threading.main_thread()
@@ -407,7 +422,6 @@ class TritonServer(Endpoints):
             start_new_session=True,
             preexec_fn=_set_parent_death_signal if attached_here else None,
         )
-        return self
 
     def is_ready(self) -> bool:
         return http_ready(self.http_url)
@@ -425,6 +439,17 @@ class TritonServer(Endpoints):
         models = list(models)
         while True:
             code = self.process.poll()
+            if code is not None and code < 0 and self._start_retries > 0 and self._log_is_empty():
+                # killed by a signal before writing a single line (seen as SIGSEGV / SIGBUS at start-up on a
+                # host running other tritonservers; cause unknown): one more start, said in the log
+                self._start_retries -= 1
+                log.warning(
+                    "tritonserver (pid %d) died of signal %d before writing to its log; starting it once more",
+                    self.process.pid,
+                    -code,
+                )
+                self._launch_process()
+                continue
             if code is not None:
                 raise ServerError(
                     f"tritonserver exited with code {code} before it was ready.\n{self._tail_for_error()}"
@@ -468,6 +493,12 @@ class TritonServer(Endpoints):
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
+
+    def _log_is_empty(self) -> bool:
+        try:
+            return self.log_path.stat().st_size == 0
+        except OSError:
+            return True
 
     def _tail_for_error(self) -> str:
         return f"Last lines of {self.log_path}:\n{self.log_tail()}"
