@@ -147,16 +147,7 @@ class Projection:
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
         self.fused_input = gemv_kernel and dtype == torch.bfloat16 and self.act_kind in (None, "fp8", "int8")
         self.weight = weight
-        self.int8 = self.int4 = None
-        if int_kernels and dtype == torch.bfloat16:
-            self._pack_int(linears)
-        # decode rows through the integer kernel (one call: its rows are batch-invariant), prompt
-        # rows through the bf16 weights; with full_batching, by the call's row count instead
-        self.int_max_rows = None
-        if full_batching and self.int8 is not None:
-            self.int_max_rows = INT_MAX_ROWS[8]
-        elif full_batching and self.int4 is not None:
-            self.int_max_rows = INT_MAX_ROWS[4]
+        self.int8 = self.int4 = self.int_max_rows = None
         if pack:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -187,8 +178,15 @@ class Projection:
                 if not cache[key]:
                     log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
             self.gemv = packed if cache[key] else None
-        if self.quant is not None:  # decode reads the codes: torch's integer kernels are not needed
-            self.int8 = self.int4 = self.int_max_rows = None
+        if self.quant is None and int_kernels and dtype == torch.bfloat16:
+            # torch's integer kernels where rtk's GEMV does not read the codes: decode rows through the
+            # integer kernel (one call: its rows are batch-invariant), prompt rows through the bf16
+            # weights; with full_batching, by the call's row count instead
+            self._pack_int(linears)
+            if full_batching and self.int8 is not None:
+                self.int_max_rows = INT_MAX_ROWS[8]
+            elif full_batching and self.int4 is not None:
+                self.int_max_rows = INT_MAX_ROWS[4]
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
