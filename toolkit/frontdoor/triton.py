@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor
 
+from ..triton.wire import bytes_elements, bytes_tensor
 from .protocol import APIError, GenRequest, bad
 
 GAUGE = re.compile(r"^(nv_trt_llm_(?:request|kv_cache_block)_metrics)\{([^}]*)\}\s+([0-9.eE+-]+)", re.MULTILINE)
@@ -84,10 +84,9 @@ _PACK = {"BOOL": "?", "INT32": "i", "UINT64": "Q", "FP32": "f"}
 
 
 def raw_tensor(datatype: str, values: list) -> bytes:
-    """The raw contents of a tensor of ``values`` as Triton reads them: little-endian scalars, or for BYTES
-    each element's 4-byte length and its bytes (tritonclient's ``serialize_byte_tensor``), without numpy."""
+    """The raw contents of a tensor of ``values`` as Triton reads them: little-endian scalars, or BYTES."""
     if datatype == "BYTES":
-        return b"".join(len(v).to_bytes(4, "little") + v for v in values)
+        return bytes_tensor(values)
     return struct.pack(f"<{len(values)}{_PACK[datatype]}", *values)
 
 
@@ -392,7 +391,7 @@ class TritonStream:
                 if len(raw) >= 4 and int.from_bytes(raw[:4], "little") == len(raw) - 4:
                     piece.text = raw[4:].decode("utf-8", "replace")
                 else:
-                    piece.text = "".join(x.decode("utf-8", "replace") for x in deserialize_bytes_tensor(raw))
+                    piece.text = "".join(x.decode("utf-8", "replace") for x in bytes_elements(raw))
             elif name == "num_input_tokens":
                 piece.prompt_tokens = int.from_bytes(raws[i][:4], "little", signed=True)
             elif name == "num_output_tokens":
@@ -400,7 +399,7 @@ class TritonStream:
             elif name == "output_log_probs":
                 piece.logprobs = np.frombuffer(raws[i], dtype=np.float32).tolist()
             elif name == "finish_reason":
-                reasons = deserialize_bytes_tensor(raws[i])
+                reasons = bytes_elements(raws[i])
                 reason = reasons[0].decode("utf-8", "replace") if len(reasons) else ""
                 piece.finish_reason = reason if reason not in ("", "None") else None
         if self._cumulative:

@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ServerError, UsageError
+from ..triton.wire import bytes_elements, bytes_tensor
 from .records import SERVER_STAMPS, RequestRecord
 
 now_ns = time.perf_counter_ns
 _INT64 = struct.Struct("<q")  # a server stamp: one little-endian int64
-_UINT32 = struct.Struct("<I")  # the length before each element of a BYTES tensor
 _STAMP_NAMES = frozenset(SERVER_STAMPS)
 
 # What each interface needs and returns.
@@ -154,20 +154,6 @@ def decode_grpc(info: ModelInfo, resp, *, content: bool = True, stamps: bool = T
     n = int(shape[-1]) if len(shape) else 0  # [batch, beam, tokens]: the first beam is the first n values
     ids = np.frombuffer(raws[at], dtype=np.int32)[:n].tolist() if content else None
     return Decoded(n, ids=ids, stamps=st)
-
-
-def bytes_elements(raw: bytes) -> list[bytes]:
-    """The elements of a raw Triton BYTES tensor: each is a 4-byte little-endian length, then its bytes
-    (what ``tritonclient.utils.deserialize_bytes_tensor`` reads, without the numpy array)."""
-    out, i, end = [], 0, len(raw)
-    while i < end:
-        (n,) = _UINT32.unpack_from(raw, i)
-        i += 4
-        if i + n > end:
-            raise ValueError(f"BYTES element of {n} bytes at offset {i} runs past the {end}-byte tensor")
-        out.append(raw[i : i + n])
-        i += n
-    return out
 
 
 def _first_beam(arr: np.ndarray) -> list[int]:
@@ -357,7 +343,7 @@ class GrpcTransport(Transport):
         n = struct.pack("<i", p.output_tokens)
         if "text_input" in slots:
             text = p.text.encode()
-            raw[slots["text_input"]] = struct.pack("<I", len(text)) + text  # Triton's BYTES: length, then bytes
+            raw[slots["text_input"]] = bytes_tensor([text])
             raw[slots["max_tokens"]] = n
         else:
             i = slots["input_ids"]

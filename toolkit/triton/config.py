@@ -24,7 +24,6 @@ request by that key (TensorRT-LLM's ``stop`` input).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 
 from ..errors import StageError
 from .models.rtk_text import PERF_OUTPUTS
+from .wire import bytes_tensor
 
 # Names of the models, as in TensorRT-LLM's inflight_batcher_llm repository.
 PREPROCESSING = "preprocessing"
@@ -511,8 +511,7 @@ def add_warmup(cfg, name: str, inputs: dict[str, tuple[str, tuple[int, ...], str
 def raw_tensor(array: np.ndarray) -> bytes:
     """A warm-up input file: raw little-endian values; strings as 4-byte length + bytes (Triton's BYTES)."""
     if array.dtype == np.object_:
-        items = (x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1))
-        return b"".join(struct.pack("<I", len(b)) + b for b in items)
+        return bytes_tensor(x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1))
     return array.astype(array.dtype.newbyteorder("<")).tobytes()
 
 
