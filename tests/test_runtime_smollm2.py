@@ -128,7 +128,8 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
 def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokenizer):
     """Every step's logits with rtk's kernels (GEMV, over bf16 or the FP8 export's codes; input
     quantization; K/V gather) equal torch's operators' bit for bit: a lone request, then four decoding
-    together (two joining mid-way: multi-row GEMV calls)."""
+    together (two joining mid-way: multi-row GEMV calls).  The fused decode step is off here (its own
+    test: test_fused_decode_gives_the_operators_bits)."""
     from toolkit.runtime import kernels
 
     if not kernels.available():
@@ -143,7 +144,14 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
     for on in (True, False):
         engine = Engine(
             path,
-            EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, cpu_kernels=on),
+            EngineConfig(
+                max_batch_size=4,
+                max_num_tokens=128,
+                max_input_len=256,
+                max_seq_len=512,
+                cpu_kernels=on,
+                fused_decode=False,
+            ),
         )
         assert bool(engine.model.gemv_shapes) == on
         if checkpoint == "fp8":
@@ -170,3 +178,24 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
     assert len(seen[True]) == len(seen[False]) > 20
     for a, b in zip(seen[True], seen[False], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
+def test_fused_decode_gives_the_operators_bits(request, checkpoint, tokenizer):
+    """The fused decode step's logits equal torch's operators' on every step of four chat prompts decoding
+    together (bf16, and the FP8 export over its codes with input quantization)."""
+    from test_runtime_fused_decode import assert_same_bits, engines, forced_logits
+
+    from toolkit.runtime import kernels
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    path = (
+        request.getfixturevalue("smollm2_dir")
+        if checkpoint == "bf16"
+        else request.getfixturevalue("smollm2_fp8_dir") / "hf"
+    )
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    forced = [chat_ids(tokenizer, q)[-16:] for q in reversed(QUESTIONS)]  # real tokens, fed back
+    got = [forced_logits(e, prompts, forced) for e in engines(path)]
+    assert_same_bits(*got, checkpoint)

@@ -84,6 +84,10 @@ class EngineConfig:
     # request's bits never depend on the batch); "attention" = one masked attention call for all
     # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences).
     decode_batching: str = "attention"
+    # rtk's fused decode step (with cpu_kernels): decode rows run whole decoder layers in one C++ call
+    # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention
+    # call per row (as "exact" decode batching, whatever decode_batching says); False = torch's operators.
+    fused_decode: bool = True
     scheduler_policy: str = "guaranteed_no_evict"  # or "max_utilization" (admit eagerly, preempt on a full pool)
 
     @classmethod
@@ -200,6 +204,7 @@ class Engine:
             int_kernels=config.int_weight_kernels,
             batch_invariant=config.decode_batching != "full",
             cpu_kernels=config.cpu_kernels,
+            fused_decode=config.fused_decode,
         )
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)

@@ -1,5 +1,6 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
-// (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below).
+// (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below), and 5. DecodeLayers: the decode
+// rows' whole decoder layers in one call.
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
@@ -19,7 +20,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -381,9 +384,253 @@ std::vector<at::Tensor> gather_kv(const at::Tensor& k, const at::Tensor& v, cons
   return {ko, vo};
 }
 
+// 5. DecodeLayers: decode rows (one new token per row) through whole decoder layers in one call.
+//    Between its projections a decode step runs ~30 small torch operators per layer (RMSNorm, RoPE,
+//    K/V writes, attention, residual adds, SiLU), most of each one's cost being Python and dispatch:
+//    ~7 ms of a ~15 ms SmolLM2 step.  Here the projections are the GEMVs above, RoPE, the residual
+//    adds and the K/V writes are loops with the same roundings as torch's bf16 / float32 / fp8
+//    operators (one float operation, one round to nearest even), and RMSNorm, attention and SiLU,
+//    whose reduction order and exp cannot be reproduced by hand, call the same ATen operators as
+//    toolkit/runtime/model.py does, from C++.  So the results are the operator path's bits
+//    (tests/test_runtime_fused_decode.py), with "exact" decode batching: one attention call per row
+//    over its own context, a row's numbers never depending on the batch.
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion (NaN kept quiet)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+struct DecodeProjection {
+  at::Tensor packed;                   // the bf16 GEMV's weights (pack)
+  c10::optional<at::Tensor> codes;     // gemv_q's codes and scales, read for up to kCodesMaxRows rows
+  c10::optional<at::Tensor> scales;
+  int64_t kind = 0;
+  int64_t n = 0;
+  c10::optional<at::Tensor> bias;
+  c10::optional<at::Tensor> pre_quant_scale;
+  int64_t act_kind = 0;
+  double act_scale = 0.0;
+
+  at::Tensor operator()(const at::Tensor& x, int64_t codes_max_rows) const {
+    at::Tensor in = x;
+    if (pre_quant_scale.has_value() || act_kind != 0) in = quantize_input(x, pre_quant_scale, act_kind, act_scale);
+    if (codes.has_value() && in.size(0) <= codes_max_rows) return gemv_q(in, *codes, *scales, kind, n, bias);
+    return gemv(in, packed, n, bias);
+  }
+};
+
+struct DecodeLayer {
+  at::Tensor input_norm, post_norm;  // bf16 [hidden]
+  double k_scale = 1.0, v_scale = 1.0;
+  std::vector<DecodeProjection> proj;  // qkv, o, gate_up, down
+};
+
+struct DecodeLayers : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim, kv_kind, codes_max_rows;  // kv_kind: 0 bf16, 1 fp8 e4m3 codes, 2 int8
+  double eps, scale;
+  at::Tensor cos, sin;  // bf16 [positions, head_dim]; sin signed as model.rope_tables makes it
+  std::vector<DecodeLayer> layers;
+
+  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t kv_kind,
+               int64_t codes_max_rows, at::Tensor cos, at::Tensor sin)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), kv_kind(kv_kind), codes_max_rows(codes_max_rows),
+        eps(eps), scale(scale), cos(cos.contiguous()), sin(sin.contiguous()) {
+    TORCH_CHECK(this->cos.scalar_type() == at::kBFloat16 && this->sin.scalar_type() == at::kBFloat16 &&
+                    this->cos.size(1) == head_dim && head_dim % 2 == 0 && heads % kv_heads == 0,
+                "rtk_kernels.DecodeLayers: bf16 rope tables [positions, head_dim], heads a multiple of kv_heads");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double k_scale, double v_scale) {
+    TORCH_CHECK(input_norm.scalar_type() == at::kBFloat16 && post_norm.scalar_type() == at::kBFloat16,
+                "rtk_kernels.DecodeLayers: bf16 norm weights");
+    layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
+  }
+
+  void add_projection(at::Tensor packed, c10::optional<at::Tensor> codes, c10::optional<at::Tensor> scales,
+                      int64_t kind, int64_t n, c10::optional<at::Tensor> bias,
+                      c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind, double act_scale) {
+    TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
+    if (bias.has_value()) bias = bias->contiguous();
+    layers.back().proj.push_back({packed, codes, scales, kind, n, bias, pre_quant_scale, act_kind, act_scale});
+  }
+
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    // model.py's (transformers') RMSNorm: torch's rms_norm on float32 (aten/src/ATen/native/layer_norm.cpp,
+    // rms_norm_composite: pow(x, 2), mean = sum / k, add eps, rsqrt = 1 / sqrt, times x), to bf16, times
+    // the bf16 weight.  Every step is one correctly rounded float operation except the sum, whose
+    // vectorized order only ATen's sum reproduces, so that one is ATen's.
+    const int64_t m = x.size(0), k = x.size(1);
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+    auto squares = at::empty({m, k}, at::kFloat);
+    float* sq = squares.data_ptr<float>();
+    for (int64_t i = 0; i < m * k; ++i) {
+      const float v = bf16_to_float(xs[i]);
+      sq[i] = v * v;
+    }
+    auto sums = at::sum(squares, {1}, true);
+    const float* ss = sums.data_ptr<float>();
+    auto out = at::empty({m, k}, x.options());
+    auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float e = static_cast<float>(eps);
+    for (int64_t r = 0; r < m; ++r) {
+      const float inv = 1.0f / std::sqrt(ss[r] / static_cast<float>(k) + e);
+      for (int64_t c = 0; c < k; ++c) {
+        const float normed = round_bf16(bf16_to_float(xs[r * k + c]) * inv);
+        os[r * k + c] = float_to_bf16(bf16_to_float(ws[c]) * normed);
+      }
+    }
+    return out;
+  }
+
+  static void add_into(at::Tensor& h, const at::Tensor& y) {  // h = bf16(h + y), torch's bf16 add
+    auto* hs = reinterpret_cast<uint16_t*>(h.data_ptr());
+    const auto* ys = reinterpret_cast<const uint16_t*>(y.data_ptr());
+    const int64_t n = h.numel();
+    for (int64_t i = 0; i < n; ++i) hs[i] = float_to_bf16(bf16_to_float(hs[i]) + bf16_to_float(ys[i]));
+  }
+
+  inline void store_kv(void* pool, int64_t slot, const uint16_t* src, double kv_scale) const {
+    const int64_t row = kv_heads * head_dim;
+    if (kv_kind == 0) {
+      std::memcpy(static_cast<uint16_t*>(pool) + slot * row, src, row * 2);
+      return;
+    }
+    auto* dst = static_cast<uint8_t*>(pool) + slot * row;
+    const float s = static_cast<float>(kv_scale);
+    for (int64_t i = 0; i < row; ++i) {  // KVPool._encode: float32 x / scale, then fp8 (nearest even) or int8
+      const float q = bf16_to_float(src[i]) / s;
+      if (kv_kind == 1) {
+        dst[i] = c10::Float8_e4m3fn(std::min(std::max(q, -448.0f), 448.0f)).x;
+      } else {
+        const float r = std::min(std::max(std::nearbyint(q), -128.0f), 127.0f);
+        dst[i] = static_cast<uint8_t>(static_cast<int8_t>(r));
+      }
+    }
+  }
+
+  // K and V of one row's context as float32 [1, kv_heads, L, head_dim] views, as KVPool.gather gives them
+  // (bf16 exactly widened; codes as float32(code) * scale)
+  at::Tensor gather(const void* pool, const int64_t* slots, int64_t count, double kv_scale) const {
+    const int64_t row = kv_heads * head_dim;
+    auto out = at::empty({count, kv_heads, head_dim}, at::kFloat);
+    float* o = out.data_ptr<float>();
+    const float s = static_cast<float>(kv_scale);
+    for (int64_t j = 0; j < count; ++j) {
+      if (kv_kind == 0) {
+        const auto* src = static_cast<const uint16_t*>(pool) + slots[j] * row;
+        for (int64_t i = 0; i < row; ++i) o[j * row + i] = bf16_to_float(src[i]);
+      } else {
+        const auto* src = static_cast<const uint8_t*>(pool) + slots[j] * row;
+        for (int64_t i = 0; i < row; ++i) {
+          const float v = kv_kind == 1 ? static_cast<float>(c10::Float8_e4m3fn(src[i], c10::Float8_e4m3fn::from_bits()))
+                                       : static_cast<float>(static_cast<int8_t>(src[i]));
+          o[j * row + i] = v * s;
+        }
+      }
+    }
+    return out.transpose(0, 1).unsqueeze(0);
+  }
+
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor write_slots, at::Tensor ctx_slots,
+                     at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end) {
+    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2, "rtk_kernels.DecodeLayers: h is [rows, hidden] bf16");
+    TORCH_CHECK(positions.numel() == m && write_slots.numel() == m && ctx_bounds.size(0) == m &&
+                    ctx_bounds.size(1) == 2 && positions.scalar_type() == at::kLong &&
+                    write_slots.scalar_type() == at::kLong && ctx_slots.scalar_type() == at::kLong &&
+                    ctx_bounds.scalar_type() == at::kLong,
+                "rtk_kernels.DecodeLayers: int64 positions, write_slots [rows], ctx_slots, ctx_bounds [rows, 2]");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == KVH &&
+                    k_pool.size(3) == D && k_pool.element_size() == (kv_kind == 0 ? 2 : 1),
+                "rtk_kernels.DecodeLayers: K/V pools [layers, slots, kv_heads, head_dim] of the pool's dtype");
+    TORCH_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(layers.size()) &&
+                    end <= k_pool.size(0), "rtk_kernels.DecodeLayers: layer range");
+    const int64_t slots = k_pool.size(1);
+    const auto* pos = positions.data_ptr<int64_t>();
+    const auto* ws = write_slots.data_ptr<int64_t>();
+    const auto* cs = ctx_slots.data_ptr<int64_t>();
+    const auto* cb = ctx_bounds.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r) {
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && ws[r] >= 0 && ws[r] < slots &&
+                      0 <= cb[2 * r] && cb[2 * r] < cb[2 * r + 1] && cb[2 * r + 1] <= ctx_slots.numel(),
+                  "rtk_kernels.DecodeLayers: a position, slot or context bound is out of range");
+      for (int64_t j = cb[2 * r]; j < cb[2 * r + 1]; ++j)
+        TORCH_CHECK(cs[j] >= 0 && cs[j] < slots, "rtk_kernels.DecodeLayers: context slot out of range");
+    }
+    h = h.contiguous().clone();
+    const auto* cos_t = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+    const auto* sin_t = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+    const int64_t layer_slots = slots * KVH * D;
+    const int64_t kv_elt = k_pool.element_size();
+    for (int64_t li = begin; li < end; ++li) {
+      const DecodeLayer& layer = layers[li];
+      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm), codes_max_rows);  // [m, (H + 2 KVH) D]
+      auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr());
+      const int64_t width = (H + 2 * KVH) * D;
+      // RoPE on q and k heads, with model.py's bf16 roundings: x * cos + x[swap] * signed sin
+      for (int64_t r = 0; r < m; ++r) {
+        const uint16_t* c = cos_t + pos[r] * D;
+        const uint16_t* s = sin_t + pos[r] * D;
+        for (int64_t hd = 0; hd < H + KVH; ++hd) {
+          uint16_t* v = q + r * width + hd * D;
+          uint16_t out[512];
+          for (int64_t d = 0; d < D; ++d) {
+            const float a = round_bf16(bf16_to_float(v[d]) * bf16_to_float(c[d]));
+            const float b = round_bf16(bf16_to_float(v[(d + half) % D]) * bf16_to_float(s[d]));
+            out[d] = float_to_bf16(a + b);
+          }
+          std::memcpy(v, out, D * 2);
+        }
+      }
+      char* kp = static_cast<char*>(k_pool.data_ptr()) + li * layer_slots * kv_elt;
+      char* vp = static_cast<char*>(v_pool.data_ptr()) + li * layer_slots * kv_elt;
+      for (int64_t r = 0; r < m; ++r) {
+        store_kv(kp, ws[r], q + r * width + H * D, layer.k_scale);
+        store_kv(vp, ws[r], q + r * width + (H + KVH) * D, layer.v_scale);
+      }
+      // attention: torch's SDPA on float32 q/k/v, one call per row over its own context (model.py's
+      // "exact" decode batching, and transformers' call for a lone decode)
+      auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).view({m, H, D});
+      std::vector<at::Tensor> outs;
+      outs.reserve(m);
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t count = cb[2 * r + 1] - cb[2 * r];
+        auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale);
+        auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale);
+        auto o = at::scaled_dot_product_attention(qf[r].view({1, H, 1, D}), k, v, c10::nullopt, 0.0, false, scale,
+                                                  KVH != H);
+        outs.push_back(o.view({1, H * D}));
+      }
+      auto attn = (m == 1 ? outs[0] : at::cat(outs)).to(at::kBFloat16);
+      add_into(h, layer.proj[1](attn, codes_max_rows));
+      auto gu = layer.proj[2](rms_norm(h, layer.post_norm), codes_max_rows);
+      const int64_t inter = gu.size(1) / 2;
+      auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the bf16 product
+      auto* ac = reinterpret_cast<uint16_t*>(act.data_ptr());
+      const auto* up = reinterpret_cast<const uint16_t*>(gu.data_ptr()) + inter;
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < inter; ++i)
+          ac[r * inter + i] = float_to_bf16(bf16_to_float(ac[r * inter + i]) * bf16_to_float(up[r * 2 * inter + i]));
+      add_into(h, layer.proj[3](act, codes_max_rows));
+    }
+    return h;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_kernels, m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, at::Tensor, at::Tensor>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_projection", &DecodeLayers::add_projection)
+      .def("forward", &DecodeLayers::forward);
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
   m.def("pack_q(Tensor codes, int kind) -> Tensor", &pack_q);

@@ -12,6 +12,8 @@
   projection's input in one pass (eight torch operators otherwise), with torch's bits.
 * ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
   (for float32 attention; two index_select and two conversions otherwise).
+* ``DecodeLayers``: the decode rows' whole decoder layers in one call, the ~30 small operators per
+  layer between the GEMVs done in C++ with the operators' bits (:class:`DecodeLayers`).
 
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16, about
 10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is impossible (no
@@ -170,3 +172,46 @@ def quantize_input(
 ) -> torch.Tensor:
     """``fake_quant(x * pre_quant_scale, act_kind, act_scale)`` for bf16 ``x`` (either step optional), in one pass."""
     return torch.ops.rtk_kernels.quantize_input(x, pre_quant_scale, ACT_KINDS[act_kind], act_scale)
+
+
+KV_KINDS = {None: 0, "fp8": 1, "int8": 2}
+
+
+class DecodeLayers:
+    """Decode rows through whole decoder layers in one C++ call (``kernels.cpp``, 5).
+
+    It runs what ~30 torch operators per layer do around the GEMVs (RMSNorm, RoPE, K/V writes into
+    the paged pool, float32 attention over each row's own context, residual adds, SiLU), with the
+    projections through :func:`gemv` / :func:`gemv_q` and :func:`quantize_input` as the operator
+    path calls them, and gives the operator path's bits: elementwise steps are single correctly
+    rounded operations done by hand, RMSNorm's sum, the attention and SiLU are ATen's own operators
+    called from C++ (no Python between them).  Each row attends alone, as decode batching "exact".
+    """
+
+    def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, codes_max_rows, cos, sin):
+        self._layers = torch.classes.rtk_kernels.DecodeLayers(
+            heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], codes_max_rows, cos, sin
+        )
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        self._layers.add_layer(input_norm, post_norm, float(k_scale), float(v_scale))
+
+    def add_projection(self, proj) -> None:
+        """A :class:`toolkit.runtime.model.Projection` with rtk's GEMV (qkv, o, gate_up, down in this order)."""
+        q = proj.quant
+        self._layers.add_projection(
+            proj.gemv,
+            q.codes if q else None,
+            q.scales if q else None,
+            QUANT_KINDS[q.kind] if q else 0,
+            proj.out_features,
+            proj.bias,
+            proj.pre_quant_scale,
+            ACT_KINDS[proj.act_kind],
+            proj.act_scale_value,
+        )
+
+    def forward(self, h, positions, write_slots, ctx_slots, ctx_bounds, pool, begin: int, end: int) -> torch.Tensor:
+        """``h [rows, hidden]`` bf16 after layers ``[begin, end)``; row ``r`` writes its K/V at ``write_slots[r]``
+        and attends to ``ctx_slots[ctx_bounds[r, 0]:ctx_bounds[r, 1]]`` of ``pool`` (a ``KVPool``)."""
+        return self._layers.forward(h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end)

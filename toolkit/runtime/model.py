@@ -10,7 +10,9 @@ formats already dequantized) and are prepared once for speed:
 * decode rows' matmuls and float32 K/V reads through rtk's own CPU kernels
   (:mod:`toolkit.runtime.kernels`) where they give the same bits (checked at load); for FP8,
   INT8 and INT4 exports the decode GEMV reads the codes (a half / a quarter of bf16's bytes) and
-  rebuilds the dense bf16 weights in registers, so quantized and dense paths give the same bits.
+  rebuilds the dense bf16 weights in registers, so quantized and dense paths give the same bits;
+* decode rows' whole layers in one C++ call (``kernels.DecodeLayers``, ``fused_decode``): the small
+  operators between the projections without Python, with the operators' bits.
 
 Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre_quant_scale``
 are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype
@@ -512,6 +514,12 @@ class StepPlan:
     prefills: list[PrefillChunk] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None  # rows whose logits are needed; None = all
 
+    def prompt_rows(self) -> StepPlan:
+        """The plan of the prompt rows alone (rows ``[num_decode, T)``, renumbered from 0)."""
+        b = self.num_decode
+        chunks = [PrefillChunk(c.start - b, c.length, c.cached, c.slots, c.units) for c in self.prefills]
+        return StepPlan(positions=self.positions[b:], write_slots=self.write_slots[b:], prefills=chunks)
+
 
 def build_plan(
     work: list[tuple[list[int], int, int, bool]],
@@ -610,6 +618,7 @@ class Transformer:
         int_kernels: bool = True,
         batch_invariant: bool = True,
         cpu_kernels: bool = True,
+        fused_decode: bool = True,
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -638,6 +647,38 @@ class Transformer:
         self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
         self.batch_invariant = batch_invariant
+        self.fused = self._fused_decode() if fused_decode and self.fast_gather else None
+
+    def _fused_decode(self):
+        """rtk's fused decode layers (``kernels.DecodeLayers``) where every projection runs rtk's GEMV, else None."""
+        if self.attn_dtype != torch.float32 or self.dtype != torch.bfloat16:
+            return None
+        groups = [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for g in groups:
+            p = g.parts[0]
+            quantized_input = p.pre_quant_scale is not None or p.act_kind is not None
+            if len(g.parts) != 1 or p.gemv is None or p.int8 or p.int4 or (quantized_input and not p.fused_input):
+                log.info("rtk's fused decode step does not apply here (%s); torch's operators run it", p.kernel)
+                return None
+        kv = self.kv_quant
+        fused = kernels.DecodeLayers(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+            kv.kind if kv else None,
+            QUANT_MAX_ROWS,
+            self.cos,
+            self.sin,
+        )
+        for li, layer in enumerate(self.layers):
+            fused.add_layer(
+                layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
+            )
+            for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                fused.add_projection(g.parts[0])
+        return fused
 
     @staticmethod
     def _kv_quant(ckpt: Checkpoint) -> KVQuant | None:
@@ -678,16 +719,43 @@ class Transformer:
 
     def forward(self, input_ids: torch.Tensor, plan: StepPlan, pool: KVPool) -> torch.Tensor:
         """Logits (float32) for ``plan.logit_rows`` (all rows when None) of the flat token batch."""
+        h = F.embedding(input_ids, self.embed)
+        B = plan.num_decode
+        if self.fused is not None and 0 < B <= GEMV_MAX_ROWS:
+            # decode rows through rtk's fused layers, prompt rows (if any) through torch's operators
+            bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64)
+            positions, slots = plan.positions[:B], plan.write_slots[:B]
+
+            def decode(x: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+                return self.fused.forward(x, positions, slots, plan.decode_slots, bounds, pool, begin, end)
+
+            if not plan.prefills:
+                h = decode(h, 0, len(self.layers))
+            else:
+                rest = plan.prompt_rows()
+                for li in range(len(self.layers)):
+                    h = torch.cat([decode(h[:B], li, li + 1), self._layers(h[B:], rest, pool, li, li + 1)])
+        else:
+            h = self._layers(h, plan, pool, 0, len(self.layers))
+        singles = 0 if self.batch_invariant else None  # every row of a scoring pass is a prefill row
+        if plan.logit_rows is not None:
+            h = h.index_select(0, plan.logit_rows)
+            if self.batch_invariant:
+                singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
+        return self.lm_head(self._rms_norm(h, self.final_norm), singles).float()
+
+    def _layers(self, h: torch.Tensor, plan: StepPlan, pool: KVPool, begin: int, end: int) -> torch.Tensor:
+        """Layers ``[begin, end)`` over the rows of ``plan`` with torch's operators."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        T = input_ids.shape[0]
+        T = h.shape[0]
         cos = self.cos.index_select(0, plan.positions)[:, None, :]
         sin = self.sin.index_select(0, plan.positions)[:, None, :]
-        h = F.embedding(input_ids, self.embed)
         swap = self.rope_swap
         B = plan.num_decode
         rows = B if self.batch_invariant else None  # see Projection.__call__
         gqa = KVH != H
-        for li, layer in enumerate(self.layers):
+        for li in range(begin, end):
+            layer = self.layers[li]
             x = self._rms_norm(h, layer.input_norm)
             qkv = layer.qkv(x, rows)
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
@@ -747,9 +815,4 @@ class Transformer:
             gu = layer.gate_up(x, rows)
             inter = gu.shape[-1] // 2
             h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], rows)
-        singles = 0 if self.batch_invariant else None  # every row of a scoring pass is a prefill row
-        if plan.logit_rows is not None:
-            h = h.index_select(0, plan.logit_rows)
-            if self.batch_invariant:
-                singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
-        return self.lm_head(self._rms_norm(h, self.final_norm), singles).float()
+        return h

@@ -1,0 +1,152 @@
+"""rtk's fused decode step (``kernels.DecodeLayers``, ``EngineConfig.fused_decode``) against torch's operators.
+
+The fused step runs the decode rows' layers in one C++ call; it must give the operator path's
+logits bit for bit (the operator path is itself bit-identical to transformers, test_runtime_engine.py),
+on every decode step, for one and several sequences, grouped-query and multi-query attention,
+biases, quantized KV caches and quantized exports, and a row's logits must not depend on what
+else is in the step.  The float32 engine is the check that the comparison can fail: it differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.runtime import kernels
+from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
+from toolkit.runtime.model import build_plan
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="rtk's CPU kernels need AVX512-BF16 and a compiler")
+
+BASE = dict(max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+def forced_logits(engine: Engine, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of each decode step (``[len(prompts), vocab]``) with the given tokens fed back (teacher forcing)."""
+    model, tpb = engine.model, engine.config.tokens_per_block
+    per_seq = -(-engine.config.max_seq_len // tpb)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    with torch.inference_mode():
+        for table, ids in zip(tables, prompts, strict=True):
+            model.forward(torch.tensor(ids), build_plan([(table, 0, len(ids), True)], tpb, 64), engine.pool)
+        steps = []
+        for s in range(len(forced[0])):
+            work = [(t, len(p) + s, 1, False) for t, p in zip(tables, prompts, strict=True)]
+            ids = torch.tensor([f[s] for f in forced])
+            steps.append(model.forward(ids, build_plan(work, tpb, 64), engine.pool))
+    return steps
+
+
+def assert_same_bits(fused, operators, float32, what: str) -> None:
+    for step, (a, b, c) in enumerate(zip(fused, operators, float32, strict=True)):
+        assert torch.equal(a, b), f"{what}, step {step}: max difference {(a - b).abs().max().item()}"
+        assert not torch.equal(a, c)  # a different arithmetic shows
+
+
+def engines(path, **kw):
+    """The fused step, torch's operators (one attention call per sequence, as the fused step), float32."""
+    fused = Engine(path, EngineConfig(**BASE, **kw))
+    assert fused.model.fused is not None
+    operators = Engine(path, EngineConfig(**BASE, **kw, fused_decode=False, decode_batching="exact"))
+    assert operators.model.fused is None
+    float32 = Engine(path, EngineConfig(**BASE, **{**kw, "dtype": "float32"}))
+    return fused, operators, float32
+
+
+def compare(path, what: str, batch: int = 3, steps: int = 12, **kw) -> None:
+    fused, operators, float32 = engines(path, **kw)
+    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (16, 3), (70, 4)][:batch]]
+    forced = [prompt(steps, 10 + i) for i in range(batch)]
+    got = [forced_logits(e, prompts, forced) for e in (fused, operators, float32)]
+    assert_same_bits(*got, what)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_logits_are_the_operators_bits(tiny_llama_dir, batch):
+    compare(tiny_llama_dir, f"bf16, batch {batch}", batch=batch)
+
+
+def test_one_kv_head_and_attention_biases(tmp_path, smollm2_tokenizer_dir):
+    from conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "mqa", smollm2_tokenizer_dir, seed=3, num_key_value_heads=1, attention_bias=True)
+    compare(path, "one KV head, q/k/v biases")
+
+
+@pytest.mark.parametrize("kind,scales", [("FP8", (0.02, 0.01)), ("INT8", (0.05, 0.03))])
+def test_quantized_kv_cache(tmp_path, tiny_llama_dir, kind, scales):
+    """K/V stored as 1-byte codes with per-layer scales (as in test_runtime_engine's KV-cache test)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / f"kv-{kind}"
+    shutil.copytree(tiny_llama_dir, path)
+    tensors = load_file(path / "model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    quant = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}}
+    (path / "hf_quant_config.json").write_text(json.dumps(quant))
+    compare(path, f"{kind} KV cache")
+
+
+def test_a_rows_numbers_do_not_depend_on_the_batch(tiny_llama_dir):
+    """Alone, or decoding beside others while a long prompt is prefilled in chunks: the same bits."""
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    ids = prompt(9, 5)
+    alone = forced_logits(engine, [ids], [prompt(6, 20)])
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    batched = forced_logits(engine, [prompt(30, 6), ids, prompt(3, 7)], [prompt(6, 21), prompt(6, 20), prompt(6, 22)])
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.equal(a[0], b[1])
+    # generation with a 150-token prompt arriving mid-stream (mixed steps: decode rows fused, prompt rows not)
+    alone = Engine(tiny_llama_dir, EngineConfig(**BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    rid = engine.add_request(GenerationRequest(ids, 20, end_id=-1))
+    got: list[int] = []
+    for step in range(200):
+        if step == 3:
+            engine.add_request(GenerationRequest(prompt(150, 8), 4, end_id=-1))
+        got += [e.token_id for e in engine.step() if e.request_id == rid and e.token_id is not None]
+        if not engine.has_work():
+            break
+    assert got == alone
+
+
+def test_prompt_rows_are_the_operators_bits(tiny_llama_dir):
+    fused, operators, _ = engines(tiny_llama_dir)
+    ids = prompt(40, 9)
+    assert torch.equal(fused.prompt_logits(ids), operators.prompt_logits(ids))
+
+
+def test_it_applies_only_where_rtks_kernels_run(tiny_llama_dir):
+    assert Engine(tiny_llama_dir, EngineConfig(**BASE, cpu_kernels=False)).model.fused is None
+    assert Engine(tiny_llama_dir, EngineConfig(**BASE, attention_dtype="model")).model.fused is None
+    assert Engine(tiny_llama_dir, EngineConfig(**BASE, dtype="float32")).model.fused is None
+
+
+def test_bad_inputs_are_refused_by_the_kernel(tiny_llama_dir):
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    fused, pool = engine.model.fused, engine.pool
+    h = torch.zeros(1, engine.model.config.hidden_size, dtype=torch.bfloat16)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.forward(h, one, torch.tensor([pool.num_slots]), one, torch.tensor([[0, 1]]), pool, 0, 1)
+    with pytest.raises(RuntimeError, match="layer range"):
+        fused.forward(h, one, one, one, torch.tensor([[0, 1]]), pool, 0, 99)
