@@ -57,10 +57,10 @@ def assert_same_bits(fused, operators, float32, what: str) -> None:
 
 
 def engines(path, **kw):
-    """The fused step, torch's operators (one attention call per sequence, as the fused step), float32."""
+    """The fused step, torch's operators (the same decode batching), float32."""
     fused = Engine(path, EngineConfig(**BASE, **kw))
     assert fused.model.fused is not None
-    operators = Engine(path, EngineConfig(**BASE, **kw, fused_decode=False, decode_batching="exact"))
+    operators = Engine(path, EngineConfig(**BASE, **kw, fused_decode=False))
     assert operators.model.fused is None
     float32 = Engine(path, EngineConfig(**BASE, **{**kw, "dtype": "float32"}))
     return fused, operators, float32
@@ -68,15 +68,16 @@ def engines(path, **kw):
 
 def compare(path, what: str, batch: int = 3, steps: int = 12, **kw) -> None:
     fused, operators, float32 = engines(path, **kw)
-    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (16, 3), (70, 4)][:batch]]
+    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (16, 3), (70, 4)][:batch]]  # unequal contexts
     forced = [prompt(steps, 10 + i) for i in range(batch)]
     got = [forced_logits(e, prompts, forced) for e in (fused, operators, float32)]
     assert_same_bits(*got, what)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_logits_are_the_operators_bits(tiny_llama_dir, batch):
-    compare(tiny_llama_dir, f"bf16, batch {batch}", batch=batch)
+@pytest.mark.parametrize("batch,batching", [(1, "attention"), (3, "attention"), (3, "exact"), (4, "full")])
+def test_fused_logits_are_the_operators_bits(tiny_llama_dir, batch, batching):
+    """ "attention" (the default): one masked attention call for all decode rows; "exact": one per row."""
+    compare(tiny_llama_dir, f"bf16, batch {batch}, {batching}", batch=batch, decode_batching=batching)
 
 
 def test_one_kv_head_and_attention_biases(tmp_path, smollm2_tokenizer_dir):
@@ -107,17 +108,19 @@ def test_quantized_kv_cache(tmp_path, tiny_llama_dir, kind, scales):
 
 
 def test_a_rows_numbers_do_not_depend_on_the_batch(tiny_llama_dir):
-    """Alone, or decoding beside others while a long prompt is prefilled in chunks: the same bits."""
-    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    """Alone, or decoding beside others while a long prompt is prefilled in chunks: the same bits
+    (decode batching "exact": each row attends alone)."""
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE, decode_batching="exact"))
     ids = prompt(9, 5)
     alone = forced_logits(engine, [ids], [prompt(6, 20)])
-    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE, decode_batching="exact"))
     batched = forced_logits(engine, [prompt(30, 6), ids, prompt(3, 7)], [prompt(6, 21), prompt(6, 20), prompt(6, 22)])
     for a, b in zip(alone, batched, strict=True):
         assert torch.equal(a[0], b[1])
     # generation with a 150-token prompt arriving mid-stream (mixed steps: decode rows fused, prompt rows not)
-    alone = Engine(tiny_llama_dir, EngineConfig(**BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
-    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    exact = EngineConfig(**BASE, decode_batching="exact")
+    alone = Engine(tiny_llama_dir, exact).generate(GenerationRequest(ids, 20, end_id=-1))
+    engine = Engine(tiny_llama_dir, exact)
     rid = engine.add_request(GenerationRequest(ids, 20, end_id=-1))
     got: list[int] = []
     for step in range(200):

@@ -162,7 +162,7 @@ def step_logits(engine, prompts: list[list[int]], new_tokens: int = 10) -> list[
 def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama_dir, fmt):
     """A real ModelOpt export (tiny Llama): decoding through rtk's GEMV over the codes and its fused decode
     step, alone and three sequences together, gives every step the logits of the dense bf16 path
-    (torch's operators, one attention call per sequence) exactly."""
+    (torch's operators) exactly."""
     from conftest import spec_for
 
     from toolkit.quantize import quantize
@@ -179,7 +179,7 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
     fast = Engine(hf, EngineConfig(**cfg))
     assert fast.model.fused is not None
-    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False, decode_batching="exact"))
+    dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
     kind = {"fp8": "fp8", "int8_sq": "int8", "int4_awq": "int4"}[fmt]
     used = {
         p.kernel

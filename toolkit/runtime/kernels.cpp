@@ -514,31 +514,40 @@ struct DecodeLayers : torch::CustomClassHolder {
     }
   }
 
-  // K and V of one row's context as float32 [1, kv_heads, L, head_dim] views, as KVPool.gather gives them
-  // (bf16 exactly widened; codes as float32(code) * scale)
+  // K or V at the given slots as float32 [count, kv_heads, head_dim], as KVPool.gather gives them (bf16
+  // exactly widened; codes as float32(code) * scale)
   at::Tensor gather(const void* pool, const int64_t* slots, int64_t count, double kv_scale) const {
     const int64_t row = kv_heads * head_dim;
     auto out = at::empty({count, kv_heads, head_dim}, at::kFloat);
     float* o = out.data_ptr<float>();
-    const float s = static_cast<float>(kv_scale);
-    for (int64_t j = 0; j < count; ++j) {
-      if (kv_kind == 0) {
-        const auto* src = static_cast<const uint16_t*>(pool) + slots[j] * row;
-        for (int64_t i = 0; i < row; ++i) o[j * row + i] = bf16_to_float(src[i]);
-      } else {
-        const auto* src = static_cast<const uint8_t*>(pool) + slots[j] * row;
-        for (int64_t i = 0; i < row; ++i) {
-          const float v = kv_kind == 1 ? static_cast<float>(c10::Float8_e4m3fn(src[i], c10::Float8_e4m3fn::from_bits()))
-                                       : static_cast<float>(static_cast<int8_t>(src[i]));
-          o[j * row + i] = v * s;
-        }
+    float table[256];  // a code's float32 value times the scale, one multiplication as KVPool._decode does
+    if (kv_kind != 0) {
+      const float s = static_cast<float>(kv_scale);
+      for (int c = 0; c < 256; ++c) {
+        const uint8_t b = static_cast<uint8_t>(c);
+        const float v = kv_kind == 1 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
+                                     : static_cast<float>(static_cast<int8_t>(b));
+        table[c] = v * s;
       }
     }
-    return out.transpose(0, 1).unsqueeze(0);
+    at::parallel_for(0, count, std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t j = a; j < b; ++j) {
+        float* dst = o + j * row;
+        if (kv_kind == 0) {
+          const auto* src = static_cast<const uint16_t*>(pool) + slots[j] * row;
+          for (int64_t i = 0; i < row; ++i) dst[i] = bf16_to_float(src[i]);
+        } else {
+          const auto* src = static_cast<const uint8_t*>(pool) + slots[j] * row;
+          for (int64_t i = 0; i < row; ++i) dst[i] = table[src[i]];
+        }
+      }
+    });
+    return out;
   }
 
   at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor write_slots, at::Tensor ctx_slots,
-                     at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end) {
+                     at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end,
+                     c10::optional<at::Tensor> padded_slots, c10::optional<at::Tensor> padded_mask) {
     const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
     TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2, "rtk_kernels.DecodeLayers: h is [rows, hidden] bf16");
     TORCH_CHECK(positions.numel() == m && write_slots.numel() == m && ctx_bounds.size(0) == m &&
@@ -562,6 +571,17 @@ struct DecodeLayers : torch::CustomClassHolder {
                   "rtk_kernels.DecodeLayers: a position, slot or context bound is out of range");
       for (int64_t j = cb[2 * r]; j < cb[2 * r + 1]; ++j)
         TORCH_CHECK(cs[j] >= 0 && cs[j] < slots, "rtk_kernels.DecodeLayers: context slot out of range");
+    }
+    const bool batched = padded_slots.has_value();
+    at::Tensor padded;
+    if (batched) {
+      padded = padded_slots->contiguous();
+      TORCH_CHECK(padded.scalar_type() == at::kLong && padded.dim() == 2 && padded.size(0) == m &&
+                      padded_mask.has_value() && padded_mask->size(0) == m && padded_mask->size(-1) == padded.size(1),
+                  "rtk_kernels.DecodeLayers: padded slots [rows, L] int64 with their mask [rows, 1, 1, L]");
+      const auto* ps = padded.data_ptr<int64_t>();
+      for (int64_t j = 0; j < padded.numel(); ++j)
+        TORCH_CHECK(ps[j] >= 0 && ps[j] < slots, "rtk_kernels.DecodeLayers: context slot out of range");
     }
     h = h.contiguous().clone();
     const auto* cos_t = reinterpret_cast<const uint16_t*>(cos.data_ptr());
@@ -594,15 +614,24 @@ struct DecodeLayers : torch::CustomClassHolder {
         store_kv(kp, ws[r], q + r * width + H * D, layer.k_scale);
         store_kv(vp, ws[r], q + r * width + (H + KVH) * D, layer.v_scale);
       }
-      // attention: torch's SDPA on float32 q/k/v, one call per row over its own context (model.py's
-      // "exact" decode batching, and transformers' call for a lone decode)
+      // attention: torch's SDPA on float32 q/k/v as model.py calls it: one call per row over its own
+      // context ("exact" decode batching, transformers' call for a lone decode), or with padded_slots one
+      // masked call over every row's context padded to the longest ("attention" decode batching)
       auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).view({m, H, D});
       std::vector<at::Tensor> outs;
       outs.reserve(m);
-      for (int64_t r = 0; r < m; ++r) {
+      if (batched) {
+        const int64_t len = padded.size(1);
+        auto k = gather(kp, padded.data_ptr<int64_t>(), m * len, layer.k_scale).view({m, len, KVH, D}).transpose(1, 2);
+        auto v = gather(vp, padded.data_ptr<int64_t>(), m * len, layer.v_scale).view({m, len, KVH, D}).transpose(1, 2);
+        auto o = at::scaled_dot_product_attention(qf.view({m, H, 1, D}), k, v, padded_mask, 0.0, false, scale,
+                                                  KVH != H);
+        outs.push_back(o.view({m, H * D}));
+      }
+      for (int64_t r = 0; r < m && !batched; ++r) {
         const int64_t count = cb[2 * r + 1] - cb[2 * r];
-        auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale);
-        auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale);
+        auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale).transpose(0, 1).unsqueeze(0);
+        auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale).transpose(0, 1).unsqueeze(0);
         auto o = at::scaled_dot_product_attention(qf[r].view({1, H, 1, D}), k, v, c10::nullopt, 0.0, false, scale,
                                                   KVH != H);
         outs.push_back(o.view({1, H * D}));

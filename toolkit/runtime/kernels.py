@@ -211,7 +211,12 @@ class DecodeLayers:
             proj.act_scale_value,
         )
 
-    def forward(self, h, positions, write_slots, ctx_slots, ctx_bounds, pool, begin: int, end: int) -> torch.Tensor:
+    def forward(
+        self, h, positions, write_slots, ctx_slots, ctx_bounds, pool, begin: int, end: int, padded=None, mask=None
+    ) -> torch.Tensor:
         """``h [rows, hidden]`` bf16 after layers ``[begin, end)``; row ``r`` writes its K/V at ``write_slots[r]``
-        and attends to ``ctx_slots[ctx_bounds[r, 0]:ctx_bounds[r, 1]]`` of ``pool`` (a ``KVPool``)."""
-        return self._layers.forward(h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end)
+        and attends to ``ctx_slots[ctx_bounds[r, 0]:ctx_bounds[r, 1]]`` of ``pool`` (a ``KVPool``), or, given
+        ``padded`` slots ``[rows, L]`` and their ``mask`` ``[rows, 1, 1, L]``, all rows in one masked call."""
+        return self._layers.forward(
+            h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end, padded, mask
+        )

@@ -724,10 +724,11 @@ class Transformer:
         if self.fused is not None and 0 < B <= GEMV_MAX_ROWS:
             # decode rows through rtk's fused layers, prompt rows (if any) through torch's operators
             bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64)
-            positions, slots = plan.positions[:B], plan.write_slots[:B]
+            positions, slots, ctx = plan.positions[:B], plan.write_slots[:B], plan.decode_slots
+            padded, mask = plan.decode_padded, plan.decode_mask  # None: each row attends alone
 
             def decode(x: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-                return self.fused.forward(x, positions, slots, plan.decode_slots, bounds, pool, begin, end)
+                return self.fused.forward(x, positions, slots, ctx, bounds, pool, begin, end, padded, mask)
 
             if not plan.prefills:
                 h = decode(h, 0, len(self.layers))
