@@ -19,10 +19,12 @@
   ``stream``.  Every request asks for exactly ``--output-tokens`` tokens (rtk ``end_id=-1``, the peer
   ``ignore_eos``); each streamed event is a token.  Prompts are distinct plain texts of about
   ``--prompt-words`` words whose first words differ, so neither server's prefix cache hits.
-* **Fairness.** Both servers use ``--threads`` threads (llama-server ``-t/-tb``; rtk's engine
-  ``build.num_threads``) and at least as many parallel slots (``-np``) as the highest
-  concurrency.  Only one server is alive at a time: per format, rtk runs every concurrency level,
-  stops, then the peer does; with ``--rounds`` > 1 they alternate again and samples are pooled.
+* **Fairness.** Both servers have the whole host: llama-server runs ``--threads`` threads
+  (``-t/-tb``), rtk's engine ``--rtk-threads`` (``build.num_threads``; by default rtk's served
+  default, all cores but one, leaving one to tritonserver, its python stubs and the front door).
+  llama-server has at least as many parallel slots (``-np``) as the highest concurrency.  Only
+  one server is alive at a time: per format, rtk runs every concurrency level, stops, then the
+  peer does; with ``--rounds`` > 1 they alternate again and samples are pooled.
 * **Reported**, per format and concurrency: TTFT p50/p99, ITL p50/p99 (every gap between events),
   aggregate output tokens/s (tokens / wall time of the level), and rtk / peer ratios (> 1 means rtk
   is better: faster TTFT, more tokens/s), with the load average and the client's own CPU time.
@@ -462,7 +464,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="requests per level not measured")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--prompt-words", type=int, default=40, help="words per prompt (~50 tokens)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t / -tb")
+    ap.add_argument(
+        "--rtk-threads",
+        type=int,
+        default=None,
+        help="rtk's build.num_threads (default: rtk's served default, all cores but one for the engine; "
+        "tritonserver, its python stubs and the front door use the rest)",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="times rtk and the peer alternate per format")
     ap.add_argument(
         "--calibration-samples", type=int, default=16, help="rtk quantize calibration samples (x 128 tokens)"
@@ -483,8 +492,9 @@ def main(argv=None) -> int:
     log(f"llama.cpp from {PEER_DIST}=={PEER_VERSION}: {how}")
 
     levels, n, slots = args.concurrency, args.output_tokens, max(args.concurrency)
+    rtk_threads = [] if args.rtk_threads is None else [f"build.num_threads={args.rtk_threads}"]
     base_sets = [
-        f"build.num_threads={args.threads}",
+        *rtk_threads,
         "build.enable_kv_cache_reuse=true",
         f"quantization.calibration.num_samples={args.calibration_samples}",
         "quantization.calibration.max_length=128",
@@ -530,7 +540,8 @@ def main(argv=None) -> int:
         results[fmt] = per
         print_table(fmt, kind, per, levels, n)
     log(
-        f"load average {loadavg()} at end; threads {args.threads} each; llama-server -np {slots}, "
+        f"load average {loadavg()} at end; llama-server -t/-tb {args.threads}, rtk build.num_threads "
+        f"{args.rtk_threads or 'unset (served default: all cores but one)'}; llama-server -np {slots}, "
         f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts"
     )
     if args.json:
