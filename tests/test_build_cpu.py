@@ -93,7 +93,7 @@ def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path,
     assert built == direct and len(built) == 6
 
 
-def test_a_served_engine_leaves_one_core_unless_the_spec_sets_its_threads(tmp_path, tiny_llama_dir, quantized_dir):
+def test_served_engine_decodes_on_all_cores_but_one_unless_the_spec_says(tmp_path, tiny_llama_dir, quantized_dir):
     import os
 
     import torch
@@ -109,8 +109,10 @@ def test_a_served_engine_leaves_one_core_unless_the_spec_sets_its_threads(tmp_pa
         assert load_engine(unset).config.num_threads is None  # the engine alone: torch's default, all cores
         served = load_engine(unset, served=True)
         assert served.config.num_threads == max(1, cores - 1) and torch.get_num_threads() == max(1, cores - 1)
+        assert served.config.prefill_threads == cores  # prompts prefill on every core
         spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 2})
-        assert load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config.num_threads == 2
+        config = load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config
+        assert (config.num_threads, config.prefill_threads) == (2, None)  # the spec's threads, for every step
     finally:
         torch.set_num_threads(before)
 

@@ -528,11 +528,27 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(max_seq_len=8192), "max_seq_len"),  # tiny model: max_position_embeddings 4096
         (dict(dtype="float16"), "dtype"),
         (dict(attention_dtype="bfloat16"), "attention_dtype"),
+        (dict(prefill_threads=0), "prefill_threads"),
     ],
 )
 def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
     with pytest.raises(UsageError, match=field):
         Engine(tiny_llama_dir, config(**{"max_input_len": 256, **kw}))
+
+
+def test_steps_that_prefill_run_on_prefill_threads(tiny_llama_dir):
+    engine = Engine(tiny_llama_dir, config(num_threads=1, prefill_threads=2))
+    seen = []
+    forward = engine.model.forward
+
+    def record(ids, plan, pool):
+        seen.append((bool(plan.prefills), torch.get_num_threads()))
+        return forward(ids, plan, pool)
+
+    engine.model.forward = record
+    engine.generate(greedy(prompt(100, 1), n=3))  # 100 tokens: two prefill steps of 64, then decodes
+    assert seen == [(True, 2), (True, 2), (False, 1), (False, 1)]
+    assert torch.get_num_threads() == 1
 
 
 def test_engine_config_from_build_spec():
@@ -547,9 +563,12 @@ def test_engine_config_from_build_spec():
             "kv_cache_blocks": 300,
             "tokens_per_block": 64,
             "enable_kv_cache_reuse": False,
+            "num_threads": 1,
+            "prefill_threads": 2,
         },
     )
     c = EngineConfig.from_build(spec.build)
+    assert (c.num_threads, c.prefill_threads) == (1, 2)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (
         4,
         128,

@@ -117,6 +117,12 @@ class BuildSpec(Section):
     num_threads: int | None = Field(
         None, ge=1, description="cpu: the engine's torch threads (default: all cores but one when served)"
     )
+    prefill_threads: int | None = Field(
+        None,
+        ge=1,
+        description="cpu: torch threads for engine steps that prefill prompts (default: all cores when served "
+        "without num_threads, else num_threads)",
+    )
 
     @field_validator("tokens_per_block")
     @classmethod

@@ -64,6 +64,9 @@ class EngineConfig:
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all cores
+    # threads for steps that prefill prompt rows (compute-bound, where the server's processes wait);
+    # None = num_threads.  Served without num_threads: all cores (targets.cpu.load_engine)
+    prefill_threads: int | None = None
     dtype: str = "auto"  # auto = bfloat16 where the CPU has native bf16, else float32
     # Attention (QK^T, softmax, PV) in float32 on the compute dtype's q/k/v: several times faster
     # than torch's bf16 CPU attention at decode shapes, and more accurate; "model" = the compute
@@ -102,6 +105,7 @@ class EngineConfig:
             enable_kv_cache_reuse=build.enable_kv_cache_reuse,
             enable_chunked_context=build.enable_chunked_context,
             num_threads=build.num_threads,
+            prefill_threads=build.prefill_threads,
         )
         return cls(**{**fields, **overrides})
 
@@ -141,6 +145,8 @@ class EngineConfig:
             bad("attention_dtype", f"'{self.attention_dtype}' is not 'float32' or 'model'")
         if self.num_threads is not None and self.num_threads < 1:
             bad("num_threads", f"{self.num_threads} must be at least 1")
+        if self.prefill_threads is not None and self.prefill_threads < 1:
+            bad("prefill_threads", f"{self.prefill_threads} must be at least 1")
 
 
 @dataclass
@@ -352,8 +358,17 @@ class Engine:
             batched=self.config.decode_batching != "exact",
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
+        threads = self.config.prefill_threads if plan.prefills else None
+        switch = threads is not None and threads != torch.get_num_threads()
+        if switch:
+            decode_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
         with torch.inference_mode():
-            logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
+            try:
+                logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
+            finally:
+                if switch:
+                    torch.set_num_threads(decode_threads)
             for seq, n in work:
                 self.scheduler.commit(seq, n)
             next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])

@@ -101,7 +101,8 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
     """The :class:`toolkit.runtime.engine.Engine` of a cpu engine directory (``overrides``: EngineConfig fields).
 
     ``served``: the engine runs inside tritonserver, so without a ``num_threads`` it takes
-    :func:`served_threads`.
+    :func:`served_threads` for decode steps, and all cores for steps that prefill prompts (unless
+    ``prefill_threads`` says otherwise): while a prompt is prefilled the server's processes mostly wait.
     """
     from ..runtime.engine import Engine, EngineConfig
 
@@ -118,6 +119,8 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
         ) from None
     if served and config.num_threads is None:
         config.num_threads = served_threads()
+        if config.prefill_threads is None:
+            config.prefill_threads = len(os.sched_getaffinity(0))
     return Engine(engine_dir / CHECKPOINT_DIR, config)
 
 
