@@ -109,6 +109,8 @@ def quantized(kind: str, n: int, k: int, seed: int, group: int = 64):
         return codes, scale, codes.float() * scale.repeat_interleave(group, dim=1)
     w = torch.randn(n, k, generator=g) * 40
     w[0, :6] = torch.tensor([0.0, 448.0, -448.0, 2.0**-9, -(2.0**-7), 0.01])  # extremes and subnormals of e4m3
+    finite = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.uint8)
+    w[1, :254] = finite.view(torch.float8_e4m3fn).float()  # every finite e4m3 value, both signs
     codes = w.clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.full((n,), 3.1e-4)
     scale[n // 2 :] = 0.0213  # fused projections: a scale per part

@@ -149,16 +149,19 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
 //    high nibble, both offset by 8).  Scales: [ceil(N/64), groups, 128] float32, element
 //    (16j + 8h + i/2) of a block's group duplicated into slots 32j + 16h + i, the order of the
 //    two-vector halves, so one scale vector multiplies 16 converted codes.
-//    fp8 e4m3: the byte's magnitude bits shifted into a float16 (exponent bias 15 instead of 7,
-//    subnormals included) and converted exactly, with 2^8 folded into the scale (exact).
+//    fp8 e4m3: the byte's magnitude bits shifted into a float32's exponent and mantissa (exponent
+//    bias 127 instead of 7: the code's value times 2^-120, subnormal codes as float subnormals),
+//    with 2^120 folded into the scale (exact).
 
 enum QuantKind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
 
 inline __m512 codes8_to_float(__m128i bytes, int64_t kind) {
   if (kind == kInt8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-  // sign-extended to 16 bits and shifted by 7: magnitude at bits 7-13, sign at 14 and 15; drop bit 14
-  const __m256i v = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
-  return _mm512_cvtph_ps(_mm256_and_si256(v, _mm256_set1_epi16(static_cast<short>(0xBF80))));
+  // sign-extended to 32 bits and shifted by 20: the magnitude's exponent and mantissa bits land in a
+  // float's (bits 20-26), the sign at 27-31; keeping bit 31 makes the float the code's value times
+  // 2^-120 exactly (normal and subnormal codes alike), 2^120 being folded into the scale
+  const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0x87F00000u))));
 }
 
 const __m512 kInt4Values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -138,7 +138,7 @@ class QuantizedWeight:
     def pack(cls, kind: str, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
         if kind == "fp8":
             codes = codes.view(torch.uint8)
-            scale = scale.to(torch.float32) * 256  # the kernel's float16 view of e4m3 is 2^-8 of its value
+            scale = scale.to(torch.float32) * 2.0**120  # the kernel's float32 view of e4m3 is 2^-120 of its value
         packed = torch.ops.rtk_kernels.pack_q(codes.contiguous(), QUANT_KINDS[kind])
         scales = torch.ops.rtk_kernels.pack_scales(scale.to(torch.float32).contiguous())
         return cls(kind, codes.shape[0], packed, scales)
