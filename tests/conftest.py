@@ -55,6 +55,39 @@ def make_tiny_llama(dest: Path, tokenizer_dir: Path, seed: int = 0, **overrides)
     return dest
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``).
+
+    Tests share 2 cores with other work; two OpenMP threads then stall on each other's barriers (2-3x
+    slower here).  Numbers are compared within one thread count, so this changes nothing."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def with_kv_cache_scales(src: Path, dest: Path, kind: str, scales: tuple[float, float]) -> Path:
+    """A copy of the 2-layer ``src`` checkpoint with a ``kind`` ("FP8" / "INT8") KV cache: per-layer k/v scales
+    ``scales * (layer + 1)`` and the hf_quant_config.json ModelOpt writes for it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    tensors = load_file(dest / "model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    quant = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}}
+    (dest / "hf_quant_config.json").write_text(json.dumps(quant))
+    return dest
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The embedded model's tokenizer and chat template, read from the GGUF (≈4 s)."""

@@ -27,17 +27,9 @@ from toolkit.runtime.engine import (
     TokenEvent,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tests share 2 cores with other work; two OpenMP threads then stall on each other's barriers
-    # (2-3x slower here).  Numbers are compared within one thread count, so this changes nothing.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(**kw) -> EngineConfig:
@@ -647,25 +639,13 @@ def test_other_architectures_match_transformers(tmp_path, smollm2_tokenizer_dir,
 @pytest.mark.parametrize("kind,scales", [("FP8", (0.02, 0.01)), ("INT8", (0.05, 0.03))])
 def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(tmp_path, tiny_llama_dir, kind, scales):
     """K/V stored as 1-byte codes after RoPE (as TensorRT-LLM's KV cache and ModelOpt's k/v_bmm_quantizer)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
+    from conftest import with_kv_cache_scales
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from toolkit.runtime.checkpoint import fake_quant
 
-    path = tmp_path / f"kv-{kind}"
-    shutil.copytree(tiny_llama_dir, path)
-    tensors = load_file(path / "model.safetensors")
-    for i in range(2):
-        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
-        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "hf_quant_config.json").write_text(
-        json.dumps({"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}})
-    )
+    path = with_kv_cache_scales(tiny_llama_dir, tmp_path / f"kv-{kind}", kind, scales)
 
     qkind = kind.lower()
 

@@ -16,17 +16,12 @@ from toolkit.runtime import kernels
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
 from toolkit.runtime.model import build_plan
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="rtk's CPU kernels need AVX512-BF16 and a compiler")
+pytestmark = [
+    pytest.mark.skipif(not kernels.available(), reason="rtk's CPU kernels need AVX512-BF16 and a compiler"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 BASE = dict(max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -90,20 +85,9 @@ def test_one_kv_head_and_attention_biases(tmp_path, smollm2_tokenizer_dir):
 @pytest.mark.parametrize("kind,scales", [("FP8", (0.02, 0.01)), ("INT8", (0.05, 0.03))])
 def test_quantized_kv_cache(tmp_path, tiny_llama_dir, kind, scales):
     """K/V stored as 1-byte codes with per-layer scales (as in test_runtime_engine's KV-cache test)."""
-    import json
-    import shutil
+    from conftest import with_kv_cache_scales
 
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path / f"kv-{kind}"
-    shutil.copytree(tiny_llama_dir, path)
-    tensors = load_file(path / "model.safetensors")
-    for i in range(2):
-        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(scales[0] * (i + 1))
-        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(scales[1] * (i + 1))
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    quant = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": kind}}
-    (path / "hf_quant_config.json").write_text(json.dumps(quant))
+    path = with_kv_cache_scales(tiny_llama_dir, tmp_path / f"kv-{kind}", kind, scales)
     compare(path, f"{kind} KV cache")
 
 

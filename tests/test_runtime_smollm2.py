@@ -10,7 +10,7 @@ import torch
 
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -18,15 +18,6 @@ QUESTIONS = [
     "Explain what a hash table is in two sentences.",
     "List three prime numbers.",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # see test_runtime_engine.py: two OpenMP threads on 2 shared cores stall each other
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +115,13 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
 
 
+def smollm2_checkpoint(request, checkpoint: str):
+    """The real model's bf16 checkpoint, or its FP8 export's hf/ directory."""
+    if checkpoint == "bf16":
+        return request.getfixturevalue("smollm2_dir")
+    return request.getfixturevalue("smollm2_fp8_dir") / "hf"
+
+
 @pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
 def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokenizer):
     """Every step's logits with rtk's kernels (GEMV, over bf16 or the FP8 export's codes; input
@@ -134,11 +132,7 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
 
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
-    path = (
-        request.getfixturevalue("smollm2_dir")
-        if checkpoint == "bf16"
-        else request.getfixturevalue("smollm2_fp8_dir") / "hf"
-    )
+    path = smollm2_checkpoint(request, checkpoint)
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     seen: dict[bool, list[torch.Tensor]] = {}
     for on in (True, False):
@@ -190,11 +184,7 @@ def test_fused_decode_gives_the_operators_bits(request, checkpoint, tokenizer):
 
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
-    path = (
-        request.getfixturevalue("smollm2_dir")
-        if checkpoint == "bf16"
-        else request.getfixturevalue("smollm2_fp8_dir") / "hf"
-    )
+    path = smollm2_checkpoint(request, checkpoint)
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     forced = [chat_ids(tokenizer, q)[-16:] for q in reversed(QUESTIONS)]  # real tokens, fed back
     got = [forced_logits(e, prompts, forced) for e in engines(path)]

@@ -75,8 +75,13 @@ def test_serves_a_python_model_on_loopback_and_stops_cleanly(tmp_path):
     with running_server(repo) as srv:
         pid = srv.process.pid
         assert srv.is_ready() and srv.model_ready("echo") and not srv.model_ready("nope")
-        # Every listening socket of the server is on 127.0.0.1, on the ports we asked for.
-        assert _listening_addresses(pid) == {f"127.0.0.1:{p}" for p in (srv.http_port, srv.grpc_port, srv.metrics_port)}
+        # Every listening socket of the server is on 127.0.0.1, on the ports we asked for.  Readiness
+        # does not wait for the last endpoint's listen() (CI once saw two of three), so poll briefly.
+        want = {f"127.0.0.1:{p}" for p in (srv.http_port, srv.grpc_port, srv.metrics_port)}
+        deadline = time.monotonic() + 5
+        while _listening_addresses(pid) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _listening_addresses(pid) == want
         body = json.dumps({"inputs": [{"name": "IN", "shape": [3], "datatype": "INT32", "data": [1, 2, 3]}]}).encode()
         req = urllib.request.Request(f"{srv.http_url}/v2/models/echo/infer", data=body, method="POST")
         with urllib.request.urlopen(req, timeout=10) as resp:
