@@ -734,8 +734,9 @@ class Transformer:
                 h = decode(h, 0, len(self.layers))
             else:
                 rest = plan.prompt_rows()
+                rope = self._rope(rest)  # once per step, not per layer
                 for li in range(len(self.layers)):
-                    h = torch.cat([decode(h[:B], li, li + 1), self._layers(h[B:], rest, pool, li, li + 1)])
+                    h = torch.cat([decode(h[:B], li, li + 1), self._layers(h[B:], rest, pool, li, li + 1, rope)])
         else:
             h = self._layers(h, plan, pool, 0, len(self.layers))
         singles = 0 if self.batch_invariant else None  # every row of a scoring pass is a prefill row
@@ -745,12 +746,16 @@ class Transformer:
                 singles = h.shape[0]  # one row per sequence, like transformers' logits_to_keep=1
         return self.lm_head(self._rms_norm(h, self.final_norm), singles).float()
 
-    def _layers(self, h: torch.Tensor, plan: StepPlan, pool: KVPool, begin: int, end: int) -> torch.Tensor:
-        """Layers ``[begin, end)`` over the rows of ``plan`` with torch's operators."""
+    def _rope(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at the plan's positions, ``[T, 1, head_dim]`` each."""
+        pos = plan.positions
+        return self.cos.index_select(0, pos)[:, None, :], self.sin.index_select(0, pos)[:, None, :]
+
+    def _layers(self, h: torch.Tensor, plan: StepPlan, pool: KVPool, begin: int, end: int, rope=None) -> torch.Tensor:
+        """Layers ``[begin, end)`` over the rows of ``plan`` with torch's operators (``rope``: :meth:`_rope`'s)."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         T = h.shape[0]
-        cos = self.cos.index_select(0, plan.positions)[:, None, :]
-        sin = self.sin.index_select(0, plan.positions)[:, None, :]
+        cos, sin = rope or self._rope(plan)
         swap = self.rope_swap
         B = plan.num_decode
         rows = B if self.batch_invariant else None  # see Projection.__call__
