@@ -24,7 +24,6 @@ Everything tritonserver prints goes to a log file beside the repository; errors 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -65,10 +64,6 @@ _NOISE = ("CudaDriverHelper has not been initialized",)
 
 
 # -- finding the binary -----------------------------------------------------------------------
-
-
-# tritonserver killed by a signal before its first log line is started again this many times
-START_RETRIES = 1
 
 
 @dataclass(frozen=True)
@@ -246,9 +241,20 @@ def state_path(repository: str | os.PathLike) -> Path:
     return run_dir(repo) / f"{repo.name}.json"
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """``cmd`` under util-linux's ``setpriv --pdeathsig TERM``: the kernel sends the server SIGTERM when
+    the thread that started it dies.  Without setpriv, ``cmd`` as it is (the server then outlives a
+    killed parent).
+
+    Not a ``preexec_fn``: Python code between fork and exec runs the parent's at-fork handlers in the
+    child, and grpcio's, with a ``grpc.aio`` channel busy in another thread (the in-process front
+    door), kill that child now and then (SIGSEGV / SIGBUS / SIGABRT before exec, so an empty log).
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        log.debug("setpriv not found; tritonserver will not be stopped if this process is killed")
+        return cmd
+    return [setpriv, "--pdeathsig", "TERM", *cmd]
 
 
 @dataclass(frozen=True)
@@ -330,7 +336,6 @@ class TritonServer(Endpoints):
         self.process: subprocess.Popen | None = None
         self._log_file = None
         self._detach = False
-        self._start_retries = 0
 
     @property
     def binary(self) -> TritonBinary:
@@ -398,30 +403,25 @@ class TritonServer(Endpoints):
         for what, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
             _check_port_free(self.host or "0.0.0.0", port, what)
         self._detach = detach
-        self._start_retries = START_RETRIES
-        self._launch_process()
-        return self
-
-    def _launch_process(self) -> None:
-        detach = self._detach
         cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._log_file is not None:
             self._log_file.close()
         self._log_file = open(self.log_path, "wb")
         log.info("starting %s", " ".join(cmd))
-        attached_here = not detach and threading.current_thread() is threading.main_thread()
+        # Attached from the main thread, the kernel also sends the server SIGTERM if this process dies
+        # without stopping it (the signal follows the starting thread, so not from other threads).
+        if not detach and threading.current_thread() is threading.main_thread():
+            cmd = _with_parent_death_signal(cmd)
         self.process = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=self.environment(),
-            # Own session: Ctrl-C reaches us, and we stop the server in order.  When attached, the
-            # kernel also sends it SIGTERM if this process dies without stopping it.
-            start_new_session=True,
-            preexec_fn=_set_parent_death_signal if attached_here else None,
+            start_new_session=True,  # own session: Ctrl-C reaches us, and we stop the server in order
         )
+        return self
 
     def is_ready(self) -> bool:
         return http_ready(self.http_url)
@@ -439,17 +439,6 @@ class TritonServer(Endpoints):
         models = list(models)
         while True:
             code = self.process.poll()
-            if code is not None and code < 0 and self._start_retries > 0 and self._log_is_empty():
-                # killed by a signal before writing a single line (seen as SIGSEGV / SIGBUS at start-up on a
-                # host running other tritonservers; cause unknown): one more start, said in the log
-                self._start_retries -= 1
-                log.warning(
-                    "tritonserver (pid %d) died of signal %d before writing to its log; starting it once more",
-                    self.process.pid,
-                    -code,
-                )
-                self._launch_process()
-                continue
             if code is not None:
                 raise ServerError(
                     f"tritonserver exited with code {code} before it was ready.\n{self._tail_for_error()}"
@@ -493,12 +482,6 @@ class TritonServer(Endpoints):
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
-
-    def _log_is_empty(self) -> bool:
-        try:
-            return self.log_path.stat().st_size == 0
-        except OSError:
-            return True
 
     def _tail_for_error(self) -> str:
         return f"Last lines of {self.log_path}:\n{self.log_tail()}"
