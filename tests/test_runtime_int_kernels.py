@@ -180,7 +180,7 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     fast = Engine(hf, EngineConfig(**cfg))
     assert fast.model.fused is not None
     dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
-    kind = {"fp8": "fp8", "int8_sq": "int8", "int4_awq": "int4"}[fmt]
+    kind = {"fp8": "fp8-table", "int8_sq": "int8", "int4_awq": "int4"}[fmt]  # per-tensor FP8: the table
     used = {
         p.kernel
         for layer in fast.model.layers

@@ -18,7 +18,7 @@ from toolkit.runtime.checkpoint import Linear, fake_quant
 from toolkit.runtime.model import Projection, bf16_is_fast
 
 pytestmark = pytest.mark.skipif(
-    not (bf16_is_fast() and kernels.cpu_has_avx512_bf16()), reason="the kernel needs AVX512-BF16"
+    not (bf16_is_fast() and kernels.cpu_supports_kernels()), reason="the kernels need AVX512-BF16 and AVX512-VBMI"
 )
 
 
@@ -113,17 +113,20 @@ def quantized(kind: str, n: int, k: int, seed: int, group: int = 64):
     w[1, :254] = finite.view(torch.float8_e4m3fn).float()  # every finite e4m3 value, both signs
     codes = w.clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.full((n,), 3.1e-4)
-    scale[n // 2 :] = 0.0213  # fused projections: a scale per part
+    # fused projections: a scale per part; parts that start at a multiple of 64 outputs (per-tensor
+    # scales of real fused q/k/v, gate/up) give one scale per 64-output block: the table kernel
+    scale[(n // 128) * 64 if kind == "fp8-table" else n // 2 + 8 :] = 0.0213
     return codes, scale, codes.float() * scale[:, None]
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-table", "int4"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (3072, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_over_codes_gives_the_dense_weights_bits(kind, shape, threads):
     codes, scale, dense = quantized(kind, *shape, seed=shape[0])
     weight = dense.to(torch.bfloat16)
-    q = kernels.QuantizedWeight.pack(kind, codes, scale)
+    q = kernels.QuantizedWeight.pack(kind.removesuffix("-table"), codes, scale)
+    assert q.kind == kind  # fp8: a block with two scales keeps the per-output kernel
     assert torch.equal(q.weight(), weight)
     padded = -(-shape[0] // 64) * 64 * shape[1]  # outputs in blocks of 64, as the bf16 GEMV packs them
     assert q.nbytes < padded * 2 * (0.55 if kind != "int4" else 0.35)  # codes and scales, not bf16

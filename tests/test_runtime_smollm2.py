@@ -149,7 +149,7 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
         )
         assert bool(engine.model.gemv_shapes) == on
         if checkpoint == "fp8":
-            assert (engine.model.layers[0].qkv.parts[0].kernel == "rtk-fp8") == on
+            assert (engine.model.layers[0].qkv.parts[0].kernel == "rtk-fp8-table") == on
         steps: list[torch.Tensor] = []
         forward = engine.model.forward
 

@@ -153,7 +153,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
 //    bias 127 instead of 7: the code's value times 2^-120, subnormal codes as float subnormals),
 //    with 2^120 folded into the scale (exact).
 
-enum QuantKind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
+enum QuantKind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2, kFp8Table = 3 };
 
 inline __m512 codes8_to_float(__m128i bytes, int64_t kind) {
   if (kind == kInt8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -193,16 +193,50 @@ struct QuantWeights {
       }
     }
   }
-  // the block's bf16 weights in the Bf16Weights layout
-  inline void rebuild(uint16_t* out, int64_t pairs, int64_t group_pairs) {
-    __m512bh w[4];
-    for (int64_t k = 0; k < pairs; ++k) {
-      if (k % group_pairs == 0) begin_group(k / group_pairs);
-      load(k, w);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + (k * kBlock + 16 * j) * 2, (__m512i)w[j]);
+};
+
+//    fp8 e4m3 codes whose 64-output block shares one scale (per-tensor FP8 scales; fused q/k/v and
+//    gate/up parts start at multiples of 64 outputs): bf16(float(code) * scale) is then one of 128
+//    magnitudes per block, with the code's sign (round to nearest even is symmetric).  The block's
+//    128 bf16 magnitudes are a table of low bytes and one of high bytes, two registers each, looked up
+//    with vpermi2b (AVX512-VBMI, 64 codes per instruction): no conversion or multiplication per
+//    weight, so the GEMV reads the codes at memory speed instead of being bound by the arithmetic
+//    (about 3x the per-weight conversion above on the development host).  Codes are packed as the
+//    8-bit layout with each k-pair's 128 bytes reordered for vpunpck{l,h}bw, which interleave within
+//    128-bit lanes: in half h (64 bytes), byte 16L + 8q + i is word 8L + i of weight vector 2h + q.
+struct Fp8TableWeights {
+  const uint8_t* codes;  // the block's first k-pair
+  const uint8_t* table;  // the block's 256 bytes: the 128 magnitudes' low bytes, then their high bytes
+  __m512i lo0, lo1, hi0, hi1;
+  inline void begin_group(int64_t) {
+    lo0 = _mm512_loadu_si512(table);
+    lo1 = _mm512_loadu_si512(table + 64);
+    hi0 = _mm512_loadu_si512(table + 128);
+    hi1 = _mm512_loadu_si512(table + 192);
+  }
+  inline void load(int64_t k, __m512bh w[4]) const {
+    const uint8_t* row = codes + k * kBlock * 2;
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i c = _mm512_loadu_si512(row + 64 * h);
+      const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index: the code's low 7 bits
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0xF8);  // | sign
+      w[2 * h] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+      w[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
     }
   }
 };
+
+// A block's bf16 weights in the Bf16Weights layout, from any of the loaders above.
+template <class Weights>
+void rebuild(Weights weights, uint16_t* out, int64_t pairs, int64_t group_pairs) {
+  __m512bh w[4];
+  for (int64_t k = 0; k < pairs; ++k) {
+    if (k % group_pairs == 0) weights.begin_group(k / group_pairs);
+    weights.load(k, w);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(out + (k * kBlock + 16 * j) * 2, (__m512i)w[j]);
+  }
+}
 
 // codes: [N, K] int8 (int8, or int4 values in -8..7) or uint8 (fp8 e4m3 bits) -> the packed layout above
 at::Tensor pack_q(const at::Tensor& codes, int64_t kind) {
@@ -214,6 +248,8 @@ at::Tensor pack_q(const at::Tensor& codes, int64_t kind) {
   c.narrow(0, 0, n).copy_(codes.view(at::kByte));
   // [blocks, K/2, 64, 2]: the bf16 layout, one byte per code
   auto inter = c.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  if (kind == kFp8Table)  // byte 64h + 32q + 8L + i -> 64h + 16L + 8q + i (Fp8TableWeights)
+    return inter.view({blocks, k / 2, 2, 2, 4, 8}).permute({0, 1, 2, 4, 3, 5}).contiguous().view({blocks, k / 2, 128});
   if (kind != kInt4) return inter;
   // 4-bit: within each 16-output group's 32 values, value i (first vector) and 16 + i (second) share byte i
   auto v = inter.view({blocks, k / 2, 4, 2, 16}).to(at::kInt).add(8).bitwise_and(15);  // offset codes (zero padding -> 8)
@@ -246,11 +282,42 @@ at::Tensor gemv_q_kind(const at::Tensor& x, const at::Tensor& codes, const at::T
   });
 }
 
+// scale: [blocks] float32, one per 64-output block -> [blocks, 256] uint8 (Fp8TableWeights): entry i
+// (of 128) is bf16(float(e4m3 code i) * scale), rounded by c10's conversion as torch's .to(bf16) does
+at::Tensor fp8_tables(const at::Tensor& block_scales) {
+  auto s = block_scales.to(at::kFloat).contiguous();
+  const int64_t blocks = s.numel();
+  auto t = at::empty({blocks, 256}, at::kByte);
+  auto* ts = t.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int i = 0; i < 128; ++i) {
+      const float v = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+      const uint16_t bits = c10::BFloat16(v * s.data_ptr<float>()[b]).x;
+      ts[b * 256 + i] = static_cast<uint8_t>(bits & 0xFF);
+      ts[b * 256 + 128 + i] = static_cast<uint8_t>(bits >> 8);
+    }
+  return t;
+}
+
+at::Tensor gemv_fp8_table(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& tables, int64_t n,
+                          const c10::optional<at::Tensor>& bias) {
+  const int64_t blocks = codes.size(0), pairs = codes.size(1);
+  TORCH_CHECK(tables.scalar_type() == at::kByte && tables.dim() == 2 && tables.size(0) == blocks &&
+                  tables.size(1) == 256 && tables.is_contiguous(),
+              "rtk_kernels.gemv_q: fp8 tables are [blocks, 256] bytes (fp8_tables)");
+  const auto* cs = codes.data_ptr<uint8_t>();
+  const auto* ts = tables.data_ptr<uint8_t>();
+  return gemv_blocks(x, blocks, pairs, pairs, n, bias, [&](int64_t b) {
+    return Fp8TableWeights{cs + b * pairs * kBlock * 2, ts + b * 256, {}, {}, {}, {}};
+  });
+}
+
 at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t kind, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat && scales.dim() == 3,
-              "rtk_kernels.gemv_q: packed codes and scales (pack_q, pack_scales)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "rtk_kernels.gemv_q: packed codes (pack_q)");
+  if (kind == kFp8Table) return gemv_fp8_table(x, codes, scales, n, bias);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 3,
+              "rtk_kernels.gemv_q: packed scales (pack_scales)");
   if (kind == kInt8) return gemv_q_kind<kInt8>(x, codes, scales, n, bias);
   if (kind == kFp8) return gemv_q_kind<kFp8>(x, codes, scales, n, bias);
   TORCH_CHECK(kind == kInt4, "rtk_kernels.gemv_q: kind is 0 (int8), 1 (fp8) or 2 (int4)");
@@ -259,17 +326,21 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 
 // The bf16 weights gemv_q computes with, [N, K] (for the check at load against the dense weights).
 at::Tensor unpack_q(const at::Tensor& codes, const at::Tensor& scales, int64_t kind, int64_t n) {
-  const int64_t blocks = codes.size(0), pairs = codes.size(1), groups = scales.size(1);
+  const int64_t blocks = codes.size(0), pairs = codes.size(1), groups = kind == kFp8Table ? 1 : scales.size(1);
   auto out = at::empty({blocks, pairs, kBlock, 2}, at::kBFloat16);
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t per_pair = kind == kInt4 ? kBlock : kBlock * 2;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* c = codes.data_ptr<uint8_t>() + b * pairs * per_pair;
-    const float* s = scales.data_ptr<float>() + b * groups * 128;
     uint16_t* o = os + b * pairs * kBlock * 2;
-    if (kind == kInt8) QuantWeights<kInt8>{c, s, {}}.rebuild(o, pairs, pairs / groups);
-    else if (kind == kFp8) QuantWeights<kFp8>{c, s, {}}.rebuild(o, pairs, pairs / groups);
-    else QuantWeights<kInt4>{c, s, {}}.rebuild(o, pairs, pairs / groups);
+    if (kind == kFp8Table) {
+      rebuild(Fp8TableWeights{c, scales.data_ptr<uint8_t>() + b * 256, {}, {}, {}, {}}, o, pairs, pairs);
+      continue;
+    }
+    const float* s = scales.data_ptr<float>() + b * groups * 128;
+    if (kind == kInt8) rebuild(QuantWeights<kInt8>{c, s, {}}, o, pairs, pairs / groups);
+    else if (kind == kFp8) rebuild(QuantWeights<kFp8>{c, s, {}}, o, pairs, pairs / groups);
+    else rebuild(QuantWeights<kInt4>{c, s, {}}, o, pairs, pairs / groups);
   }
   return out.permute({0, 2, 1, 3}).reshape({blocks * kBlock, pairs * 2}).narrow(0, 0, n).contiguous();
 }
@@ -669,6 +740,7 @@ TORCH_LIBRARY(rtk_kernels, m) {
   m.def("pack_scales(Tensor scale) -> Tensor", &pack_scales);
   m.def("gemv_q(Tensor x, Tensor codes, Tensor scales, int kind, int n, Tensor? bias) -> Tensor", &gemv_q);
   m.def("unpack_q(Tensor codes, Tensor scales, int kind, int n) -> Tensor", &unpack_q);
+  m.def("fp8_tables(Tensor block_scales) -> Tensor", &fp8_tables);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("gather_kv(Tensor k, Tensor v, Tensor slots) -> Tensor[]", &gather_kv);
 }

@@ -36,15 +36,18 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-ffp-contract=off"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
+FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
+CPU_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")  # Zen 4 and later, Sapphire Rapids and later
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_supports_kernels() -> bool:
+    """True when this CPU has what kernels.cpp is compiled for: AVX512-BF16 and AVX512-VBMI."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx512_bf16" in flags and " avx512bw" in flags and " avx512vl" in flags
+    return all(f" {flag}" in flags for flag in CPU_FLAGS)
 
 
 def build_dir() -> Path:
@@ -59,8 +62,8 @@ def available() -> bool:
     """Build (first use on this host) and load the kernel; False, logged, where it cannot be."""
     if hasattr(torch.ops.rtk_kernels, "gemv"):
         return True
-    if not cpu_has_avx512_bf16():
-        log.info("rtk's bf16 GEMV kernel needs AVX512-BF16; this CPU lacks it, oneDNN computes one-row matmuls")
+    if not cpu_supports_kernels():
+        log.info("rtk's CPU kernels need AVX512-BF16 and AVX512-VBMI; this CPU lacks them, torch's operators run")
         return False
     if not SOURCE.is_file():
         log.warning("rtk's bf16 GEMV kernel source %s is missing; oneDNN computes one-row matmuls", SOURCE)
@@ -117,7 +120,7 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[to
     return ko, vo
 
 
-QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2}
+QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2, "fp8-table": 3}
 ACT_KINDS = {None: 0, "fp8": 1, "int8": 2}
 
 
@@ -127,6 +130,8 @@ class QuantizedWeight:
 
     ``codes``: ``[N, K]`` int8 (``int8``; ``int4`` values in -8..7) or the raw bits of float8_e4m3fn
     (``fp8``); ``scale``: float32 per output ``[N]``, or per output and group of inputs ``[N, K / g]``.
+    FP8 codes whose every 64-output block has one scale (per-tensor FP8) are packed as ``fp8-table``:
+    per block, a table of the 128 bf16 magnitudes that the kernel looks the codes up in.
     """
 
     kind: str
@@ -138,6 +143,10 @@ class QuantizedWeight:
     def pack(cls, kind: str, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
         if kind == "fp8":
             codes = codes.view(torch.uint8)
+            block_scales = _block_scales(scale.to(torch.float32))
+            if block_scales is not None:
+                packed = torch.ops.rtk_kernels.pack_q(codes.contiguous(), QUANT_KINDS["fp8-table"])
+                return cls("fp8-table", codes.shape[0], packed, torch.ops.rtk_kernels.fp8_tables(block_scales))
             scale = scale.to(torch.float32) * 2.0**120  # the kernel's float32 view of e4m3 is 2^-120 of its value
         packed = torch.ops.rtk_kernels.pack_q(codes.contiguous(), QUANT_KINDS[kind])
         scales = torch.ops.rtk_kernels.pack_scales(scale.to(torch.float32).contiguous())
@@ -145,7 +154,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
     def weight(self) -> torch.Tensor:
         """The bf16 ``[N, K]`` weights the kernel computes with."""
@@ -165,6 +174,15 @@ class QuantizedWeight:
             expected = torch.cat([reference(x[i : i + 1]) for i in range(rows)])
             one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
             return torch.equal(one, expected) and torch.equal(self(x, bias), expected)
+
+
+def _block_scales(scale: torch.Tensor) -> torch.Tensor | None:
+    """The one scale of each 64-output block, or None where a block's outputs have different scales."""
+    if scale.dim() != 1:
+        return None
+    n = scale.shape[0]
+    padded = torch.cat([scale, scale[-1:].expand(-(-n // 64) * 64 - n)]).view(-1, 64)  # padding: no codes
+    return padded[:, 0].contiguous() if bool((padded == padded[:, :1]).all()) else None
 
 
 def quantize_input(

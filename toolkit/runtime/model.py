@@ -195,8 +195,9 @@ class Projection:
 
     @property
     def kernel(self) -> str:
-        """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-int4`` (rtk's GEMV over the
-        codes), ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16) or ``dense``."""
+        """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-fp8-table`` / ``rtk-int4``
+        (rtk's GEMV over the codes), ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16)
+        or ``dense``."""
         if self.quant is not None:
             return f"rtk-{self.quant.kind}"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
