@@ -6,7 +6,8 @@
   at load), and computes each row of a multi-row call exactly as a one-row call.
 * ``gemv_q``: the same GEMV reading 8-bit (INT8, FP8) or 4-bit (INT4) weight codes and their
   float32 scales, each weight made back into the dense path's ``bf16(float(code) * scale)`` in
-  registers, so its results are the bf16 GEMV's bits with a half / a quarter of the bytes read
+  registers (per-tensor FP8: looked up in a per-block table of the 128 bf16 magnitudes), so its
+  results are the bf16 GEMV's bits with a half / a quarter of the bytes read
   (:func:`QuantizedWeight.agrees` checks the weights and the products at load).
 * ``quantize_input``: ``pre_quant_scale`` and the FP8 / INT8 activation quantize-dequantize of a
   projection's input in one pass (eight torch operators otherwise), with torch's bits.
@@ -15,10 +16,10 @@
 * ``DecodeLayers``: the decode rows' whole decoder layers in one call, the ~30 small operators per
   layer between the GEMVs done in C++ with the operators' bits (:class:`DecodeLayers`).
 
-They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16, about
-10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is impossible (no
-AVX512-BF16, no compiler, a build error) :func:`available` is False and the engine keeps torch's
-operators.
+They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16 and
+AVX512-VBMI, about 10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is
+impossible (a CPU without them, no compiler, a build error) :func:`available` is False and the
+engine keeps torch's operators.
 """
 
 from __future__ import annotations
