@@ -529,7 +529,7 @@ def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
 
 
 def test_steps_that_prefill_run_on_prefill_threads(tiny_llama_dir):
-    engine = Engine(tiny_llama_dir, config(num_threads=1, prefill_threads=2))
+    engine = Engine(tiny_llama_dir, config(num_threads=1, prefill_threads=2, max_num_tokens_without_decode=64))
     seen = []
     forward = engine.model.forward
 
@@ -541,6 +541,32 @@ def test_steps_that_prefill_run_on_prefill_threads(tiny_llama_dir):
     engine.generate(greedy(prompt(100, 1), n=3))  # 100 tokens: two prefill steps of 64, then decodes
     assert seen == [(True, 2), (True, 2), (False, 1), (False, 1)]
     assert torch.get_num_threads() == 1
+
+
+def test_a_step_without_decodes_takes_a_whole_prompt_and_one_with_decodes_keeps_the_budget(tiny_llama_dir, hf_model):
+    """max_num_tokens bounds the steps that someone generating waits on; an idle engine prefills a prompt
+    in one step (max_num_tokens_without_decode, default max_input_len), with the same tokens."""
+    eng = Engine(tiny_llama_dir, config(max_num_tokens=35, enable_kv_cache_reuse=False))
+    steps = []
+    forward = eng.model.forward
+
+    def record(ids, plan, pool):
+        steps.append(len(ids))
+        return forward(ids, plan, pool)
+
+    eng.model.forward = record
+    long = greedy(prompt(200, 41), n=4)
+    assert eng.generate(long) == hf_greedy(hf_model, long.prompt_ids, 4)
+    assert steps[0] == 200  # nobody was generating: the whole prompt in one step
+    steps.clear()
+    ids, events, _ = run(eng, [greedy(prompt(8, 42), n=40), long], arrivals={1: 1})  # arrives while one decodes
+    assert max(steps) <= 35 and len(steps) > 7  # a decode in every step: the budget holds, the prompt is chunked
+    assert tokens(events[ids[1]]) == hf_greedy(hf_model, long.prompt_ids, 4)
+
+
+def test_max_num_tokens_without_decode_below_max_num_tokens_is_refused(tiny_llama_dir):
+    with pytest.raises(UsageError, match="max_num_tokens_without_decode"):
+        Engine(tiny_llama_dir, config(max_num_tokens=64, max_num_tokens_without_decode=32))
 
 
 def test_engine_config_from_build_spec():

@@ -47,6 +47,11 @@ def test_examples_validate(path):
         ("name: ../../etc\n", "name", "safe directory name"),
         ("name: x\nserving: {streaming: true}\n", "serving", "a request asks for a stream with its 'stream' input"),
         ("name: x\nbuild: {enable_chunked_context: false, max_num_tokens: 256}\n", "build.max_num_tokens", "chunked"),
+        (
+            "name: x\nbuild: {max_num_tokens: 64, max_num_tokens_without_decode: 32}\n",
+            "build.max_num_tokens_without_decode",
+            "more tokens, not fewer",
+        ),
         ("name: x\nslo: {objectives: [{metric: ttft, stat: p99}]}\n", "slo.objectives.0", "'max' or 'min'"),
         ("[1, 2]\n", None, "mapping"),
     ],

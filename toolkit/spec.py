@@ -99,6 +99,13 @@ class BuildSpec(Section):
     max_input_len: int = Field(1024, ge=1)
     max_seq_len: int = Field(2048, ge=2)
     max_num_tokens: int = Field(512, ge=16, description="tokens per engine step (prefill chunks + decodes)")
+    max_num_tokens_without_decode: int | None = Field(
+        None,
+        ge=16,
+        description="cpu: tokens of an engine step in which no request is generating, i.e. nobody waits "
+        "for a token (default: the larger of max_num_tokens and max_input_len: a prompt arriving at an idle "
+        "engine runs whole)",
+    )
     max_beam_width: Literal[1] = 1
     tokens_per_block: int = Field(32, ge=1, le=1024)
     kv_cache_blocks: int | None = Field(
@@ -728,6 +735,12 @@ class Spec(Section):
                 f"{b.max_num_tokens} is below build.max_input_len ({b.max_input_len}); without chunked context a "
                 "whole prompt must fit one step. "
                 "Raise max_num_tokens or set build.enable_chunked_context: true",
+            )
+        if b.max_num_tokens_without_decode is not None and b.max_num_tokens_without_decode < b.max_num_tokens:
+            raise _Rule(
+                "build.max_num_tokens_without_decode",
+                f"{b.max_num_tokens_without_decode} is below build.max_num_tokens ({b.max_num_tokens}); a step "
+                "without decodes may take more tokens, not fewer. Raise it or leave it unset",
             )
         if b.max_num_tokens < b.max_batch_size:
             raise _Rule(

@@ -57,6 +57,9 @@ DECODE_BATCHING = ("exact", "attention", "full")
 class EngineConfig:
     max_batch_size: int = 8
     max_num_tokens: int = 512
+    # the budget of a step in which no sequence is generating (nobody waits for a token); None: the
+    # larger of max_num_tokens and max_input_len, so a prompt arriving at an idle engine runs whole
+    max_num_tokens_without_decode: int | None = None
     max_input_len: int = 1024
     max_seq_len: int = 2048
     tokens_per_block: int = 32
@@ -76,7 +79,7 @@ class EngineConfig:
     # read the integer codes (a half / quarter of bf16's bytes per token, rounding differently);
     # False = dequantized dense bf16 (the reference path).
     int_weight_kernels: bool = True
-    # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16, built once per host), each giving the
+    # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16/VBMI, built once per host), each giving the
     # bits of what it replaces (checked at load): the decode rows' matmuls over bf16 weights (~1.6x
     # oneDNN's bandwidth here) or over the FP8 / INT8 / INT4 codes of a quantized export, the
     # projections' input quantization in one pass, and the K/V reads of float32 attention in one
@@ -98,6 +101,7 @@ class EngineConfig:
         fields = dict(
             max_batch_size=build.max_batch_size,
             max_num_tokens=build.max_num_tokens,
+            max_num_tokens_without_decode=build.max_num_tokens_without_decode,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
             tokens_per_block=build.tokens_per_block,
@@ -124,6 +128,12 @@ class EngineConfig:
             bad(
                 "max_input_len",
                 f"{self.max_input_len} must be below max_seq_len ({self.max_seq_len}) to leave room for output",
+            )
+        if self.max_num_tokens_without_decode is not None and self.max_num_tokens_without_decode < self.max_num_tokens:
+            bad(
+                "max_num_tokens_without_decode",
+                f"{self.max_num_tokens_without_decode} is below max_num_tokens ({self.max_num_tokens}); "
+                "leave it unset or raise it",
             )
         if self.max_num_tokens < self.max_batch_size:
             bad(
@@ -220,6 +230,7 @@ class Engine:
             config.max_num_tokens,
             config.enable_chunked_context,
             config.scheduler_policy,
+            config.max_num_tokens_without_decode or max(config.max_num_tokens, config.max_input_len),
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()

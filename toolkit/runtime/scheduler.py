@@ -1,6 +1,10 @@
 """In-flight batching: which sequences run in the next step, and how many tokens each.
 
-Every step has a token budget (``max_num_tokens``) and a sequence limit (``max_batch_size``):
+Every step has a token budget (``max_num_tokens``) and a sequence limit (``max_batch_size``).
+The budget bounds how long anyone generating waits for their next token while prompts prefill; a
+step in which no sequence is generating has nobody waiting, and its budget is
+``max_num_tokens_without_decode`` (default: the larger of ``max_num_tokens`` and the longest
+prompt), so a prompt that arrives at an idle engine runs in one step.
 
 1. sequences that are generating get their token first, so a long prompt arriving never delays
    anyone's next token by more than one step;
@@ -112,6 +116,7 @@ class Scheduler:
         max_num_tokens: int,
         chunked: bool = True,
         policy: str = "guaranteed_no_evict",
+        max_num_tokens_without_decode: int | None = None,
     ):
         if policy not in POLICIES:
             from ..errors import UsageError
@@ -122,6 +127,7 @@ class Scheduler:
         self.unit = attention_unit(self.tpb, max_num_tokens, max_batch_size)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.max_num_tokens_without_decode = max(max_num_tokens, max_num_tokens_without_decode or 0)
         self.chunked = chunked
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
@@ -211,7 +217,8 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's work as ``(sequence, tokens)``, generating sequences first; blocks are allocated."""
-        budget = self.max_num_tokens
+        decoding = any(not s.prefilling for s in self.running)
+        budget = self.max_num_tokens if decoding else self.max_num_tokens_without_decode
         generating: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
