@@ -20,7 +20,12 @@ pytestmark = pytest.mark.skipif(not bf16_is_fast(), reason="integer kernels are 
 
 
 def int_linear(out_f: int, in_f: int, bits: int, seed: int, group: int = 64) -> Linear:
+    """Random codes and scales; ``bits`` 8 (INT8, per-output scales), 4 (INT4, per group), or "fp8" (one scale)."""
     g = torch.Generator().manual_seed(seed)
+    if bits == "fp8":
+        codes = (torch.randn(out_f, in_f, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.full((out_f,), 3.7e-4)
+        return Linear(weight=codes.float() * scale[:, None], codes=WeightCodes(8, codes, scale))
     if bits == 8:
         codes = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
         scale = torch.rand(out_f, generator=g) * 1e-3 + 1e-4
@@ -198,21 +203,26 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
         assert torch.equal(a, b), f"step {step}"
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
-    """Up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy: every row has the bits
-    of the dense weights' one-row product either way."""
+    """INT8 / INT4: up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy; per-tensor FP8
+    (the table kernel) reads its codes for every row count and keeps no bf16 GEMV copy.  Every row has
+    the bits of the dense weights' one-row product either way."""
     from toolkit.runtime import kernels
-    from toolkit.runtime.model import QUANT_MAX_ROWS
+    from toolkit.runtime.model import GEMV_MAX_ROWS, QUANT_MAX_ROWS
 
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
     lin = int_linear(576, 1536, bits=bits, seed=11)
     proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
-    assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None
+    if bits == "fp8":
+        assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == GEMV_MAX_ROWS
+    else:
+        assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None and proj.codes_max_rows == QUANT_MAX_ROWS
     dense = Projection([lin], torch.bfloat16, pack=True)  # oneDNN over the dequantized bf16 weights
-    x = torch.randn(12, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
+    n = GEMV_MAX_ROWS + 2
+    x = torch.randn(n, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
     with torch.inference_mode():
-        one_row = torch.cat([dense(x[i : i + 1], singles=1) for i in range(12)])
-        for rows in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 12):
+        one_row = torch.cat([dense(x[i : i + 1], singles=1) for i in range(n)])
+        for rows in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 12, GEMV_MAX_ROWS, n):
             assert torch.equal(proj(x[:rows], singles=rows), one_row[:rows]), rows

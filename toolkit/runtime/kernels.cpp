@@ -480,21 +480,23 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 struct DecodeProjection {
-  at::Tensor packed;                   // the bf16 GEMV's weights (pack)
-  c10::optional<at::Tensor> codes;     // gemv_q's codes and scales, read for up to kCodesMaxRows rows
+  c10::optional<at::Tensor> packed;    // the bf16 GEMV's weights (pack), for calls of more rows than the codes'
+  c10::optional<at::Tensor> codes;     // gemv_q's codes and scales, read for up to codes_max_rows rows
   c10::optional<at::Tensor> scales;
   int64_t kind = 0;
+  int64_t codes_max_rows = 0;
   int64_t n = 0;
   c10::optional<at::Tensor> bias;
   c10::optional<at::Tensor> pre_quant_scale;
   int64_t act_kind = 0;
   double act_scale = 0.0;
 
-  at::Tensor operator()(const at::Tensor& x, int64_t codes_max_rows) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor in = x;
     if (pre_quant_scale.has_value() || act_kind != 0) in = quantize_input(x, pre_quant_scale, act_kind, act_scale);
     if (codes.has_value() && in.size(0) <= codes_max_rows) return gemv_q(in, *codes, *scales, kind, n, bias);
-    return gemv(in, packed, n, bias);
+    TORCH_CHECK(packed.has_value(), "rtk_kernels.DecodeLayers: more rows than the codes kernel takes, and no bf16 copy");
+    return gemv(in, *packed, n, bias);
   }
 };
 
@@ -505,14 +507,14 @@ struct DecodeLayer {
 };
 
 struct DecodeLayers : torch::CustomClassHolder {
-  int64_t heads, kv_heads, head_dim, kv_kind, codes_max_rows;  // kv_kind: 0 bf16, 1 fp8 e4m3 codes, 2 int8
+  int64_t heads, kv_heads, head_dim, kv_kind;  // kv_kind: 0 bf16, 1 fp8 e4m3 codes, 2 int8
   double eps, scale;
   at::Tensor cos, sin;  // bf16 [positions, head_dim]; sin signed as model.rope_tables makes it
   std::vector<DecodeLayer> layers;
 
   DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t kv_kind,
-               int64_t codes_max_rows, at::Tensor cos, at::Tensor sin)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), kv_kind(kv_kind), codes_max_rows(codes_max_rows),
+               at::Tensor cos, at::Tensor sin)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), kv_kind(kv_kind),
         eps(eps), scale(scale), cos(cos.contiguous()), sin(sin.contiguous()) {
     TORCH_CHECK(this->cos.scalar_type() == at::kBFloat16 && this->sin.scalar_type() == at::kBFloat16 &&
                     this->cos.size(1) == head_dim && head_dim % 2 == 0 && heads % kv_heads == 0,
@@ -525,12 +527,15 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
-  void add_projection(at::Tensor packed, c10::optional<at::Tensor> codes, c10::optional<at::Tensor> scales,
-                      int64_t kind, int64_t n, c10::optional<at::Tensor> bias,
-                      c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind, double act_scale) {
+  void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
+                      c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
+                      c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
+                      double act_scale) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
+    TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
     if (bias.has_value()) bias = bias->contiguous();
-    layers.back().proj.push_back({packed, codes, scales, kind, n, bias, pre_quant_scale, act_kind, act_scale});
+    layers.back().proj.push_back(
+        {packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind, act_scale});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -664,7 +669,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     const int64_t kv_elt = k_pool.element_size();
     for (int64_t li = begin; li < end; ++li) {
       const DecodeLayer& layer = layers[li];
-      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm), codes_max_rows);  // [m, (H + 2 KVH) D]
+      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm));  // [m, (H + 2 KVH) D]
       auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr());
       const int64_t width = (H + 2 * KVH) * D;
       // RoPE on q and k heads, with model.py's bf16 roundings: x * cos + x[swap] * signed sin
@@ -711,8 +716,8 @@ struct DecodeLayers : torch::CustomClassHolder {
         outs.push_back(o.view({1, H * D}));
       }
       auto attn = (m == 1 ? outs[0] : at::cat(outs)).to(at::kBFloat16);
-      add_into(h, layer.proj[1](attn, codes_max_rows));
-      auto gu = layer.proj[2](rms_norm(h, layer.post_norm), codes_max_rows);
+      add_into(h, layer.proj[1](attn));
+      auto gu = layer.proj[2](rms_norm(h, layer.post_norm));
       const int64_t inter = gu.size(1) / 2;
       auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the bf16 product
       auto* ac = reinterpret_cast<uint16_t*>(act.data_ptr());
@@ -720,7 +725,7 @@ struct DecodeLayers : torch::CustomClassHolder {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < inter; ++i)
           ac[r * inter + i] = float_to_bf16(bf16_to_float(ac[r * inter + i]) * bf16_to_float(up[r * 2 * inter + i]));
-      add_into(h, layer.proj[3](act, codes_max_rows));
+      add_into(h, layer.proj[3](act));
     }
     return h;
   }
@@ -730,7 +735,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
 TORCH_LIBRARY(rtk_kernels, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, at::Tensor, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("forward", &DecodeLayers::forward);

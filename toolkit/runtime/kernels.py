@@ -207,9 +207,9 @@ class DecodeLayers:
     called from C++ (no Python between them).  Each row attends alone, as decode batching "exact".
     """
 
-    def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, codes_max_rows, cos, sin):
+    def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, cos, sin):
         self._layers = torch.classes.rtk_kernels.DecodeLayers(
-            heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], codes_max_rows, cos, sin
+            heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], cos, sin
         )
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
@@ -223,6 +223,7 @@ class DecodeLayers:
             q.codes if q else None,
             q.scales if q else None,
             QUANT_KINDS[q.kind] if q else 0,
+            proj.codes_max_rows,
             proj.out_features,
             proj.bias,
             proj.pre_quant_scale,

@@ -98,6 +98,10 @@ GEMV_MAX_ROWS = 16
 # 32): SmolLM2's layers took 0.5-0.7x the bf16 GEMV's time up to 4 rows and 1.0-1.3x from 5 rows
 # (2026-11-30, 2 threads), so more rows read the bf16 copy, which gives the same bits.
 QUANT_MAX_ROWS = 4
+# Per-tensor FP8 looked up in a table (kernels.cpp, Fp8TableWeights) is not: 0.89-0.95x the bf16 GEMV's
+# time from 5 to 16 rows (SmolLM2's FP8 layers, one thread, 2026-12-01), so it reads its codes for
+# every GEMV call and needs no bf16 copy.
+CODES_MAX_ROWS = {"fp8-table": GEMV_MAX_ROWS}
 
 
 class Projection:
@@ -172,14 +176,15 @@ class Projection:
         self.fused_input = self.fused_input and kernels.available() and self._fused_input_agrees()
         if usable:
             self.quant = self._pack_codes(linears, weight, bias)
-            # the bf16 copy too: decode calls of more than QUANT_MAX_ROWS rows read it (rebuilding costs more)
-            packed = kernels.pack(weight)
-            key = (*shape[:3], "gemv")
-            if key not in cache:
-                cache[key] = kernels.agrees(self._onednn, packed, self.out_features, bias)
-                if not cache[key]:
-                    log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
-            self.gemv = packed if cache[key] else None
+            if self.codes_max_rows < GEMV_MAX_ROWS:
+                # the bf16 copy too: decode calls of more rows than the codes kernel takes read it
+                packed = kernels.pack(weight)
+                key = (*shape[:3], "gemv")
+                if key not in cache:
+                    cache[key] = kernels.agrees(self._onednn, packed, self.out_features, bias)
+                    if not cache[key]:
+                        log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
+                self.gemv = packed if cache[key] else None
         if self.quant is None and int_kernels and dtype == torch.bfloat16:
             # torch's integer kernels where rtk's GEMV does not read the codes: decode rows through the
             # integer kernel (one call: its rows are batch-invariant), prompt rows through the bf16
@@ -192,6 +197,11 @@ class Projection:
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
+
+    @property
+    def codes_max_rows(self) -> int:
+        """Most rows a GEMV call reads the codes for (more read the bf16 copy); 0 without codes."""
+        return 0 if self.quant is None else CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
 
     @property
     def kernel(self) -> str:
@@ -353,12 +363,11 @@ class Projection:
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         """Rows with the one-row bits: over the codes for a few rows, else over the bf16 weights (same bits)."""
-        if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.gemv is None):
-            if x.shape[0] <= QUANT_MAX_ROWS:
+        limit = self.codes_max_rows
+        if self.quant is not None and (x.shape[0] <= limit or self.gemv is None):
+            if x.shape[0] <= limit:
                 return self.quant(x, self.bias)
-            return torch.cat(
-                [self.quant(x[i : i + QUANT_MAX_ROWS], self.bias) for i in range(0, x.shape[0], QUANT_MAX_ROWS)]
-            )
+            return torch.cat([self.quant(x[i : i + limit], self.bias) for i in range(0, x.shape[0], limit)])
         return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -658,7 +667,8 @@ class Transformer:
         for g in groups:
             p = g.parts[0]
             quantized_input = p.pre_quant_scale is not None or p.act_kind is not None
-            if len(g.parts) != 1 or p.gemv is None or p.int8 or p.int4 or (quantized_input and not p.fused_input):
+            no_gemv = p.gemv is None and p.quant is None
+            if len(g.parts) != 1 or no_gemv or p.int8 or p.int4 or (quantized_input and not p.fused_input):
                 log.info("rtk's fused decode step does not apply here (%s); torch's operators run it", p.kernel)
                 return None
         kv = self.kv_quant
@@ -669,7 +679,6 @@ class Transformer:
             self.eps,
             self.scale,
             kv.kind if kv else None,
-            QUANT_MAX_ROWS,
             self.cos,
             self.sin,
         )
