@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -75,7 +76,10 @@ def server(tmp_path_factory, smollm2_fp8_dir):
                 break
         else:
             pytest.fail("rtk serve exited before it was ready:\n" + "".join(lines))
-        yield dict(grpc=f"127.0.0.1:{grpc}", spec_path=spec_path, proc=proc, ready_line=lines[-1])
+        ready_line = lines[-1]
+        # keep reading what it prints: a pipe nobody reads fills up and blocks the server's next write
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        yield dict(grpc=f"127.0.0.1:{grpc}", spec_path=spec_path, proc=proc, ready_line=ready_line, output=lines)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -136,7 +140,11 @@ def test_ctrl_c_stops_rtk_serve_and_its_tritonserver(server):
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert children, "rtk serve should have a tritonserver child"
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rtk serve did not stop within 60 s of SIGINT; its output:\n" + "".join(server["output"][-40:]))
+    assert code == 0, "".join(server["output"][-40:])
     time.sleep(0.5)
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
