@@ -135,6 +135,30 @@ def test_a_conversation_over_the_window_is_refused_and_the_server_keeps_serving(
     assert "Paris" in again.text
 
 
+def stuck_report(pid: int) -> str:
+    """Where a process that does not stop is: it and its descendants, and py-spy's stacks of the Python ones."""
+    import shutil
+
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,etime=,args="], capture_output=True, text=True).stdout
+    procs = [r.split(None, 4) for r in rows.splitlines() if len(r.split(None, 4)) == 5]
+    family, grew = {str(pid)}, True
+    while grew:
+        more = {r[0] for r in procs if r[1] in family} - family
+        family |= more
+        grew = bool(more)
+    mine = [r for r in procs if r[0] in family]
+    report = "\nthe process and its descendants (pid ppid stat elapsed command):\n"
+    report += "\n".join(" ".join(r)[:200] for r in mine)
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if spy is None:
+        return report + "\n(py-spy is not installed: no stacks)"
+    for r in mine:
+        if "python" in r[4]:
+            dump = subprocess.run([spy, "dump", "--pid", r[0]], capture_output=True, text=True, timeout=30)
+            report += f"\npy-spy dump {r[0]}:\n{dump.stdout or dump.stderr}"
+    return report
+
+
 def test_ctrl_c_stops_rtk_serve_and_its_tritonserver(server):
     proc = server["proc"]
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
@@ -143,7 +167,11 @@ def test_ctrl_c_stops_rtk_serve_and_its_tritonserver(server):
     try:
         code = proc.wait(60)
     except subprocess.TimeoutExpired:
-        pytest.fail("rtk serve did not stop within 60 s of SIGINT; its output:\n" + "".join(server["output"][-40:]))
+        pytest.fail(
+            "rtk serve did not stop within 60 s of SIGINT; its output:\n"
+            + "".join(server["output"][-40:])
+            + stuck_report(proc.pid)
+        )
     assert code == 0, "".join(server["output"][-40:])
     time.sleep(0.5)
     for pid in children:
