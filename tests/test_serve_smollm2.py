@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -61,13 +62,20 @@ def server(tmp_path_factory, smollm2_fp8_dir):
     spec = load_spec(spec_path)
     engine = build(spec, smollm2_fp8_dir, root / "engine").path
     emit(spec, engine)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.cli", "serve", str(spec_path), "--timeout", "300"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    # A process started in the background by a non-interactive shell (`pytest ... &`) has SIGINT ignored,
+    # and its children inherit that, so rtk serve would ignore the Ctrl-C this module sends.  It gets
+    # the disposition a terminal gives it instead: a handled SIGINT becomes the default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit.cli", "serve", str(spec_path), "--timeout", "300"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     lines = []
     try:
         for line in proc.stdout:
@@ -147,8 +155,14 @@ def stuck_report(pid: int) -> str:
         family |= more
         grew = bool(more)
     mine = [r for r in procs if r[0] in family]
-    report = "\nthe process and its descendants (pid ppid stat elapsed command):\n"
-    report += "\n".join(" ".join(r)[:200] for r in mine)
+    report = "\nthe process and its descendants (pid ppid stat elapsed command; ignored and blocked signals):\n"
+    for r in mine:
+        try:
+            status = Path(f"/proc/{r[0]}/status").read_text().splitlines()
+            masks = [x for x in status if x.startswith(("SigIgn", "SigBlk"))]
+        except OSError:
+            masks = []
+        report += " ".join(r)[:200] + "  " + " ".join(m.replace("\t", " ") for m in masks) + "\n"
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
     if spy is None:
         return report + "\n(py-spy is not installed: no stacks)"
