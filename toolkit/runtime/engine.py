@@ -114,6 +114,11 @@ class EngineConfig:
         return cls(**{**fields, **overrides})
 
     @property
+    def step_tokens_without_decode(self) -> int:
+        """The budget of a step in which no sequence is generating (``max_num_tokens_without_decode`` resolved)."""
+        return self.max_num_tokens_without_decode or max(self.max_num_tokens, self.max_input_len)
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_cache_blocks or self.max_batch_size * blocks_for(self.max_seq_len, self.tokens_per_block)
 
@@ -230,7 +235,7 @@ class Engine:
             config.max_num_tokens,
             config.enable_chunked_context,
             config.scheduler_policy,
-            config.max_num_tokens_without_decode or max(config.max_num_tokens, config.max_input_len),
+            config.step_tokens_without_decode,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()

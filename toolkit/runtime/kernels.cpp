@@ -289,10 +289,13 @@ at::Tensor fp8_tables(const at::Tensor& block_scales) {
   const int64_t blocks = s.numel();
   auto t = at::empty({blocks, 256}, at::kByte);
   auto* ts = t.data_ptr<uint8_t>();
+  const float* scales = s.data_ptr<float>();
+  float magnitudes[128];  // the value of each e4m3 code with its sign bit clear
+  for (int i = 0; i < 128; ++i)
+    magnitudes[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
   for (int64_t b = 0; b < blocks; ++b)
     for (int i = 0; i < 128; ++i) {
-      const float v = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-      const uint16_t bits = c10::BFloat16(v * s.data_ptr<float>()[b]).x;
+      const uint16_t bits = c10::BFloat16(magnitudes[i] * scales[b]).x;
       ts[b * 256 + i] = static_cast<uint8_t>(bits & 0xFF);
       ts[b * 256 + 128 + i] = static_cast<uint8_t>(bits >> 8);
     }

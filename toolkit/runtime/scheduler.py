@@ -3,8 +3,9 @@
 Every step has a token budget (``max_num_tokens``) and a sequence limit (``max_batch_size``).
 The budget bounds how long anyone generating waits for their next token while prompts prefill; a
 step in which no sequence is generating has nobody waiting, and its budget is
-``max_num_tokens_without_decode`` (default: the larger of ``max_num_tokens`` and the longest
-prompt), so a prompt that arrives at an idle engine runs in one step.
+``max_num_tokens_without_decode`` (the engine's default: the larger of ``max_num_tokens`` and the
+longest prompt, ``EngineConfig.step_tokens_without_decode``), so a prompt that arrives at an idle
+engine runs in one step.
 
 1. sequences that are generating get their token first, so a long prompt arriving never delays
    anyone's next token by more than one step;
@@ -127,7 +128,7 @@ class Scheduler:
         self.unit = attention_unit(self.tpb, max_num_tokens, max_batch_size)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.max_num_tokens_without_decode = max(max_num_tokens, max_num_tokens_without_decode or 0)
+        self.max_num_tokens_without_decode = max_num_tokens_without_decode or max_num_tokens
         self.chunked = chunked
         self.policy = policy
         self.waiting: deque[Sequence] = deque()

@@ -335,7 +335,6 @@ class TritonServer(Endpoints):
         self.launch = launch or Launch()
         self.process: subprocess.Popen | None = None
         self._log_file = None
-        self._detach = False
 
     @property
     def binary(self) -> TritonBinary:
@@ -402,7 +401,6 @@ class TritonServer(Endpoints):
             )
         for what, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
             _check_port_free(self.host or "0.0.0.0", port, what)
-        self._detach = detach
         cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._log_file is not None:
