@@ -1,6 +1,8 @@
 """``python -m toolkit.frontdoor REPOSITORY --triton-grpc HOST:PORT [--metrics-url URL] [--host H] [--port P]``
 
-The front door as its own process (a detached deployment runs it this way).  ``--set`` takes the
+The front door as its own process (a detached deployment runs it this way).  Over replicas of the
+repository (``rtk serve --replicas N``) ``--triton-grpc`` and ``--metrics-url`` are given once per replica,
+in the same order.  ``--set`` takes the
 spec's dotted overrides for ``serving.frontend`` / ``serving.guard`` / ``serving.cache``, e.g.
 ``--set serving.guard.ttft_deadline_ms=300``.  It prints ``ready URL`` once it listens.
 """
@@ -24,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m toolkit.frontdoor", description=__doc__.splitlines()[0])
     ap.add_argument("repository")
-    ap.add_argument("--triton-grpc", required=True)
-    ap.add_argument("--metrics-url")
+    ap.add_argument("--triton-grpc", required=True, action="append", help="HOST:PORT; once per replica")
+    ap.add_argument("--metrics-url", action="append", help="Triton's metrics URL; once per replica")
     ap.add_argument("--model", default="ensemble", help="Triton model: ensemble (default) or tensorrt_llm_bls")
     ap.add_argument("--host")
     ap.add_argument("--port", type=int)
@@ -38,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         help="on SIGHUP switch to the server the repository's state file names (rtk serve --reload)",
     )
     args = ap.parse_args(argv)
+    if args.metrics_url and len(args.metrics_url) != len(args.triton_grpc):
+        print(
+            f"error: --metrics-url: give one per --triton-grpc ({len(args.triton_grpc)} gRPC addresses, "
+            f"{len(args.metrics_url)} metrics URLs)",
+            file=sys.stderr,
+        )
+        return 2
     quiet_third_party()
     try:
         cfg = config_from(args.repository, triton_model=args.model)

@@ -7,7 +7,8 @@ serves it with uvicorn.  Per request, before the first byte:
 2. a deterministic request found in the response cache is answered from it;
 3. Triton unhealthy → the fallback chain, else 503 + Retry-After;
 4. predicted TTFT (toolkit/frontdoor/admission.py) over the deadline → the fallback chain, else 429
-   + Retry-After; all of this is in memory, so a refusal takes well under 50 ms;
+   + Retry-After; all of this is in memory, so a refusal takes well under 50 ms.  Over replicas
+   (toolkit/frontdoor/replicas.py) the request goes to the ready one with the lowest prediction;
 5. admitted: the request goes to Triton; if the first token has not come by the deadline and a
    fallback tier exists, the Triton request is cancelled and the chain answers instead.  Triton's
    own overload refusal ("Exceeds maximum queue size") is treated like a failed prediction.
@@ -25,7 +26,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -52,6 +53,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
+from .replicas import Replica, Router, replica_urls
 from .sessions import SessionService
 from .tiers import Answer, DeploymentTier, RuleTier, make_cache, read_secret
 from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
@@ -77,10 +79,24 @@ async def read_json_body(request: Request, max_bytes: int):
 
 
 class FrontDoor:
-    def __init__(self, config: FrontDoorConfig, triton_grpc_url: str, metrics_url: str | None = None):
+    """The front door over one tritonserver, or over several replicas of one repository: ``triton_grpc_url``
+    and ``metrics_url`` are then lists, one entry per replica (toolkit/frontdoor/replicas.py)."""
+
+    def __init__(
+        self,
+        config: FrontDoorConfig,
+        triton_grpc_url: str | Sequence[str],
+        metrics_url: str | Sequence[str | None] | None = None,
+    ):
         self.config = config
-        self.backend = TritonBackend(triton_grpc_url, config.triton_model, metrics_url)
-        self.estimator = Estimator(max_batch=config.max_batch_size)
+        urls = replica_urls(triton_grpc_url, metrics_url)
+        self.replicas = [
+            Replica(
+                str(i), TritonBackend(grpc, config.triton_model, metrics), Estimator(max_batch=config.max_batch_size)
+            )
+            for i, (grpc, metrics) in enumerate(urls)
+        ]
+        self.router = Router(self.replicas)
         self.keys = read_secret(config.frontend.api_keys)
         self.counters: Counter = Counter()
         self.cache = None
@@ -89,9 +105,35 @@ class FrontDoor:
         self.chat_tokenizer = None  # transformers' tokenizer for the chat template (llmapi), loaded when needed
         self._tasks: list[asyncio.Task] = []
         clf = config.filter.classifier
-        self.filter = Rules.from_spec(config.filter, TritonClassifier(self.backend, clf.model) if clf else None)
-        self.sessions = SessionService(config, triton_grpc_url, self.filter)
+        self.filter = Rules.from_spec(config.filter, TritonClassifier(self.some_backend, clf.model) if clf else None)
+        self.sessions = SessionService(config, urls[0][0], self.filter)
         self.jobs = JobService(config)
+
+    @property
+    def backend(self) -> TritonBackend:
+        """The first replica's backend (the only one without replicas)."""
+        return self.replicas[0].backend
+
+    @property
+    def estimator(self) -> Estimator:
+        """The first replica's estimator (the only one without replicas)."""
+        return self.replicas[0].estimator
+
+    def some_backend(self) -> TritonBackend:
+        """A ready replica's backend (the first), else the first replica's: for what any replica can answer
+        (the filter's classifier, the model's interface)."""
+        for r in self.replicas:
+            if r.backend.ready:
+                return r.backend
+        return self.replicas[0].backend
+
+    @property
+    def interface(self) -> str:
+        """The served model's interface (``ensemble`` or ``llmapi``), as the first replica that answered says."""
+        for r in self.replicas:
+            if r.backend.inputs:
+                return r.backend.interface
+        return self.replicas[0].backend.interface
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,32 +151,36 @@ class FrontDoor:
                 key = (read_secret(t.api_key) or [None])[0]
                 self.tiers.append(DeploymentTier(t.label, url, t.model, key, self.http))
         await self.sessions.start()
-        await self.backend.open()
-        if self.backend.interface == "llmapi" and self.config.tokenizer_dir is not None:
+        await asyncio.gather(*(r.backend.open() for r in self.replicas))
+        if self.interface == "llmapi" and self.config.tokenizer_dir is not None:
             await asyncio.to_thread(self._load_chat_tokenizer)  # the chat template, off the event loop
-        await self.backend.read_gauges(self.http)
-        self._tasks.append(asyncio.create_task(self._poll()))
+        await asyncio.gather(*(r.backend.read_gauges(self.http) for r in self.replicas))
+        # One poller per replica: a replica that hangs does not hold up the others' health and gauges.
+        self._tasks += [asyncio.create_task(self._poll(r)) for r in self.replicas]
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.backend.close()
+        for r in self.replicas:
+            await r.backend.close()
         await self.sessions.stop()
         if self.cache is not None:
             await self.cache.close()
         await self.http.aclose()
 
-    async def _poll(self) -> None:
+    async def _poll(self, replica: Replica) -> None:
+        """The replica's health (every 0.5 s, and every period while it is not ready) and engine gauges."""
         period = self.config.guard.metrics_poll_ms / 1e3
         last_health = 0.0
         while True:
             await asyncio.sleep(period)
+            backend = replica.backend  # a hot reload may have replaced it
             try:
-                if time.monotonic() - last_health > 0.5 or not self.backend.ready:
-                    await self.backend.check_health()
+                if time.monotonic() - last_health > 0.5 or not backend.ready:
+                    await backend.check_health()
                     last_health = time.monotonic()
-                await self.backend.read_gauges(self.http)
+                await backend.read_gauges(self.http)
             except Exception as exc:  # noqa: BLE001 — keep polling; the state stays as last read
                 log.warning("front door: polling Triton failed: %r", exc)
 
@@ -152,7 +198,13 @@ class FrontDoor:
     async def swap_backend(self, grpc_url: str, metrics_url: str | None) -> tuple[list[TritonBackend], set[str]]:
         """Hot model update (``rtk serve --reload``, toolkit/frontdoor/runner.py): new requests go to the
         tritonserver at ``grpc_url`` once it answers ready, with the model limits of the rebuilt repository.
-        Returns the previous backends (to close once drained) and the ids of the requests in flight on them."""
+        Returns the previous backends (to close once drained) and the ids of the requests in flight on them.
+        Refused over replicas (``rtk serve --reload`` refuses them before anything starts)."""
+        if len(self.replicas) > 1:
+            raise RuntimeError(
+                f"this front door serves {len(self.replicas)} replicas; a hot reload swaps one server behind it"
+            )
+        replica = self.replicas[0]
         backend = TritonBackend(grpc_url, self.config.triton_model, metrics_url)
         await backend.open()
         if not backend.ready:
@@ -163,15 +215,13 @@ class FrontDoor:
             fresh = await asyncio.to_thread(config_from, self.config.repository)
             for name in ("max_batch_size", "max_seq_len", "max_input_len", "default_max_tokens", "tokenizer_dir"):
                 setattr(self.config, name, getattr(fresh, name))
-            self.estimator.max_batch = fresh.max_batch_size
+            replica.estimator.max_batch = fresh.max_batch_size
             await asyncio.to_thread(self._load_tokenizer)
-        old = [b for b in (self.backend, self.sessions.backend) if b is not None]
-        # No await from here on: a request sees either the old backend or the new one, never half of each.
-        self.backend = backend
-        if self.filter is not None and isinstance(self.filter.classify, TritonClassifier):
-            self.filter.classify.backend = backend
-        self.sessions.grpc_url, self.sessions.backend, self.sessions.manager = grpc_url, None, None
-        return old, set(self.estimator.inflight)
+        # No await from here on: a request sees either the old backend or the new one, never half of each
+        # (the filter's classifier asks some_backend(), so it follows).
+        old = [replica.backend, *self.sessions.forget_engine(grpc_url)]
+        replica.backend = backend
+        return old, set(replica.estimator.inflight)
 
     def prompt_tokens(self, req: GenRequest) -> int:
         """Prompt length for the prediction (the chat template's few tokens per message are estimated, unless
@@ -209,9 +259,28 @@ class FrontDoor:
         )
 
     async def health(self, request: Request) -> Response:
-        ready = self.backend.ready
-        body = {"live": True, "ready": ready, "reason": self.backend.ready_reason}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        if len(self.replicas) == 1:
+            ready = self.backend.ready
+            body = {"live": True, "ready": ready, "reason": self.backend.ready_reason}
+            return JSONResponse(body, status_code=200 if ready else 503)
+        n_ready = self.router.ready_count()
+        body = {
+            "live": True,
+            "ready": n_ready > 0,
+            "reason": self._unready_reason() if n_ready == 0 else f"{n_ready} of {len(self.replicas)} replicas ready",
+            "replicas_ready": n_ready,
+            "replicas": [
+                {"replica": r.label, "ready": r.backend.ready, "reason": r.backend.ready_reason} for r in self.replicas
+            ],
+        }
+        return JSONResponse(body, status_code=200 if n_ready else 503)
+
+    def _unready_reason(self) -> str:
+        """Why no request can go to Triton now."""
+        if len(self.replicas) == 1:
+            return self.backend.ready_reason
+        why = "; ".join(f"replica {r.label}: {r.backend.ready_reason}" for r in self.replicas)
+        return f"no replica is ready ({why})"
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -261,7 +330,7 @@ class FrontDoor:
         line up with them) and, for a model that takes a plain prompt (llmapi), the chat template."""
         if req.logprobs and self._output_filter() is not None:
             raise bad("logprobs", "is not served while the content filter checks the output (serving.filter.output)")
-        if req.kind == "chat" and req.session_id is None and self.backend.interface == "llmapi":
+        if req.kind == "chat" and req.session_id is None and self.interface == "llmapi":
             req.rendered = self.render_chat(req.messages)
 
     def _load_chat_tokenizer(self) -> None:
@@ -332,67 +401,89 @@ class FrontDoor:
             hit = await self.cache.get(req.cache_key())
             if hit is not None:
                 return self._answer(req, "cache", hit)
-        if not self.backend.ready:
-            return await self._fallback(
-                req,
-                body,
-                left_s,
-                "unhealthy",
-                status=503,
-                message=f"the model is not available ({self.backend.ready_reason}); retry later",
-                retry_s=self.config.guard.retry_after_s,
-            )
+        router = self.router
+        if not router.any_ready():
+            return await self._unhealthy(req, body, left_s)
         n_prompt = self.prompt_tokens(req)
-        p = self.estimator.predict(n_prompt, self.backend.gauges)
-        if deadline_ms is not None and p.ttft_s * 1e3 > deadline_ms:
-            retry = math.ceil(p.ttft_s - deadline_ms / 1e3)
-            return await self._fallback(
-                req,
-                body,
-                left_s,
-                "predicted_late",
-                status=429,
-                retry_s=retry,
-                message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms ({p.requests_ahead} requests, "
-                f"{p.tokens_ahead} prompt tokens ahead), over the {deadline_ms:.0f} ms deadline; retry later",
-            )
-        # Admitted.
-        # An input the model lacks is a 400 here, before anything is sent.
-        stream = await self.sessions.stream(req, request) if req.session_id else self.backend.stream(req)
-        self.estimator.admit(req.id, n_prompt, req.max_tokens, p)
-        try:
-            first = await self._first(stream, left_s() if self.tiers or self.cache else None)
-        except TimeoutError:
-            stream.cancel()
-            self.estimator.inflight.pop(req.id, None)
-            self.counters[("rtk_frontdoor_deadline_misses_total", ())] += 1
-            return await self._fallback(
-                req,
-                body,
-                left_s,
-                "late",
-                status=429,
-                retry_s=self.config.guard.retry_after_s,
-                message="the first token did not come before the deadline; retry later",
-            )
-        except TritonRefused as exc:
-            self.estimator.inflight.pop(req.id, None)
-            if exc.overload:
+        deadline_s = None if deadline_ms is None else deadline_ms / 1e3
+        # More than one pass only over replicas: a replica that cannot be reached before the first token is
+        # marked not ready and the request goes to the next best one.
+        for _ in self.replicas:
+            picked = router.pick(n_prompt, deadline_s)
+            if picked is None:  # every ready replica failed under this request
+                break
+            replica, p = picked
+            if deadline_ms is not None and p.ttft_s * 1e3 > deadline_ms:
+                retry = math.ceil(p.ttft_s - deadline_ms / 1e3)
+                where = "" if router.single is not None else f" on the best of {router.ready_count()} ready replicas"
                 return await self._fallback(
                     req,
                     body,
                     left_s,
-                    "engine_queue_full",
+                    "predicted_late",
+                    status=429,
+                    retry_s=retry,
+                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} ({p.requests_ahead} "
+                    f"requests, {p.tokens_ahead} prompt tokens ahead), over the {deadline_ms:.0f} ms deadline; "
+                    "retry later",
+                )
+            # Admitted.
+            # An input the model lacks is a 400 here, before anything is sent.
+            backend, est = replica.backend, replica.estimator
+            stream = await self.sessions.stream(req, request, backend) if req.session_id else backend.stream(req)
+            est.admit(req.id, n_prompt, req.max_tokens, p)
+            replica.routed += 1
+            try:
+                first = await self._first(stream, left_s() if self.tiers or self.cache else None)
+            except TimeoutError:
+                stream.cancel()
+                est.inflight.pop(req.id, None)
+                self.counters[("rtk_frontdoor_deadline_misses_total", ())] += 1
+                return await self._fallback(
+                    req,
+                    body,
+                    left_s,
+                    "late",
                     status=429,
                     retry_s=self.config.guard.retry_after_s,
-                    message=f"the engine's queue is full ({exc}); retry later",
+                    message="the first token did not come before the deadline; retry later",
                 )
-            raise classify_refusal(exc, req) from None
-        except BaseException:
-            stream.cancel()
-            self.estimator.inflight.pop(req.id, None)
-            raise
-        return self._primary(req, stream, first, n_prompt)
+            except TritonRefused as exc:
+                est.inflight.pop(req.id, None)
+                if exc.unreachable and router.single is None:
+                    backend.mark_unreachable(str(exc))
+                    replica.unreachable += 1
+                    log.warning("front door: replica %s (%s) is unreachable: %s", replica.label, backend.grpc_url, exc)
+                    continue
+                if exc.overload:
+                    return await self._fallback(
+                        req,
+                        body,
+                        left_s,
+                        "engine_queue_full",
+                        status=429,
+                        retry_s=self.config.guard.retry_after_s,
+                        message=f"the engine's queue is full ({exc}); retry later",
+                    )
+                raise classify_refusal(exc, req) from None
+            except BaseException:
+                stream.cancel()
+                est.inflight.pop(req.id, None)
+                raise
+            return self._primary(req, stream, first, n_prompt, est)
+        return await self._unhealthy(req, body, left_s)
+
+    async def _unhealthy(self, req: GenRequest, body: dict, left_s) -> Response:
+        """No replica can take the request: the chain, else 503."""
+        return await self._fallback(
+            req,
+            body,
+            left_s,
+            "unhealthy",
+            status=503,
+            message=f"the model is not available ({self._unready_reason()}); retry later",
+            retry_s=self.config.guard.retry_after_s,
+        )
 
     async def _first(self, stream: TritonStream, timeout_s: float | None):
         """The first response that carries text (or the final one)."""
@@ -485,9 +576,8 @@ class FrontDoor:
 
         return _SSE(gen(), headers)
 
-    def _primary(self, req: GenRequest, stream: TritonStream, first, n_prompt: int) -> Response:
+    def _primary(self, req: GenRequest, stream: TritonStream, first, n_prompt: int, est: Estimator) -> Response:
         self._count(req, PRIMARY)
-        est = self.estimator
         est.first_token(req.id)
         state = {"text": [first.text], "piece": first, "done": first.final, "responses": int(bool(first.text))}
         headers = {TIER_HEADER: PRIMARY}
@@ -627,20 +717,65 @@ class FrontDoor:
             for labels, v in rows:
                 lab = ",".join(f'{k}="{val}"' for k, val in labels)
                 lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
-        est = self.estimator
+        replicas = self.replicas
+        n = len(replicas)
         gauges = {
-            "rtk_frontdoor_inflight": ("primary requests in flight", len(est.inflight)),
-            "rtk_frontdoor_step_seconds": ("measured engine step time", est.step_s),
-            "rtk_frontdoor_prefill_seconds_per_token": (
-                "measured prefill time per prompt token",
-                est.prefill_s_per_token,
+            "rtk_frontdoor_inflight": ("primary requests in flight", sum(len(r.estimator.inflight) for r in replicas)),
+            "rtk_frontdoor_step_seconds": (
+                "measured engine step time" + ("" if n == 1 else " (mean over the replicas)"),
+                sum(r.estimator.step_s for r in replicas) / n,
             ),
-            "rtk_frontdoor_triton_ready": ("1 when Triton and the model are ready", int(self.backend.ready)),
+            "rtk_frontdoor_prefill_seconds_per_token": (
+                "measured prefill time per prompt token" + ("" if n == 1 else " (mean over the replicas)"),
+                sum(r.estimator.prefill_s_per_token for r in replicas) / n,
+            ),
+            "rtk_frontdoor_triton_ready": (
+                "1 when Triton and the model are ready" + ("" if n == 1 else " on at least one replica"),
+                int(self.router.any_ready()),
+            ),
         }
         for name, (text, v) in gauges.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {v}"]
+        if n > 1:
+            lines += self._replica_metric_lines()
         lines += self.sessions.metric_lines() + self.jobs.metric_lines()
         return "\n".join(lines) + "\n"
+
+    def _replica_metric_lines(self) -> list[str]:
+        """Per-replica series (label ``replica``: its index), only when the front door has several."""
+        series = {
+            "rtk_frontdoor_replica_requests_total": ("counter", "requests sent to each replica", lambda r: r.routed),
+            "rtk_frontdoor_replica_unreachable_total": (
+                "counter",
+                "requests that could not reach the replica before their first token and went to another",
+                lambda r: r.unreachable,
+            ),
+            "rtk_frontdoor_replica_ready": (
+                "gauge",
+                "1 when the replica's Triton and model are ready (it receives requests)",
+                lambda r: int(r.backend.ready),
+            ),
+            "rtk_frontdoor_replica_inflight": (
+                "gauge",
+                "primary requests in flight on the replica",
+                lambda r: len(r.estimator.inflight),
+            ),
+            "rtk_frontdoor_replica_step_seconds": (
+                "gauge",
+                "the replica's measured engine step time",
+                lambda r: r.estimator.step_s,
+            ),
+            "rtk_frontdoor_replica_prefill_seconds_per_token": (
+                "gauge",
+                "the replica's measured prefill time per prompt token",
+                lambda r: r.estimator.prefill_s_per_token,
+            ),
+        }
+        lines = []
+        for name, (kind, text, value) in series.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{replica="{r.label}"}} {value(r)}' for r in self.replicas]
+        return lines
 
 
 DONE = b"data: [DONE]\n\n"
@@ -744,9 +879,14 @@ def _frontdoor_of_spec(spec_path: str) -> str:
 
 
 def create_app(
-    source, triton_grpc_url: str, *, metrics_url: str | None = None, triton_model: str = "ensemble"
+    source,
+    triton_grpc_url: str | Sequence[str],
+    *,
+    metrics_url: str | Sequence[str | None] | None = None,
+    triton_model: str = "ensemble",
 ) -> FrontDoorApp:
-    """The front door for ``source`` (a Spec, a repository directory or a FrontDoorConfig) over Triton's gRPC."""
+    """The front door for ``source`` (a Spec, a repository directory or a FrontDoorConfig) over Triton's gRPC:
+    one server, or replicas of one repository (a list of gRPC addresses and one metrics URL for each)."""
     import contextlib
 
     config = config_from(source, triton_model=triton_model)

@@ -234,10 +234,11 @@ async def filtered(pieces: AsyncIterator[str], flt: StreamFilter | None) -> Asyn
 
 
 class TritonClassifier:
-    """A classifier model in the same Triton repository: ``text_input`` (BYTES) in, ``score`` (FP32) out."""
+    """A classifier model in the same Triton repository: ``text_input`` (BYTES) in, ``score`` (FP32) out.
+    ``backend_of()`` gives the Triton backend to ask (the front door's first ready replica)."""
 
-    def __init__(self, backend, model: str, timeout_s: float = 5.0):
-        self.backend, self.model, self.timeout_s = backend, model, timeout_s
+    def __init__(self, backend_of, model: str, timeout_s: float = 5.0):
+        self.backend_of, self.model, self.timeout_s = backend_of, model, timeout_s
         self.batched: bool | None = None
 
     async def __call__(self, text: str) -> float:
@@ -246,7 +247,7 @@ class TritonClassifier:
         from tritonclient.grpc import service_pb2 as pb
         from tritonclient.utils import serialize_byte_tensor
 
-        stub = self.backend._stub
+        stub = self.backend_of()._stub
         if self.batched is None:
             cfg = (await stub.ModelConfig(pb.ModelConfigRequest(name=self.model), timeout=self.timeout_s)).config
             self.batched = int(json_format.MessageToDict(cfg).get("maxBatchSize") or 0) > 0

@@ -106,6 +106,9 @@ class FrontDoorServer:
         async with self._swap_lock:  # one swap at a time, in the order asked
             fd = self.app.state.frontdoor
             st = read_state(repository)
+            if len(fd.replicas) > 1:
+                _write_report(report, phase="failed", error=f"this front door serves {len(fd.replicas)} replicas")
+                return
             if st is None:
                 _write_report(report, phase="failed", error=f"no server is recorded for {repository}")
                 return
@@ -160,24 +163,33 @@ def config_for(repository, serving, *, triton_model: str = "ensemble"):
     return cfg
 
 
-def start_for(server, repository, serving, *, port: int | None = None) -> FrontDoorServer | None:
-    """Start the front door of a ready ``server`` in this process (``rtk serve`` foreground, chat, slo --serve);
-    None when ``serving.frontend.enabled`` is false."""
+def start_for(servers, repository, serving, *, port: int | None = None) -> FrontDoorServer | None:
+    """Start the front door of a ready server, or of a list of ready replicas, in this process (``rtk serve``
+    foreground, chat, slo --serve); None when ``serving.frontend.enabled`` is false."""
     from .app import create_app
 
     if not serving.frontend.enabled:
         return None
     quiet_third_party()
     cfg = config_for(repository, serving)
-    app = create_app(cfg, server.grpc_url, metrics_url=server.metrics_url)
+    servers = servers if isinstance(servers, list) else [servers]
+    app = create_app(cfg, [s.grpc_url for s in servers], metrics_url=[s.metrics_url for s in servers])
     return FrontDoorServer(app, serving.frontend.host, port or serving.frontend.port).start()
 
 
 def start_detached(
-    grpc_url: str, metrics_url: str, repository, serving, log_path, *, port: int | None = None, timeout_s: float = 60.0
+    grpc_url: str | list[str],
+    metrics_url: str | list[str],
+    repository,
+    serving,
+    log_path,
+    *,
+    port: int | None = None,
+    timeout_s: float = 60.0,
 ):
-    """Start the front door as its own process that outlives this one; returns (pid, url) once it listens,
-    or None when ``serving.frontend.enabled`` is false.  Its output goes to ``log_path``."""
+    """Start the front door as its own process that outlives this one, over one server or over replicas (lists
+    of their gRPC addresses and metrics URLs); returns (pid, url) once it listens, or None when
+    ``serving.frontend.enabled`` is false.  Its output goes to ``log_path``."""
     import subprocess
     import sys
 
@@ -186,15 +198,15 @@ def start_detached(
     sections = {n: getattr(serving, n).model_dump(mode="json") for n in SERVER_SECTIONS if hasattr(serving, n)}
     ready = Path(log_path).with_suffix(".ready")
     ready.unlink(missing_ok=True)
+    grpc_urls = [grpc_url] if isinstance(grpc_url, str) else grpc_url
+    metrics_urls = [metrics_url] if isinstance(metrics_url, str) else metrics_url
     cmd = [
         sys.executable,
         "-m",
         "toolkit.frontdoor",
         str(repository),
-        "--triton-grpc",
-        grpc_url,
-        "--metrics-url",
-        metrics_url,
+        *(a for url in grpc_urls for a in ("--triton-grpc", url)),
+        *(a for url in metrics_urls for a in ("--metrics-url", url)),
         "--serving-json",
         json.dumps(sections),
         "--ready-file",

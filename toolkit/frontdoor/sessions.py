@@ -652,7 +652,9 @@ class AfterSend:
 
 class SessionService:
     """The store (opened with the front door), the tokenizer and the ``tensorrt_llm`` stream (opened at the
-    first session turn), and the admin key."""
+    first session turn), and the admin key.  Over replicas a turn goes to the server the front door chose for
+    it, with its whole stored history (a replica that did not serve the previous turn has none of its KV
+    blocks, so it prefills the history again)."""
 
     def __init__(self, config, grpc_url: str, rules=None):
         from .tiers import read_secret
@@ -661,7 +663,8 @@ class SessionService:
         self.admin_keys = read_secret(self.spec.admin_key) if self.spec.admin_key else []
         self.store = None
         self.manager: SessionManager | None = None
-        self.backend = None
+        self.backends: dict = {}  # gRPC address → the tensorrt_llm backend on that server
+        self.backend = None  # the latest turn's (a summary is written there)
         self._opening = asyncio.Lock()
         self._purger: asyncio.Task | None = None
         self._summaries: set[asyncio.Task] = set()
@@ -707,8 +710,8 @@ class SessionService:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*[t for t in [self._purger, *self._summaries] if t is not None], return_exceptions=True)
-        if self.backend is not None:
-            await self.backend.close()
+        for backend in self.backends.values():
+            await backend.close()
         if self.store is not None:
             await self.store.close()
 
@@ -740,31 +743,43 @@ class SessionService:
                 )
             return self.manager
 
-    async def _open_engine(self) -> SessionManager:
+    async def _open_engine(self, grpc_url: str) -> tuple[SessionManager, object]:
         from .triton import TritonBackend
 
         manager = await self._manager()
+        grpc_url = grpc_url.removeprefix("grpc://")
         async with self._opening:
-            if self.backend is None:
-                backend = TritonBackend(self.grpc_url, LLM_MODEL)
+            backend = self.backends.get(grpc_url)
+            if backend is None:
+                backend = TritonBackend(grpc_url, LLM_MODEL)
                 await backend.open()
-                self.backend = backend
-        if not self.backend.ready and not await self.backend.check_health():
+                self.backends[grpc_url] = backend
+        if not backend.ready and not await backend.check_health():
             raise APIError(
                 503,
                 f"sessions are served by the '{LLM_MODEL}' model, which is not available "
-                f"({self.backend.ready_reason}); retry later",
+                f"({backend.ready_reason}); retry later",
                 kind="server_error",
                 code="unavailable",
                 headers={"Retry-After": "1"},
             )
-        return manager
+        self.backend = backend
+        return manager, backend
 
-    async def stream(self, req: GenRequest, request) -> SessionStream:
-        manager = await self._open_engine()
+    async def stream(self, req: GenRequest, request, server=None) -> SessionStream:
+        """The turn's stream on the tritonserver of ``server`` (the front door's backend for the replica it
+        chose; default: the one this service was made for)."""
+        manager, backend = await self._open_engine(server.grpc_url if server is not None else self.grpc_url)
         turn = await manager.begin(req, req.session_id, self.owner(request))
         renew = (lambda: self._renew(req.id)) if req.id in self._held else None
-        return SessionStream(self.backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
+        return SessionStream(backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
+
+    def forget_engine(self, grpc_url: str) -> list:
+        """Hot reload: later turns go to the server at ``grpc_url``, with the rebuilt repository's tokenizer;
+        returns the backends to close once the turns in flight on them have ended."""
+        old = list(self.backends.values())
+        self.grpc_url, self.backends, self.backend, self.manager = grpc_url, {}, None, None
+        return old
 
     # -- one turn at a time -------------------------------------------------------------------------------------
     async def serve_turn(self, req: GenRequest, request, route):

@@ -41,11 +41,13 @@ class Piece:
 
 
 class TritonRefused(Exception):
-    """Triton answered the request with an error before its first token."""
+    """Triton answered the request with an error before its first token.  ``unreachable``: the server was not
+    reached at all (the gRPC call failed with UNAVAILABLE), so the request can go to another replica."""
 
-    def __init__(self, message: str, overload: bool):
+    def __init__(self, message: str, overload: bool, unreachable: bool = False):
         super().__init__(message)
         self.overload = overload
+        self.unreachable = unreachable
 
 
 @dataclass
@@ -133,11 +135,9 @@ class TritonBackend:
 
         try:
             if not (await self._stub.ServerReady(pb.ServerReadyRequest(), timeout=self.timeout_s)).ready:
-                self.ready, self.ready_reason = False, "tritonserver is not ready"
-                return False
+                return self._not_ready("tritonserver is not ready")
             if not (await self._stub.ModelReady(pb.ModelReadyRequest(name=self.model), timeout=self.timeout_s)).ready:
-                self.ready, self.ready_reason = False, f"model '{self.model}' is not ready"
-                return False
+                return self._not_ready(f"model '{self.model}' is not ready")
             if not self.inputs:
                 cfg = (
                     await self._stub.ModelConfig(pb.ModelConfigRequest(name=self.model), timeout=self.timeout_s)
@@ -148,10 +148,21 @@ class TritonBackend:
                 self.batched = int(d.get("max_batch_size") or 0) > 0
                 self.interface = "llmapi" if LLMAPI_MARK in self.inputs else "ensemble"
         except grpc.aio.AioRpcError as exc:
-            self.ready, self.ready_reason = False, f"tritonserver at {self.grpc_url} does not answer: {exc.code().name}"
-            return False
+            return self._not_ready(f"tritonserver at {self.grpc_url} does not answer: {exc.code().name}")
         self.ready, self.ready_reason = True, "ready"
         return True
+
+    def _not_ready(self, reason: str) -> bool:
+        """Not ready: no new request goes here, and the idle gRPC calls are closed (a tritonserver that is shutting
+        down waits for its open streams before it exits)."""
+        self.ready, self.ready_reason = False, reason
+        if self.pool is not None:
+            self.pool.close()
+        return False
+
+    def mark_unreachable(self, reason: str) -> None:
+        """A request could not reach this server: not ready until a health check says otherwise."""
+        self._not_ready(f"tritonserver at {self.grpc_url} could not be reached: {reason}")
 
     async def read_gauges(self, client) -> None:
         """Read the engine's gauges from Triton's metrics endpoint (``client``: an httpx.AsyncClient)."""
@@ -376,7 +387,13 @@ class TritonStream:
             self.finished = True
             code = exc.code()
             overload = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            raise TritonRefused(f"{code.name}: {exc.details()}", overload=overload) from None
+            unreachable = code == grpc.StatusCode.UNAVAILABLE
+            raise TritonRefused(f"{code.name}: {exc.details()}", overload=overload, unreachable=unreachable) from None
+        except asyncio.InvalidStateError:  # a new call that failed before the request was written to it
+            self.finished = True
+            raise TritonRefused(
+                "UNAVAILABLE: the gRPC call ended before the request was sent", overload=True, unreachable=True
+            ) from None
         if resp.error_message:
             self.close()
             raise TritonRefused(resp.error_message, overload=any(s in resp.error_message for s in OVERLOAD))
