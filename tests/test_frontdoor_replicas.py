@@ -8,6 +8,7 @@ series.  The routing rules themselves are checked without a server first.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
+from click.testing import CliRunner
 from triton_helpers import running_server, write_fake_llm
 
 from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
@@ -275,3 +278,128 @@ def test_health_is_503_and_requests_are_refused_when_no_replica_is_ready():
         assert r.status_code == 503 and r.headers["x-rtk-tier"] == "refused" and "Retry-After" in r.headers
         assert "no replica is ready" in r.json()["error"]["message"]
         assert fd_metric(fd.url, "rtk_frontdoor_triton_ready") == 0
+
+
+# -- rtk serve --replicas 2 --detach ------------------------------------------------------------------------------
+
+
+def tiny_spec(root: Path) -> Path:
+    """A spec whose emitted cpu repository holds the fake LLM as its ``ensemble``, with the manifest an emit
+    leaves, so ``rtk serve`` starts it as it starts a built one (no engine to build)."""
+    from toolkit.artifacts import MANIFEST
+    from toolkit.spec import spec_from_dict
+    from toolkit.triton.emit import REPOSITORY_FORMAT, SERVER_ONLY_FIELDS
+
+    repo = _server_repo(root, "repo", ttft_ms=5, itl_ms=5)
+    data = {
+        "name": "tiny-replicas",
+        "build": {"target": "cpu"},
+        "serving": {"repository": str(repo), "warmup": False, "frontend": {"port": free_port(), "model_name": MODEL}},
+    }
+    spec = spec_from_dict(data)
+    manifest = {
+        "complete": True,
+        "stage": "emit",
+        "target": "cpu",
+        "repository_format": REPOSITORY_FORMAT,
+        "models": ["ensemble"],
+        "files": {},
+        "rtk_version": "0.1.0",
+        "inputs": {},
+        "spec": {
+            "name": spec.name,
+            "build": spec.build.model_dump(),
+            "serving": spec.serving.model_dump(exclude=SERVER_ONLY_FIELDS),
+        },
+    }
+    (repo / MANIFEST).write_text(json.dumps(manifest))
+    path = root / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.integration
+def test_rtk_serve_replicas_detached_records_and_stops_one_front_door(tmp_path):
+    from toolkit.cli import cli
+    from toolkit.triton.server import read_state, read_states, state_path
+
+    spec = tiny_spec(tmp_path)
+    repo = tmp_path / "repo"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["serve", str(spec), "--replicas", "2", "--detach", "--timeout", "120"])
+    states = read_states(repo)
+    try:
+        assert result.exit_code == 0, result.output
+        assert len(states) == 2 and states[0].frontdoor_pid and states[0].frontdoor_url
+        assert states[1].frontdoor_pid is None  # one front door, recorded once
+        assert read_state(repo).frontdoor_url == states[0].frontdoor_url  # where rtk chat / slo look
+        fd = states[0].frontdoor_url
+        assert f"front door (pid {states[0].frontdoor_pid}): OpenAI {fd}/v1 over 2 replicas" in result.output
+        health = httpx.get(fd + "/health", timeout=10).json()
+        assert health["ready"] is True and health["replicas_ready"] == 2, health
+        before = counts(states)
+        assert_answered(chats(fd, 4))
+        assert sum(wait_for_counts(states, before, 4)) == 4
+        # Hot reload swaps one server behind its front door; replicas are refused before anything starts.
+        reload = runner.invoke(cli, ["serve", str(spec), "--reload"])
+        assert reload.exit_code == 2 and "2 replicas" in reload.output and "--replicas 2" in reload.output
+    finally:
+        stopped = runner.invoke(cli, ["serve", str(spec), "--stop"])
+    assert stopped.exit_code == 0, stopped.output
+    assert f"front door (pid {states[0].frontdoor_pid})" in stopped.output
+    assert not any(_alive(pid) for pid in [states[0].frontdoor_pid, *(st.pid for st in states)])
+    assert not state_path(repo).exists()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(fd + "/health", timeout=2)
+
+
+@pytest.mark.integration
+def test_rtk_serve_replicas_in_the_foreground_serves_through_one_front_door_until_stopped(tmp_path):
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    spec = tiny_spec(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.cli", "serve", str(spec), "--replicas", "2", "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("over 2 replicas" in line for line in seen):
+            try:
+                seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                pytest.fail("rtk serve --replicas 2 was not ready within 120 s:\n" + "".join(seen))
+        out = "".join(seen)
+        assert out.count("ready: replica ") == 2, out
+        url = re.search(r"OpenAI (\S+)/v1 over 2 replicas", out).group(1)
+        replica_urls_ = re.findall(r"ready: replica \d: HTTP (\S+)", out)
+        assert httpx.get(url + "/health", timeout=10).json()["replicas_ready"] == 2
+        assert_answered(chats(url, 2))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("rtk serve --replicas 2 did not stop within 60 s of SIGTERM")
+    assert proc.returncode == 0
+    for gone in [url + "/health", *(u + "/v2/health/ready" for u in replica_urls_)]:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(gone, timeout=2)

@@ -42,7 +42,8 @@ from . import set_option
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="cpu target: this many tritonservers of the repository, each on its own free ports; "
+    help="cpu target: this many tritonservers of the repository, each on its own free ports, behind one "
+    "front door that sends each request to the replica with the lowest predicted time to first token; "
     "they start, are recorded and stop together.",
 )
 def command(
@@ -86,25 +87,53 @@ def command(
     if stop_:
         states = launch.stop_all(source, overrides)
         pids = ", ".join(str(st.pid) for st in states)
-        click.echo(f"stopped tritonserver (pid {pids})" if states else "no background tritonserver was running")
+        fronts = ", ".join(str(st.frontdoor_pid) for st in states if st.frontdoor_pid)
+        front = f" and its front door (pid {fronts})" if fronts else ""
+        click.echo(f"stopped tritonserver (pid {pids}){front}" if states else "no background tritonserver was running")
         return
     ports = dict(
         host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, ready_timeout_s=timeout
     )
 
+    started = []
+
     def ready(server):
-        front = f"  OpenAI {server.frontdoor_url}/v1" if server.frontdoor_url else ""
+        if replicas == 1:
+            front = f"  OpenAI {server.frontdoor_url}/v1" if server.frontdoor_url else ""
+            click.echo(
+                f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}{front}"
+                "  (Ctrl-C stops)"
+            )
+            return
+        started.append(server)
         click.echo(
-            f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}{front}"
-            "  (Ctrl-C stops)"
+            f"ready: replica {len(started) - 1}: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+            f"metrics {server.metrics_url}"
         )
+        if len(started) == replicas:
+            front = f"OpenAI {server.frontdoor_url}/v1 over {replicas} replicas" if server.frontdoor_url else ""
+            click.echo(f"ready: {front or f'{replicas} replicas, no front door'}  (Ctrl-C stops)")
 
     state = launch.serve(source, overrides=overrides, detach=detach, on_ready=ready, replicas=replicas, **ports)
     if detach:
-        for st in state if isinstance(state, list) else [state]:
+        states = state if isinstance(state, list) else [state]
+        if len(states) == 1:
+            st = states[0]
             front = f"  OpenAI {st.frontdoor_url}/v1" if st.frontdoor_url else ""
             click.echo(
                 f"ready in the background (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
                 f"metrics {st.metrics_url}{front}; log {st.log_path}"
             )
+        else:
+            for i, st in enumerate(states):
+                click.echo(
+                    f"ready in the background: replica {i} (pid {st.pid}): HTTP {st.http_url}  gRPC {st.grpc_url}  "
+                    f"metrics {st.metrics_url}; log {st.log_path}"
+                )
+            first = states[0]
+            if first.frontdoor_url:
+                click.echo(
+                    f"front door (pid {first.frontdoor_pid}): OpenAI {first.frontdoor_url}/v1 over {len(states)} "
+                    "replicas"
+                )
         click.echo(f"stop with: rtk serve --stop {source}")

@@ -14,7 +14,8 @@ all go through :func:`resolve` then :func:`make_server`:
   the model ready, so "ready" means warm.
 * :func:`make_replicas` (``rtk serve --replicas N``, cpu target): N servers of one repository on
   this host, each on its own free ports and python-backend shared-memory prefix; they start, are
-  recorded in one state file and stop together.
+  recorded in one state file and stop together, with one front door over them all (recorded on the
+  first replica's state, as the single server's is).
 * :func:`reload` (``rtk serve --reload``): blue/green behind the front door.  A second tritonserver on
   free ports loads and warms the rebuilt repository; the detached front door then sends new requests
   to it while the streams in flight finish on the old one, which then stops (docs/guard.md, "Hot model
@@ -234,8 +235,7 @@ def serve(
     servers = make_replicas(t, replicas, **server_kwargs)
     if detach:
         states = start_detached_group(servers, models=t.models)
-        if replicas == 1:
-            _detach_frontdoor(t, states, free_port=server_kwargs.get("free_ports", False))
+        _detach_frontdoor(t, states, free_port=server_kwargs.get("free_ports", False))
         return states if replicas > 1 else states[0]
     frontdoor = None
     stop_event = threading.Event()
@@ -246,8 +246,7 @@ def serve(
                 server.start()
             for server in servers:
                 server.wait_ready(models=t.models)
-            if replicas == 1:
-                frontdoor = _start_frontdoor(t, servers[0], free_port=server_kwargs.get("free_ports", False))
+            frontdoor = _start_frontdoor(t, servers, free_port=server_kwargs.get("free_ports", False))
             if on_ready:
                 for server in servers:
                     on_ready(server)
@@ -286,21 +285,25 @@ def running(source: str | Path, *, overrides=(), **server_kwargs):
         server.stop()
 
 
-def _start_frontdoor(t: ServeTarget, server: TritonServer, *, free_port: bool):
-    """The repository's front door (toolkit/frontdoor) in this process, on ``server``; its URL is set on
-    ``server.frontdoor_url``.  None when ``serving.frontend.enabled`` is false.  It fronts the ensemble, or the
-    llmapi target's one ``tensorrt_llm`` model with that model's own inputs (toolkit/frontdoor/triton.py)."""
+def _start_frontdoor(t: ServeTarget, servers: TritonServer | list[TritonServer], *, free_port: bool):
+    """The repository's front door (toolkit/frontdoor) in this process, over ``servers`` (one, or the
+    replicas); its URL is set on each one's ``frontdoor_url``.  None when ``serving.frontend.enabled`` is
+    false.  It fronts the ensemble, or the llmapi target's one ``tensorrt_llm`` model with that model's own
+    inputs (toolkit/frontdoor/triton.py)."""
     from ..frontdoor.runner import start_for
 
+    servers = servers if isinstance(servers, list) else [servers]
     port = _free(1, t.serving.frontend.host)[0] if free_port else None
-    frontdoor = start_for(server, t.repository, t.serving, port=port)
-    server.frontdoor_url = frontdoor.url if frontdoor is not None else None
+    frontdoor = start_for(servers, t.repository, t.serving, port=port)
+    for server in servers:
+        server.frontdoor_url = frontdoor.url if frontdoor is not None else None
     return frontdoor
 
 
 def _detach_frontdoor(t: ServeTarget, states: list[ServerState], *, free_port: bool) -> None:
-    """Start the front door of a detached server as its own process and record it in the state file;
-    if it cannot start, the server is stopped too (nothing half-started is left behind)."""
+    """Start the front door of detached servers (one, or the replicas) as its own process and record it in
+    the state file, on the first server's state; if it cannot start, the servers are stopped too (nothing
+    half-started is left behind)."""
     from ..frontdoor.runner import start_detached
 
     if not t.serving.frontend.enabled:
@@ -310,7 +313,7 @@ def _detach_frontdoor(t: ServeTarget, states: list[ServerState], *, free_port: b
     log_path = Path(st.log_path).with_name(Path(st.log_path).stem + "-frontdoor.log")
     try:
         st.frontdoor_pid, st.frontdoor_url = start_detached(
-            st.grpc_url, st.metrics_url, t.repository, t.serving, log_path, port=port
+            [s.grpc_url for s in states], [s.metrics_url for s in states], t.repository, t.serving, log_path, port=port
         )
     except BaseException:
         stop_detached_all(t.repository)
@@ -460,8 +463,9 @@ def _swappable(t: ServeTarget, source) -> ServerState:
         )
     if len(states) > 1:
         raise UsageError(
-            f"--reload swaps one server behind its front door; {t.repository} runs {len(states)} replicas (--replicas) "
-            f"without one{why}"
+            f"--reload swaps one server behind its front door; {t.repository} runs {len(states)} replicas "
+            f"(--replicas) behind one front door, and swapping them is not supported; stop and start them instead: "
+            f"rtk serve --stop, then rtk serve --detach --replicas {len(states)}"
         )
     live = [st for st in states if _is_our_server(st)]
     if not live:

@@ -16,7 +16,9 @@
 * Detached servers (``rtk serve --detach``) write a small JSON state file beside the repository
   (``<repo parent>/.rtk-triton/<repo name>.json``); :func:`stop_detached` reads it back.  Several
   servers of one repository (``rtk serve --replicas N``) share that file (``{"replicas": [...]}``),
-  start together (:func:`start_detached_group`) and stop together.
+  start together (:func:`start_detached_group`) and stop together; the one front door over them is
+  recorded on the first replica's state (``frontdoor_url``, ``frontdoor_pid``), so :func:`read_state`
+  finds it as it finds a single server's.
 
 Everything tritonserver prints goes to a log file beside the repository; errors quote its tail.
 """
