@@ -125,7 +125,7 @@ def servers(tmp_path_factory):
 
 
 def front_door(triton_servers, **guard) -> FrontDoorServer:
-    cfg = FrontDoorConfig(model_name=MODEL, guard=GuardSpec(**guard), max_seq_len=256, default_max_tokens=4)
+    cfg = FrontDoorConfig(model_name=MODEL, guard=GuardSpec(**guard), max_seq_len=8192, default_max_tokens=4)
     app = create_app(cfg, [s.grpc_url for s in triton_servers], metrics_url=[s.metrics_url for s in triton_servers])
     return FrontDoorServer(app, "127.0.0.1", free_port())
 
@@ -135,6 +135,13 @@ def triton_successes(server) -> int:
     text = httpx.get(server.metrics_url, timeout=10).text
     m = re.search(r'^nv_inference_request_success\{[^}]*model="ensemble"[^}]*\} (\d+)', text, re.MULTILINE)
     return int(m.group(1)) if m else 0
+
+
+def triton_ended(server) -> int:
+    """Requests of the tritonserver's ``ensemble`` that ended, answered or not, by its own metrics."""
+    text = httpx.get(server.metrics_url, timeout=10).text
+    pattern = r'^nv_inference_request_(?:success|failure)\{[^}]*model="ensemble"[^}]*\} (\d+)'
+    return sum(int(n) for n in re.findall(pattern, text, re.MULTILINE))
 
 
 def fd_metric(url: str, name: str, replica: str | None = None) -> float:
@@ -210,6 +217,33 @@ def test_the_replica_with_the_lower_predicted_ttft_gets_the_requests(servers):
         slow_prefill = fd_metric(fd.url, "rtk_frontdoor_replica_prefill_seconds_per_token", "0")
         fast_prefill = fd_metric(fd.url, "rtk_frontdoor_replica_prefill_seconds_per_token", "1")
         assert slow_prefill > fast_prefill
+
+
+@pytest.mark.integration
+def test_a_client_that_leaves_cancels_its_request_on_the_replica_it_went_to(servers):
+    """8000 tokens at 5 ms each would take 40 s: the replica ends the request within seconds only because the
+    front door cancelled it there."""
+    a, b = servers["a"], servers["b"]
+    with front_door([a, b]) as fd:
+        before = [triton_ended(a), triton_ended(b)]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 8000, "stream": True}
+        with (
+            httpx.Client(base_url=fd.url, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave after the first token
+
+        def ended():
+            now = [triton_ended(a) - before[0], triton_ended(b) - before[1]]
+            return now if sum(now) else None
+
+        assert sorted(wait_until(ended, 10, "the replica to end the request")) == [0, 1]
+        wait_until(lambda: fd_metric(fd.url, "rtk_frontdoor_cancelled_total") == 1, 10, "the cancellation count")
+        assert fd_metric(fd.url, "rtk_frontdoor_replica_inflight", "0") == 0
+        assert fd_metric(fd.url, "rtk_frontdoor_replica_inflight", "1") == 0
 
 
 @pytest.mark.integration
