@@ -215,3 +215,23 @@ def test_check_metric_fails_on_a_signal_that_stays_at_zero(fast):
     assert rep.verdict.status == "FAIL" and rep.exit_code == 10
     missing = run_slo(slo, fast.grpc_url, metrics_url=fast.metrics_url, check_metrics=["nv_trt_llm_request_metrics"])
     assert "not exported" in missing.verdict.results[-1].message and missing.verdict.status == "FAIL"
+
+
+def test_a_replica_that_dies_mid_run_fails_only_its_requests_and_at_once(fast, tmp_path):
+    """The gRPC stream to a killed server breaks: its requests in flight fail with the reason at once
+    (not at slo.request_timeout_s), it gets no more, and the other replica serves the rest."""
+    repo = tmp_path / "repo"
+    write_fake_llm(repo, "ensemble", ttft_ms=TTFT, itl_ms=ITL, max_batch_size=16)
+    slo = _slo(concurrency=4, num_requests=120, output_tokens=12, warmup_requests=0, request_timeout_s=60)
+    with running_server(repo) as doomed:
+        killer = threading.Timer(1.0, doomed.process.kill)
+        killer.start()
+        t = time.monotonic()
+        rep = run_slo(slo, [doomed.grpc_url, fast.grpc_url], balance="round_robin")
+        took = time.monotonic() - t
+        killer.join()
+    assert rep.summary.failed >= 1 and rep.summary.succeeded + rep.summary.failed == 120, rep.summary
+    assert all("gRPC stream broke" in e for e in rep.summary.errors), rep.summary.errors
+    assert took < 30, took  # nothing waited for the 60 s request timeout
+    counts = rep.client["replicas"]
+    assert counts[fast.grpc_url] > counts[doomed.grpc_url], counts  # the dead replica got no more
