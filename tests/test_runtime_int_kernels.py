@@ -182,7 +182,7 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     )
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
-    fast = Engine(hf, EngineConfig(**cfg))
+    fast = Engine(hf, EngineConfig(**cfg, int4_gemv="exact"))  # INT4's default (group sums) is not bit-exact
     assert fast.model.fused is not None
     dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
     kind = {"fp8": "fp8-table", "int8_sq": "int8", "int4_awq": "int4"}[fmt]  # per-tensor FP8: the table
@@ -203,6 +203,58 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
         assert torch.equal(a, b), f"step {step}"
 
 
+def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_path, tiny_llama_dir):
+    """A real INT4-AWQ export (tiny Llama) through rtk's int4-dot GEMV (the default): a prompt run one token a
+    step (so every position goes through the GEMV) is as faithful to the float32 result (the quality
+    report's arithmetic) as the dense bf16 path is; and a request's logits do not depend on what else
+    decodes with it."""
+    from conftest import spec_for
+
+    from toolkit.quantize import quantize
+    from toolkit.runtime import kernels
+    from toolkit.runtime.engine import Engine, EngineConfig
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+    spec = spec_for(
+        "tiny-int4", tiny_llama_dir, quantization={"format": "int4_awq", "max_perplexity_increase": 100.0, **calib}
+    )
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    one = dict(max_batch_size=1, max_num_tokens=1, max_input_len=128, max_seq_len=256, tokens_per_block=16)
+    fast = Engine(hf, EngineConfig(**one))
+    dense = Engine(hf, EngineConfig(**one, int_weight_kernels=False, cpu_kernels=False))
+    exact = Engine(hf, EngineConfig(**one, dtype="float32"))
+    parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+    assert {p.kernel for p in parts} == {"rtk-int4-dot"}
+    for p in parts:  # the prompt's one-row calls through the group sums too, as decode rows
+        p.codes_own_rounding = False
+    ids = torch.randint(3, 1000, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    got, bf16, ref = fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids)
+
+    def error(x):  # relative logit error against float32, and the share of positions with its argmax
+        return ((x - ref).norm() / ref.norm()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+    (err_k, same_k), (err_d, same_d) = error(got), error(bf16)
+    assert err_k <= 1.25 * err_d + 1e-3, (err_k, err_d)
+    assert same_k >= same_d - 0.05, (same_k, same_d)
+    # batch invariance: each request's greedy tokens alone equal its tokens while the three decode together
+    from toolkit.runtime.engine import GenerationRequest
+
+    cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
+    batched = Engine(hf, EngineConfig(**cfg, enable_kv_cache_reuse=False))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (21, 9, 34)]
+    alone = [batched.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, end_id=-1)) for p in prompts]
+    rids = [batched.add_request(GenerationRequest(prompt_ids=p, max_new_tokens=24, end_id=-1)) for p in prompts]
+    together: dict[str, list[int]] = {r: [] for r in rids}
+    while batched.has_work():
+        for ev in batched.step():
+            if ev.token_id is not None:
+                together[ev.request_id].append(ev.token_id)
+    assert [together[r] for r in rids] == alone
+
+
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     """INT8 / INT4: up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy; per-tensor FP8
@@ -214,7 +266,7 @@ def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
     lin = int_linear(576, 1536, bits=bits, seed=11)
-    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True, int4_gemv="exact")
     if bits == "fp8":
         assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == GEMV_MAX_ROWS
     else:
@@ -225,4 +277,23 @@ def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     with torch.inference_mode():
         one_row = torch.cat([dense(x[i : i + 1], singles=1) for i in range(n)])
         for rows in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 12, GEMV_MAX_ROWS, n):
+            assert torch.equal(proj(x[:rows], singles=rows), one_row[:rows]), rows
+
+
+def test_int4_group_sums_read_the_codes_for_every_row_count():
+    """int4-dot rows never switch to a bf16 copy (whose rounding differs): no copy is kept, and a row's
+    result is the same in a call of any row count."""
+    from toolkit.runtime import kernels
+    from toolkit.runtime.model import GEMV_MAX_ROWS
+
+    if not kernels.available():
+        pytest.skip("rtk's CPU kernels are not available on this host")
+    lin = int_linear(576, 1536, bits=4, seed=11)
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    assert proj.kernel == "rtk-int4-dot" and proj.gemv is None and proj.codes_max_rows == GEMV_MAX_ROWS
+    n = 2 * GEMV_MAX_ROWS + 2
+    x = torch.randn(n, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.inference_mode():
+        one_row = torch.cat([proj(x[i : i + 1], singles=1) for i in range(n)])
+        for rows in (2, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, n):
             assert torch.equal(proj(x[:rows], singles=rows), one_row[:rows]), rows

@@ -144,6 +144,37 @@ def test_gemv_over_codes_gives_the_dense_weights_bits(kind, shape, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (3072, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_group_sums_are_the_float32_product_within_tolerance_and_batch_invariant(shape, threads):
+    """int4-dot scales per-group sums of code x activation: not the dense path's bits (no bf16 weight
+    rounding), so it is held to the float32 product; every row is the same alone and with others."""
+    codes, scale, exact = quantized("int4", *shape, seed=shape[0])
+    q = kernels.QuantizedWeight.pack("int4-dot", codes, scale)
+    assert q.kind == "int4-dot" and q.nbytes < -(-shape[0] // 64) * 64 * shape[1] * 2 * 0.3
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
+            for b in (None, bias):
+                got = q(x, b)
+                ref = x.float() @ exact.t() + (0 if b is None else b.float())
+                err = (got.float() - ref).abs().max() / ref.abs().max()
+                assert err <= kernels.INT4_DOT_TOLERANCE, (rows, err)
+                # the bf16 output rounding is the only error: 2^-8 of each value at most, 1/512 at nearest
+                assert ((got.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6 * ref.abs().max()).all()
+                assert torch.equal(torch.cat([q(x[i : i + 1], b) for i in range(rows)]), got)
+        assert q.within(exact, bias)
+        wrong = exact.clone()
+        wrong[5, :64] *= -1  # one group of one output that is not what the codes say: the check fails
+        assert not q.within(wrong, None)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gemv_over_codes_refuses_a_mismatch():
     codes, scale, dense = quantized("int8", 128, 256, seed=5)
     q = kernels.QuantizedWeight.pack("int8", codes, scale)

@@ -80,11 +80,16 @@ class EngineConfig:
     # False = dequantized dense bf16 (the reference path).
     int_weight_kernels: bool = True
     # rtk's own CPU kernels (runtime/kernels.py, AVX512-BF16/VBMI, built once per host), each giving the
-    # bits of what it replaces (checked at load): the decode rows' matmuls over bf16 weights (~1.6x
-    # oneDNN's bandwidth here) or over the FP8 / INT8 / INT4 codes of a quantized export, the
+    # bits of what it replaces (checked at load; INT4 per int4_gemv below): the decode rows' matmuls
+    # over bf16 weights (~1.6x oneDNN's bandwidth here) or over the FP8 / INT8 / INT4 codes of a quantized export, the
     # projections' input quantization in one pass, and the K/V reads of float32 attention in one
     # pass; False = torch's operators only.
     cpu_kernels: bool = True
+    # rtk's GEMV over INT4-AWQ codes (with cpu_kernels): "dot" sums code x activation per group of
+    # inputs and scales each group's sum (no per-weight rounding, ~2.5x "exact"'s speed; within a
+    # stated tolerance of the float32 product, not the dense path's bits; docs/engine.md); "exact"
+    # rebuilds the dense path's bf16 weights bf16(code x scale) in registers (its bits)
+    int4_gemv: str = "dot"
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
     # request's bits never depend on the batch); "attention" = one masked attention call for all
@@ -156,6 +161,8 @@ class EngineConfig:
             bad("scheduler_policy", f"'{self.scheduler_policy}' is not one of {', '.join(POLICIES)}")
         if self.decode_batching not in DECODE_BATCHING:
             bad("decode_batching", f"'{self.decode_batching}' is not one of {', '.join(DECODE_BATCHING)}")
+        if self.int4_gemv not in ("dot", "exact"):
+            bad("int4_gemv", f"'{self.int4_gemv}' is not 'dot' or 'exact'")
         if self.attention_dtype not in ("float32", "model"):
             bad("attention_dtype", f"'{self.attention_dtype}' is not 'float32' or 'model'")
         if self.num_threads is not None and self.num_threads < 1:
@@ -226,6 +233,7 @@ class Engine:
             batch_invariant=config.decode_batching != "full",
             cpu_kernels=config.cpu_kernels,
             fused_decode=config.fused_decode,
+            int4_gemv=config.int4_gemv,
         )
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)

@@ -1,6 +1,7 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
-// (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below), and 5. DecodeLayers: the decode
-// rows' whole decoder layers in one call.
+// (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below; gemv_q's INT4 group sums, kind int4-dot,
+// excepted: within a tolerance of the float32 product), and 5. DecodeLayers: the decode rows' whole
+// decoder layers in one call.
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -84,6 +86,21 @@ inline void block_rows(const uint32_t* xs, int64_t r0, Weights& weights, int64_t
   }
 }
 
+struct Int4DotWeights;
+template <int R>
+inline void block_rows_dot(const uint32_t* xs, int64_t r0, const Int4DotWeights& weights, int64_t pairs,
+                           int64_t group_pairs, float* total);
+
+// block_rows, or block_rows_dot for factored int4 codes
+template <int R, class Weights>
+inline void rows_of_block(const uint32_t* xs, int64_t r0, Weights& weights, int64_t pairs, int64_t group_pairs,
+                          float* total) {
+  if constexpr (std::is_same_v<Weights, Int4DotWeights>)
+    block_rows_dot<R>(xs, r0, weights, pairs, group_pairs, total);
+  else
+    block_rows<R>(xs, r0, weights, pairs, group_pairs, total);
+}
+
 // y = x W^T (+ bias) over the blocks, rows in groups of 4; make_weights(b) gives block b's loader.
 template <class MakeWeights>
 at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64_t group_pairs, int64_t n,
@@ -105,10 +122,10 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
         auto weights = make_weights(b);
         const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
         switch (rows) {
-          case 4: block_rows<4>(xs, r0, weights, pairs, group_pairs, total); break;
-          case 3: block_rows<3>(xs, r0, weights, pairs, group_pairs, total); break;
-          case 2: block_rows<2>(xs, r0, weights, pairs, group_pairs, total); break;
-          default: block_rows<1>(xs, r0, weights, pairs, group_pairs, total); break;
+          case 4: rows_of_block<4>(xs, r0, weights, pairs, group_pairs, total); break;
+          case 3: rows_of_block<3>(xs, r0, weights, pairs, group_pairs, total); break;
+          case 2: rows_of_block<2>(xs, r0, weights, pairs, group_pairs, total); break;
+          default: rows_of_block<1>(xs, r0, weights, pairs, group_pairs, total); break;
         }
         for (int r = 0; r < rows; ++r)
           for (int j = 0; j < 4; ++j) {
@@ -153,7 +170,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
 //    bias 127 instead of 7: the code's value times 2^-120, subnormal codes as float subnormals),
 //    with 2^120 folded into the scale (exact).
 
-enum QuantKind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2, kFp8Table = 3 };
+enum QuantKind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2, kFp8Table = 3, kInt4Dot = 4 };
 
 inline __m512 codes8_to_float(__m128i bytes, int64_t kind) {
   if (kind == kInt8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -227,6 +244,73 @@ struct Fp8TableWeights {
   }
 };
 
+//    int4 codes with per-group scales, factored (kind int4-dot): y = sum over groups of
+//    scale[n, g] * (sum over the group's k of code * x), the inner sums by vdpbf16ps over the codes
+//    as bf16 (-8..7 are exact in bf16) and each group's sum scaled into the output's float32 total
+//    with one FMA.  No per-weight multiplication or rounding: a code becomes its bf16 bits by two
+//    16-entry byte lookups (vpshufb), so the kernel reads 4-bit codes at close to memory speed.
+//    It does not give the dense path's bits (that rounds code * scale to bf16 per weight, this does
+//    not round the weight at all, as llama.cpp's and TensorRT-LLM's W4A16 kernels do not), so its use
+//    is checked against the float32 product within a tolerance; each row is still computed alone,
+//    so results do not depend on the batch.
+//    Codes: [ceil(N/64), K/2, 64] bytes, each k-pair's 128 offset codes (code + 8) in the order the
+//    lookups and vpunpck{l,h}bw need: byte 16L + 8q + i holds word 8L + i of weight vector q in its
+//    low nibble and of vector 2 + q in its high nibble.  Scales: [ceil(N/64), groups, 64] float32.
+struct Int4DotWeights {
+  const uint8_t* codes;  // the block's first k-pair
+  const float* scales;   // the block's [groups, 64]
+  inline void load(int64_t k, __m512bh w[4]) const {
+    // bf16 bits of -8..7, indexed by the offset code: low bytes and high bytes, in every 128-bit lane
+    const __m512i lo_bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        0x00, static_cast<char>(0xE0), static_cast<char>(0xC0), static_cast<char>(0xA0), static_cast<char>(0x80),
+        0x40, 0x00, static_cast<char>(0x80), 0x00, static_cast<char>(0x80), 0x00, 0x40, static_cast<char>(0x80),
+        static_cast<char>(0xA0), static_cast<char>(0xC0), static_cast<char>(0xE0)));
+    const __m512i hi_bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        static_cast<char>(0xC1), static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xC0),
+        static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xBF), 0x00,
+        0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i c = _mm512_loadu_si512(codes + k * kBlock);
+    const __m512i lo = _mm512_and_si512(c, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+    const __m512i lo_l = _mm512_shuffle_epi8(lo_bytes, lo), lo_h = _mm512_shuffle_epi8(hi_bytes, lo);
+    const __m512i hi_l = _mm512_shuffle_epi8(lo_bytes, hi), hi_h = _mm512_shuffle_epi8(hi_bytes, hi);
+    w[0] = (__m512bh)_mm512_unpacklo_epi8(lo_l, lo_h);
+    w[1] = (__m512bh)_mm512_unpackhi_epi8(lo_l, lo_h);
+    w[2] = (__m512bh)_mm512_unpacklo_epi8(hi_l, hi_h);
+    w[3] = (__m512bh)_mm512_unpackhi_epi8(hi_l, hi_h);
+  }
+};
+
+// Rows [r0, r0 + R) of x times one 64-output block of int4-dot codes: per group, the code sums by
+// vdpbf16ps, then scaled into the total.
+template <int R>
+inline void block_rows_dot(const uint32_t* xs, int64_t r0, const Int4DotWeights& weights, int64_t pairs,
+                           int64_t group_pairs, float* total) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0, k0 = 0; k0 < pairs; ++g, k0 += group_pairs) {
+    __m512 p[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) p[r][j] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + group_pairs; ++k) {
+      __m512bh w[4];
+      weights.load(k, w);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[(r0 + r) * pairs + k]));
+        for (int j = 0; j < 4; ++j) p[r][j] = _mm512_dpbf16_ps(p[r][j], xk, w[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 s = _mm512_loadu_ps(weights.scales + g * kBlock + 16 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(p[r][j], s, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(total + (r * 4 + j) * 16, acc[r][j]);
+}
+
 // A block's bf16 weights in the Bf16Weights layout, from any of the loaders above.
 template <class Weights>
 void rebuild(Weights weights, uint16_t* out, int64_t pairs, int64_t group_pairs) {
@@ -250,6 +334,11 @@ at::Tensor pack_q(const at::Tensor& codes, int64_t kind) {
   auto inter = c.view({blocks, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   if (kind == kFp8Table)  // byte 64h + 32q + 8L + i -> 64h + 16L + 8q + i (Fp8TableWeights)
     return inter.view({blocks, k / 2, 2, 2, 4, 8}).permute({0, 1, 2, 4, 3, 5}).contiguous().view({blocks, k / 2, 128});
+  if (kind == kInt4Dot) {  // byte 16L + 8q + i: word 8L + i of vector q (low nibble) and of 2 + q (high)
+    auto v = inter.view({blocks, k / 2, 2, 2, 4, 8}).to(at::kInt).add(8).bitwise_and(15);  // [.., h, q, L, i]
+    auto lo = v.select(2, 0).permute({0, 1, 3, 2, 4}), hi = v.select(2, 1).permute({0, 1, 3, 2, 4});
+    return lo.add(hi.mul(16)).to(at::kByte).contiguous().view({blocks, k / 2, kBlock});
+  }
   if (kind != kInt4) return inter;
   // 4-bit: within each 16-output group's 32 values, value i (first vector) and 16 + i (second) share byte i
   auto v = inter.view({blocks, k / 2, 4, 2, 16}).to(at::kInt).add(8).bitwise_and(15);  // offset codes (zero padding -> 8)
@@ -315,10 +404,35 @@ at::Tensor gemv_fp8_table(const at::Tensor& x, const at::Tensor& codes, const at
   });
 }
 
+// scale: [N, groups] float32 -> [blocks, groups, 64] (Int4DotWeights; padding: zero scales)
+at::Tensor pack_group_scales(const at::Tensor& scale) {
+  auto s = scale.to(at::kFloat);
+  TORCH_CHECK(s.dim() == 2, "rtk_kernels.pack_group_scales: [N, groups] scales");
+  const int64_t n = s.size(0), groups = s.size(1);
+  const int64_t padded = (n + kBlock - 1) / kBlock * kBlock, blocks = padded / kBlock;
+  auto p = at::zeros({padded, groups}, s.options());
+  p.narrow(0, 0, n).copy_(s);
+  return p.view({blocks, kBlock, groups}).permute({0, 2, 1}).contiguous();
+}
+
+at::Tensor gemv_int4_dot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                         const c10::optional<at::Tensor>& bias) {
+  const int64_t blocks = codes.size(0), pairs = codes.size(1), groups = scales.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(2) == kBlock && pairs % groups == 0 &&
+                  codes.size(2) == kBlock && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "rtk_kernels.gemv_q: int4-dot scales are [blocks, groups, 64] float32 (pack_group_scales)");
+  const auto* cs = codes.data_ptr<uint8_t>();
+  const float* ss = scales.data_ptr<float>();
+  return gemv_blocks(x, blocks, pairs, pairs / groups, n, bias, [&](int64_t b) {
+    return Int4DotWeights{cs + b * pairs * kBlock, ss + b * groups * kBlock};
+  });
+}
+
 at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t kind, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "rtk_kernels.gemv_q: packed codes (pack_q)");
   if (kind == kFp8Table) return gemv_fp8_table(x, codes, scales, n, bias);
+  if (kind == kInt4Dot) return gemv_int4_dot(x, codes, scales, n, bias);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 3,
               "rtk_kernels.gemv_q: packed scales (pack_scales)");
   if (kind == kInt8) return gemv_q_kind<kInt8>(x, codes, scales, n, bias);
@@ -329,6 +443,7 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 
 // The bf16 weights gemv_q computes with, [N, K] (for the check at load against the dense weights).
 at::Tensor unpack_q(const at::Tensor& codes, const at::Tensor& scales, int64_t kind, int64_t n) {
+  TORCH_CHECK(kind != kInt4Dot, "rtk_kernels.unpack_q: int4-dot computes without rebuilding bf16 weights");
   const int64_t blocks = codes.size(0), pairs = codes.size(1), groups = kind == kFp8Table ? 1 : scales.size(1);
   auto out = at::empty({blocks, pairs, kBlock, 2}, at::kBFloat16);
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -748,6 +863,7 @@ TORCH_LIBRARY(rtk_kernels, m) {
   m.def("pack_scales(Tensor scale) -> Tensor", &pack_scales);
   m.def("gemv_q(Tensor x, Tensor codes, Tensor scales, int kind, int n, Tensor? bias) -> Tensor", &gemv_q);
   m.def("unpack_q(Tensor codes, Tensor scales, int kind, int n) -> Tensor", &unpack_q);
+  m.def("pack_group_scales(Tensor scale) -> Tensor", &pack_group_scales);
   m.def("fp8_tables(Tensor block_scales) -> Tensor", &fp8_tables);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("gather_kv(Tensor k, Tensor v, Tensor slots) -> Tensor[]", &gather_kv);

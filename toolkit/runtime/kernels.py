@@ -1,4 +1,5 @@
-"""rtk's CPU kernels (``kernels.cpp``) for the decode step, each bit-identical to what it replaces.
+"""rtk's CPU kernels (``kernels.cpp``) for the decode step, each bit-identical to what it replaces
+except the INT4 group sums (``int4-dot``), which are held to the float32 product within a tolerance.
 
 * ``gemv``: bf16 matmul of up to a few rows.  oneDNN's one-row bf16 kernel read SmolLM2's layer
   weights at ~18 GB/s on the development host (2 threads) against ~31 GB/s for a plain read; this
@@ -8,7 +9,10 @@
   float32 scales, each weight made back into the dense path's ``bf16(float(code) * scale)`` in
   registers (per-tensor FP8: looked up in a per-block table of the 128 bf16 magnitudes), so its
   results are the bf16 GEMV's bits with a half / a quarter of the bytes read
-  (:func:`QuantizedWeight.agrees` checks the weights and the products at load).
+  (:func:`QuantizedWeight.agrees` checks the weights and the products at load).  INT4-AWQ by
+  default instead sums code x activation per group of inputs and scales each group's sum
+  (``int4-dot``: no per-weight conversion, ~2.5x faster; :func:`QuantizedWeight.within` checks it
+  against the float32 product and for batch invariance at load).
 * ``quantize_input``: ``pre_quant_scale`` and the FP8 / INT8 activation quantize-dequantize of a
   projection's input in one pass (eight torch operators otherwise), with torch's bits.
 * ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
@@ -121,7 +125,11 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[to
     return ko, vo
 
 
-QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2, "fp8-table": 3}
+QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2, "fp8-table": 3, "int4-dot": 4}
+# int4-dot's products against the float32 ones, relative to the largest output: its own error is the
+# bf16 output rounding (2^-9 of a value; 2-4e-3 of the largest measured on SmolLM2's shapes); a layout
+# or scale error would be of the order of the outputs themselves
+INT4_DOT_TOLERANCE = 1e-2
 ACT_KINDS = {None: 0, "fp8": 1, "int8": 2}
 
 
@@ -142,6 +150,11 @@ class QuantizedWeight:
 
     @classmethod
     def pack(cls, kind: str, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+        """``kind``: ``int8``, ``fp8``, ``int4`` (the dense path's bits) or ``int4-dot`` (group sums scaled)."""
+        if kind == "int4-dot":
+            packed = torch.ops.rtk_kernels.pack_q(codes.contiguous(), QUANT_KINDS[kind])
+            scales = torch.ops.rtk_kernels.pack_group_scales(scale.to(torch.float32).contiguous())
+            return cls(kind, codes.shape[0], packed, scales)
         if kind == "fp8":
             codes = codes.view(torch.uint8)
             block_scales = _block_scales(scale.to(torch.float32))
@@ -163,6 +176,19 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.rtk_kernels.gemv_q(x, self.codes, self.scales, QUANT_KINDS[self.kind], self.out_features, bias)
+
+    def within(self, exact: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
+        """For ``int4-dot``, which does not give the dense path's bits: True when its products are those of
+        the float32 weights ``exact`` (``codes * scale``) within ``INT4_DOT_TOLERANCE`` of the outputs'
+        largest magnitude, and every row is the same alone and with the others (batch invariance)."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, exact.shape[1], generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            ref = x.float() @ exact.float().t() + (0 if bias is None else bias.float())
+            got = self(x, bias)
+            one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
+        err = (got.float() - ref).abs().max().item()
+        return torch.equal(one, got) and err <= INT4_DOT_TOLERANCE * ref.abs().max().item()
 
     def agrees(self, weight: torch.Tensor, reference, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """True when the kernel's weights are ``weight`` (bf16) exactly and it gives ``reference(x)``'s bits

@@ -101,7 +101,9 @@ QUANT_MAX_ROWS = 4
 # Per-tensor FP8 looked up in a table (kernels.cpp, Fp8TableWeights) is not: 0.89-0.95x the bf16 GEMV's
 # time from 5 to 16 rows (SmolLM2's FP8 layers, one thread, 2026-12-01), so it reads its codes for
 # every GEMV call and needs no bf16 copy.
-CODES_MAX_ROWS = {"fp8-table": GEMV_MAX_ROWS}
+# INT4 group sums (Int4DotWeights) read their codes for every decode row too: their rows must not
+# switch to the bf16 copy, whose rounding differs, or a sequence's numbers would depend on the batch.
+CODES_MAX_ROWS = {"fp8-table": GEMV_MAX_ROWS, "int4-dot": GEMV_MAX_ROWS}
 
 
 class Projection:
@@ -132,8 +134,10 @@ class Projection:
         int_kernels: bool = False,
         full_batching: bool = False,
         gemv_kernel: bool = False,
+        int4_gemv: str = "dot",
     ):
         first = linears[0]
+        self.int4_gemv = int4_gemv
         self.dtype = dtype
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
         self.in_features = first.weight.shape[1]
@@ -194,6 +198,10 @@ class Projection:
                 self.int_max_rows = INT_MAX_ROWS[8]
             elif full_batching and self.int4 is not None:
                 self.int_max_rows = INT_MAX_ROWS[4]
+        # int4-dot rounds its own way (not the dense path's bits): decode rows always go through it and
+        # prompt rows never do, so neither kind of row changes numbers with what shares its call.  False
+        # lets one-row prompt calls through it too (to measure its numerics over a prompt, one token a step).
+        self.codes_own_rounding = self.quant is not None and self.quant.kind == "int4-dot"
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
@@ -217,12 +225,19 @@ class Projection:
         codes = [lin.codes for lin in linears]
         if any(c is None for c in codes) or len({(c.kind, c.group_size) for c in codes}) != 1:
             return None
+        kind = "int4-dot" if codes[0].kind == "int4" and self.int4_gemv == "dot" else codes[0].kind
         try:
             quant = kernels.QuantizedWeight.pack(
-                codes[0].kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes])
+                kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes])
             )
         except RuntimeError as exc:  # e.g. a group size the layout cannot take
-            log.info("rtk's GEMV cannot read the %s codes of %s (%s)", codes[0].kind, tuple(weight.shape), exc)
+            log.info("rtk's GEMV cannot read the %s codes of %s (%s)", kind, tuple(weight.shape), exc)
+            return None
+        if kind == "int4-dot":
+            exact = torch.cat([lin.weight for lin in linears])  # codes * scale in float32
+            if quant.within(exact, bias):
+                return quant
+            log.info("rtk's int4-dot GEMV is off the float32 product for %s; oneDNN computes it", tuple(weight.shape))
             return None
         if not quant.agrees(weight, self._onednn, bias):
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
@@ -319,6 +334,13 @@ class Projection:
                 x = x * self.pre_quant_scale
             if self.act_kind is not None:
                 x = fake_quant(x, self.act_kind, self.act_scale)
+        if self.codes_own_rounding:
+            if singles is None:  # decode_batching "full": by the call's row count
+                return self._gemv(x) if x.shape[0] <= GEMV_MAX_ROWS else self._matmul(x)
+            parts = [self._gemv(x[:singles])] if singles else []
+            if x.shape[0] > singles:
+                parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.int8 is not None or self.int4 is not None:
             if singles is None:
                 return self._int_matmul(x) if x.shape[0] <= self.int_max_rows else self._matmul(x)
@@ -371,7 +393,7 @@ class Projection:
         return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1:
+        if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1 and not self.codes_own_rounding:
             return self._gemv(x)
         return self._onednn(x)
 
@@ -393,8 +415,9 @@ class FusedGroup:
         int_kernels: bool = False,
         full_batching: bool = False,
         gemv_kernel: bool = False,
+        int4_gemv: str = "dot",
     ):
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -602,10 +625,11 @@ class Layer:
         int_kernels: bool = False,
         full_batching: bool = False,
         gemv_kernel: bool = False,
+        int4_gemv: str = "dot",
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -629,6 +653,7 @@ class Transformer:
         batch_invariant: bool = True,
         cpu_kernels: bool = True,
         fused_decode: bool = True,
+        int4_gemv: str = "dot",
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -642,7 +667,8 @@ class Transformer:
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes, gemv_kernel=cpu_kernels)
         self.layers = [
-            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels) for spec in ckpt.layers
+            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv)
+            for spec in ckpt.layers
         ]
         # K/V reads for float32 attention through rtk's gather kernel (a plain copy: no check needed)
         self.fast_gather = cpu_kernels and dtype == torch.bfloat16 and kernels.available()
