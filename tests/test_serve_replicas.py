@@ -15,7 +15,7 @@ from conftest import spec_for
 from toolkit.cli import cli
 from toolkit.targets import build
 from toolkit.triton.emit import emit
-from toolkit.triton.server import read_state, read_states, state_path
+from toolkit.triton.server import free_ports, read_state, read_states, state_path
 
 BUILD = {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 64, "tokens_per_block": 16}
 
@@ -28,7 +28,8 @@ def repo(tmp_path_factory, tiny_llama_dir):
         tiny_llama_dir,
         quantization={"format": "none"},
         build=BUILD,
-        serving={"repository": str(root / "repo"), "default_max_tokens": 4},
+        # the front door over the replicas on a free port, not the default 8080 that another process may hold
+        serving={"repository": str(root / "repo"), "default_max_tokens": 4, "frontend": {"port": free_ports(1)[0]}},
     )
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
