@@ -251,6 +251,51 @@ OnResponse = Callable[[str, int, Any, bool], None]  # (request id, arrival ns, r
 OnError = Callable[..., None]  # (request id or None for all, ns, message, status=HTTP status or None)
 
 
+class LoopThread:
+    """An asyncio event loop running in its own daemon thread: where a transport writes its requests
+    and reads its responses while the load generator's thread keeps the schedule."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self.thread: threading.Thread | None = None
+
+    def start(self, setup: Callable[[], Any]) -> None:
+        """Run the coroutine function ``setup`` on the loop, then keep the loop running; what ``setup``
+        raises is raised here, in the caller's thread."""
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(setup())
+            except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
+                ready.put(exc)
+                return
+            ready.put(None)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self.thread.start()
+        failed = ready.get()
+        if failed is not None:
+            self.thread.join(timeout=10)
+            self.loop.close()
+            raise failed
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on the loop, from any thread."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, shutdown: Callable[[], Any]) -> None:
+        """Run the coroutine function ``shutdown`` on the loop, then stop the loop and its thread."""
+        if self.thread is not None and self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        self.loop.close()
+
+
 class Transport:
     name: str
 
@@ -371,35 +416,27 @@ class GrpcTransport(Transport):
         return req
 
     def open(self, on_response: OnResponse, on_error: OnError) -> None:
-        self._on_response, self._on_error = on_response, on_error
-        self._loop = asyncio.new_event_loop()
-        ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run_loop, args=(ready,), name="rtk-slo-grpc", daemon=True)
-        self._thread.start()
-        failed = ready.get()
-        if failed is not None:
-            self._thread.join(timeout=10)
-            raise ServerError(f"cannot open a gRPC stream to {self.url}: {failed}")
-
-    def _run_loop(self, ready: queue.SimpleQueue) -> None:
-        """The event loop that owns the stream: it writes what :meth:`submit` hands over and reads
-        every response, in this one thread (grpc.aio polls its completion queue without the GIL),
-        so a streamed token costs no thread handoff."""
+        """Open the stream on a :class:`LoopThread` that writes what :meth:`submit` hands over and reads
+        every response, in that one thread (grpc.aio polls its completion queue without the GIL), so a
+        streamed token costs no thread handoff."""
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        asyncio.set_event_loop(self._loop)
-        try:
+        self._on_response, self._on_error = on_response, on_error
+        self._loop = LoopThread("rtk-slo-grpc")
+
+        async def setup() -> None:
             opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
             self._aio_channel = grpc.aio.insecure_channel(self.url, options=opts)
             self._call = service_pb2_grpc.GRPCInferenceServiceStub(self._aio_channel).ModelStreamInfer()
             self._outbox: asyncio.Queue = asyncio.Queue()
-            self._tasks = [self._loop.create_task(self._read()), self._loop.create_task(self._write())]
-        except Exception as exc:  # noqa: BLE001 - handed to open(), which raises it in the caller's thread
-            ready.put(f"{type(exc).__name__}: {exc}")
-            return
-        ready.put(None)
-        self._loop.run_forever()
+            self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
+
+        try:
+            self._loop.start(setup)
+        except Exception as exc:  # noqa: BLE001 - any failure to open is the server's side of the run
+            del self._loop
+            raise ServerError(f"cannot open a gRPC stream to {self.url}: {type(exc).__name__}: {exc}") from None
 
     async def _read(self) -> None:
         import grpc
@@ -426,7 +463,7 @@ class GrpcTransport(Transport):
                 on_error(None, now_ns(), f"gRPC stream broke: {exc.code().name} {exc.details()}")
 
     def submit(self, prepared) -> None:
-        self._loop.call_soon_threadsafe(self._outbox.put_nowait, prepared)
+        self._loop.call(self._outbox.put_nowait, prepared)
 
     async def _write(self) -> None:
         """Writes what :meth:`submit` queued, in order (grpc.aio takes one write at a time per call)."""
@@ -442,19 +479,15 @@ class GrpcTransport(Transport):
 
     def close(self) -> None:
         if hasattr(self, "_loop"):
-            if self._thread.is_alive():
 
-                async def shutdown():
-                    self._call.cancel()
-                    for task in self._tasks:
-                        task.cancel()
-                    await asyncio.gather(*self._tasks, return_exceptions=True)
-                    await self._aio_channel.close()
+            async def shutdown():
+                self._call.cancel()
+                for task in self._tasks:
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+                await self._aio_channel.close()
 
-                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=10)
-            self._loop.close()
+            self._loop.stop(shutdown)
             del self._loop
         if hasattr(self, "_channel"):
             self._channel.close()
@@ -512,34 +545,25 @@ class HttpTransport(Transport):
         return rid, json.dumps(body).encode()
 
     def open(self, on_response: OnResponse, on_error: OnError) -> None:
-        self._on_response, self._on_error = on_response, on_error
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._run_loop, args=(started,), name="rtk-slo-http", daemon=True)
-        self._thread.start()
-        started.wait()
-
-    def _run_loop(self, started: threading.Event) -> None:
         import aiohttp
 
-        asyncio.set_event_loop(self._loop)
+        self._on_response, self._on_error = on_response, on_error
+        self._loop = LoopThread("rtk-slo-http")
+        self._tasks: set[asyncio.Task] = set()
 
-        async def make():
-            return aiohttp.ClientSession(
+        async def setup() -> None:
+            self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s),
             )
 
-        self._session = self._loop.run_until_complete(make())
-        self._tasks: set[asyncio.Task] = set()
-        started.set()
-        self._loop.run_forever()
+        self._loop.start(setup)
 
     def submit(self, prepared) -> None:
-        self._loop.call_soon_threadsafe(self._spawn, prepared)
+        self._loop.call(self._spawn, prepared)
 
     def _spawn(self, prepared) -> None:
-        task = self._loop.create_task(self._one(*prepared))
+        task = self._loop.loop.create_task(self._one(*prepared))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -578,10 +602,7 @@ class HttpTransport(Transport):
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._session.close()
 
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        self._loop.stop(shutdown)
         del self._loop
 
 
