@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 from click.testing import CliRunner
-from triton_helpers import running_server, write_fake_llm
+from triton_helpers import pid_alive, running_server, write_fake_llm
 
 from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
 from toolkit.frontdoor.admission import Estimator
@@ -352,14 +352,6 @@ def tiny_spec(root: Path) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.integration
 def test_rtk_serve_replicas_detached_records_and_stops_one_front_door(tmp_path):
     from toolkit.cli import cli
@@ -389,7 +381,7 @@ def test_rtk_serve_replicas_detached_records_and_stops_one_front_door(tmp_path):
         stopped = runner.invoke(cli, ["serve", str(spec), "--stop"])
     assert stopped.exit_code == 0, stopped.output
     assert f"front door (pid {states[0].frontdoor_pid})" in stopped.output
-    assert not any(_alive(pid) for pid in [states[0].frontdoor_pid, *(st.pid for st in states)])
+    assert not any(pid_alive(pid) for pid in [states[0].frontdoor_pid, *(st.pid for st in states)])
     assert not state_path(repo).exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(fd + "/health", timeout=2)

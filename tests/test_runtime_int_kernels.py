@@ -110,14 +110,19 @@ def test_engine_reads_integer_codes_of_an_export(tmp_path, tiny_llama_dir, fmt, 
     assert kernels == {f"int{bits}"}  # decode_batching "full" switches INT8 to bf16 above a few rows
     assert fast.model.weight_bytes_per_token < dense.model.weight_bytes_per_token
     ids = torch.randint(3, 1000, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    got, bf16, ref = fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids)
-
-    def error(x):  # relative logit error against float32, and the share of positions with its argmax
-        return ((x - ref).norm() / ref.norm()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
-
     # The kernels round differently from dense bf16 (bf16 scales, their accumulation order), but must
     # be as faithful to the float32 result as dense bf16 is; W8A8's activation rounding to int8
     # amplifies any rounding difference from layer to layer on this random model (~4 % for both).
+    assert_as_faithful_as_dense_bf16(fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids))
+
+
+def assert_as_faithful_as_dense_bf16(got: torch.Tensor, bf16: torch.Tensor, ref: torch.Tensor) -> None:
+    """``got``'s logits are as close to float32's ``ref`` as the dense bf16 path's: relative error and
+    the share of positions with float32's argmax."""
+
+    def error(x):
+        return ((x - ref).norm() / ref.norm()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
     (err_k, same_k), (err_d, same_d) = error(got), error(bf16)
     assert err_k <= 1.25 * err_d + 1e-3, (err_k, err_d)
     assert same_k >= same_d - 0.05, (same_k, same_d)
@@ -230,14 +235,7 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
     for p in parts:  # the prompt's one-row calls through the group sums too, as decode rows
         p.codes_own_rounding = False
     ids = torch.randint(3, 1000, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    got, bf16, ref = fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids)
-
-    def error(x):  # relative logit error against float32, and the share of positions with its argmax
-        return ((x - ref).norm() / ref.norm()).item(), (x.argmax(-1) == ref.argmax(-1)).float().mean().item()
-
-    (err_k, same_k), (err_d, same_d) = error(got), error(bf16)
-    assert err_k <= 1.25 * err_d + 1e-3, (err_k, err_d)
-    assert same_k >= same_d - 0.05, (same_k, same_d)
+    assert_as_faithful_as_dense_bf16(fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids))
     # batch invariance: each request's greedy tokens alone equal its tokens while the three decode together
     from toolkit.runtime.engine import GenerationRequest
 

@@ -10,6 +10,8 @@ shapes, a reduction longer than one 512-wide chunk, output counts that are not a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -27,6 +29,17 @@ def built():
     assert kernels.available(), "the kernel failed to build or load (see the log)"
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` for a block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -41,14 +54,10 @@ def test_gemv_gives_onednns_bits(shape, threads):
     g = torch.Generator().manual_seed(shape[0] + shape[1])
     weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
     packed = kernels.pack(weight)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for _ in range(8):
             x = torch.randn(1, shape[1], generator=g).to(torch.bfloat16)
             assert torch.equal(kernels.gemv(x, packed, shape[0], None), onednn(x, weight, None))
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_gemv_with_bias():
@@ -132,16 +141,12 @@ def test_gemv_over_codes_gives_the_dense_weights_bits(kind, shape, threads):
     assert q.nbytes < padded * 2 * (0.55 if kind != "int4" else 0.35)  # codes and scales, not bf16
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for rows in (1, 3, 6):
             x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
             for b in (None, bias):
                 want = torch.cat([onednn(x[i : i + 1], weight, b) for i in range(rows)])
                 assert torch.equal(q(x, b), want), (rows, b is not None)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (3072, 576)])
@@ -154,9 +159,7 @@ def test_int4_group_sums_are_the_float32_product_within_tolerance_and_batch_inva
     assert q.kind == "int4-dot" and q.nbytes < -(-shape[0] // 64) * 64 * shape[1] * 2 * 0.3
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for rows in (1, 3, 6):
             x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
             for b in (None, bias):
@@ -171,8 +174,6 @@ def test_int4_group_sums_are_the_float32_product_within_tolerance_and_batch_inva
         wrong = exact.clone()
         wrong[5, :64] *= -1  # one group of one output that is not what the codes say: the check fails
         assert not q.within(wrong, None)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_gemv_over_codes_refuses_a_mismatch():

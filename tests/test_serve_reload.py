@@ -19,6 +19,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from conftest import make_tiny_llama, spec_for
+from triton_helpers import pid_alive
 
 from toolkit.cli import cli
 from toolkit.errors import UsageError
@@ -114,14 +115,6 @@ def _successes(st: ServerState) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _servers_of(repo: Path) -> list[int]:
     """Every tritonserver process on this host serving ``repo``."""
     flag = f"--model-repository={Path(repo).resolve()}".encode()
@@ -191,7 +184,7 @@ def test_reload_swaps_servers_while_a_stream_finishes_on_the_old_one(served):
     assert len(read_states(served["repo"])) == 1
     assert (new.pid, new.http_port) == (result.new.pid, result.new.http_port) != (old.pid, old.http_port)
     assert (new.frontdoor_pid, new.frontdoor_url) == (old.frontdoor_pid, old.frontdoor_url)
-    assert not _alive(old.pid) and _servers_of(served["repo"]) == [new.pid]
+    assert not pid_alive(old.pid) and _servers_of(served["repo"]) == [new.pid]
     # A request after the swap is answered by the new server, with the rebuilt model.
     counted = _successes(new)
     after = _complete(fd, 8)
@@ -202,7 +195,7 @@ def test_reload_swaps_servers_while_a_stream_finishes_on_the_old_one(served):
     assert Target.from_spec(loaded, loaded.slo).url == new.grpc_url != served["spec"].serving.grpc_url
     stopped = CliRunner().invoke(cli, ["serve", str(served["spec_path"]), "--stop"])
     assert stopped.exit_code == 0 and str(new.pid) in stopped.output, stopped.output
-    assert not _alive(new.pid) and not state_path(served["repo"]).exists()
+    assert not pid_alive(new.pid) and not state_path(served["repo"]).exists()
 
 
 # -- refused before anything starts ------------------------------------------------------------------------------

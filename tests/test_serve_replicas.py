@@ -4,13 +4,13 @@ ports, recorded in one state file and stopped together (the tiny Llama, the bund
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import urllib.request
 
 import pytest
 from click.testing import CliRunner
 from conftest import spec_for
+from triton_helpers import pid_alive
 
 from toolkit.cli import cli
 from toolkit.targets import build
@@ -34,14 +34,6 @@ def repo(tmp_path_factory, tiny_llama_dir):
     shutil.copytree(tiny_llama_dir, root / "quantized" / "hf")
     engine = build(spec, root / "quantized", root / "engine").path
     return emit(spec, engine).path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _generate(http_url: str) -> str:
@@ -103,7 +95,7 @@ def test_two_replicas_serve_and_stop_together(repo):
         assert json.loads(state_path(repo).read_text())["replicas"][1]["pid"] == states[1].pid
         for st in states:
             assert f"pid {st.pid}" in result.output and st.http_url in result.output
-            assert _alive(st.pid)
+            assert pid_alive(st.pid)
             assert '"text_output"' in _generate(st.http_url)
             metrics = urllib.request.urlopen(st.metrics_url, timeout=10).read().decode()
             assert "nv_trt_llm_request_metrics{" in metrics  # each replica exports the autoscaling signal
@@ -114,7 +106,7 @@ def test_two_replicas_serve_and_stop_together(repo):
         stopped = runner.invoke(cli, ["serve", str(repo), "--stop"])
     assert stopped.exit_code == 0, stopped.output
     assert all(str(st.pid) in stopped.output for st in states)
-    assert not any(_alive(st.pid) for st in states)
+    assert not any(pid_alive(st.pid) for st in states)
     assert read_states(repo) == [] and not state_path(repo).exists()
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +267,15 @@ def write_fake_llm(
     )
     cfg = model_config_text(name, inputs, outputs, max_batch_size=max_batch_size, decoupled=True, parameters=params)
     return write_python_model(repo, name, FAKE_LLM_MODEL_PY, cfg)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (signal 0 reaches it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
