@@ -521,6 +521,7 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(dtype="float16"), "dtype"),
         (dict(attention_dtype="bfloat16"), "attention_dtype"),
         (dict(prefill_threads=0), "prefill_threads"),
+        (dict(int4_gemv="fast"), "int4_gemv"),
     ],
 )
 def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):

@@ -52,6 +52,7 @@ def test_examples_validate(path):
             "build.max_num_tokens_without_decode",
             "more tokens, not fewer",
         ),
+        ("name: x\nbuild: {int4_gemv: fast}\n", "build.int4_gemv", "'dot' or 'exact'"),
         ("name: x\nslo: {objectives: [{metric: ttft, stat: p99}]}\n", "slo.objectives.0", "'max' or 'min'"),
         ("[1, 2]\n", None, "mapping"),
     ],

@@ -130,6 +130,12 @@ class BuildSpec(Section):
         description="cpu: torch threads for engine steps that prefill prompts (default: all cores when served "
         "without num_threads, else num_threads)",
     )
+    int4_gemv: Literal["dot", "exact"] = Field(
+        "dot",
+        description="cpu, INT4-AWQ exports: the decode GEMV. dot = per-group sums of code x activation, scaled "
+        "(about 1.9x bf16's decode speed; within a stated tolerance of the float32 product, docs/engine.md); "
+        "exact = the dense path's bf16 weights, bit for bit (about 1.1x)",
+    )
 
     @field_validator("tokens_per_block")
     @classmethod

@@ -115,6 +115,7 @@ class EngineConfig:
             enable_chunked_context=build.enable_chunked_context,
             num_threads=build.num_threads,
             prefill_threads=build.prefill_threads,
+            int4_gemv=build.int4_gemv,
         )
         return cls(**{**fields, **overrides})
 
