@@ -139,14 +139,20 @@ def test_gemv_over_codes_gives_the_dense_weights_bits(kind, shape, threads):
     assert torch.equal(q.weight(), weight)
     padded = -(-shape[0] // 64) * 64 * shape[1]  # outputs in blocks of 64, as the bf16 GEMV packs them
     assert q.nbytes < padded * 2 * (0.55 if kind != "int4" else 0.35)  # codes and scales, not bf16
-    g = torch.Generator().manual_seed(1)
-    bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
     with torch_threads(threads):
-        for rows in (1, 3, 6):
-            x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
-            for b in (None, bias):
-                want = torch.cat([onednn(x[i : i + 1], weight, b) for i in range(rows)])
-                assert torch.equal(q(x, b), want), (rows, b is not None)
+        for x, b in rows_and_biases(*shape):
+            want = torch.cat([onednn(x[i : i + 1], weight, b) for i in range(x.shape[0])])
+            assert torch.equal(q(x, b), want), (x.shape[0], b is not None)
+
+
+def rows_and_biases(out_features: int, in_features: int):
+    """(x, bias) pairs: 1, 3 and 6 random bf16 rows, each without and with a random bias."""
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        yield x, None
+        yield x, bias
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (3072, 576)])
@@ -157,20 +163,16 @@ def test_int4_group_sums_are_the_float32_product_within_tolerance_and_batch_inva
     codes, scale, exact = quantized("int4", *shape, seed=shape[0])
     q = kernels.QuantizedWeight.pack("int4-dot", codes, scale)
     assert q.kind == "int4-dot" and q.nbytes < -(-shape[0] // 64) * 64 * shape[1] * 2 * 0.3
-    g = torch.Generator().manual_seed(1)
-    bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
     with torch_threads(threads):
-        for rows in (1, 3, 6):
-            x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
-            for b in (None, bias):
-                got = q(x, b)
-                ref = x.float() @ exact.t() + (0 if b is None else b.float())
-                err = (got.float() - ref).abs().max() / ref.abs().max()
-                assert err <= kernels.INT4_DOT_TOLERANCE, (rows, err)
-                # the bf16 output rounding is the only error: 2^-8 of each value at most, 1/512 at nearest
-                assert ((got.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6 * ref.abs().max()).all()
-                assert torch.equal(torch.cat([q(x[i : i + 1], b) for i in range(rows)]), got)
-        assert q.within(exact, bias)
+        for x, b in rows_and_biases(*shape):
+            got = q(x, b)
+            ref = x.float() @ exact.t() + (0 if b is None else b.float())
+            err = (got.float() - ref).abs().max() / ref.abs().max()
+            assert err <= kernels.INT4_DOT_TOLERANCE, (x.shape[0], err)
+            # the bf16 output rounding is the only error: 2^-8 of each value at most, 1/512 at nearest
+            assert ((got.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6 * ref.abs().max()).all()
+            assert torch.equal(torch.cat([q(x[i : i + 1], b) for i in range(x.shape[0])]), got)
+        assert q.within(exact, b)  # the last pair's bias
         wrong = exact.clone()
         wrong[5, :64] *= -1  # one group of one output that is not what the codes say: the check fails
         assert not q.within(wrong, None)
