@@ -334,17 +334,16 @@ class Projection:
                 x = x * self.pre_quant_scale
             if self.act_kind is not None:
                 x = fake_quant(x, self.act_kind, self.act_scale)
-        if self.codes_own_rounding:
-            if singles is None:  # decode_batching "full": by the call's row count
-                return self._gemv(x) if x.shape[0] <= GEMV_MAX_ROWS else self._matmul(x)
-            parts = [self._gemv(x[:singles])] if singles else []
-            if x.shape[0] > singles:
-                parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self.int8 is not None or self.int4 is not None:
+        # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums): decode rows
+        # through the kernel, prompt rows through the bf16 weights; with decode_batching "full"
+        # (singles=None), by the call's row count.
+        if self.int8 is not None or self.int4 is not None or self.codes_own_rounding:
+            own, limit = (
+                (self._gemv, GEMV_MAX_ROWS) if self.codes_own_rounding else (self._int_matmul, self.int_max_rows)
+            )
             if singles is None:
-                return self._int_matmul(x) if x.shape[0] <= self.int_max_rows else self._matmul(x)
-            parts = [self._int_matmul(x[:singles])] if singles else []
+                return own(x) if x.shape[0] <= limit else self._matmul(x)
+            parts = [own(x[:singles])] if singles else []
             if x.shape[0] > singles:
                 parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
