@@ -288,9 +288,20 @@ class LoopThread:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, shutdown: Callable[[], Any]) -> None:
-        """Run the coroutine function ``shutdown`` on the loop, then stop the loop and its thread."""
+        """Run the coroutine function ``shutdown`` on the loop, then stop the loop and its thread.
+
+        Tasks still pending after ``shutdown`` (grpc.aio's own, waiting for a cancelled call's status)
+        are cancelled and awaited first, as ``asyncio.run`` does, so none is destroyed pending."""
+
+        async def shutdown_all() -> None:
+            await shutdown()
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
         if self.thread is not None and self.thread.is_alive():
-            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(shutdown_all(), self.loop).result(timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
         self.loop.close()
