@@ -20,7 +20,7 @@ from toolkit.frontdoor.protocol import (
     sse,
 )
 from toolkit.frontdoor.tiers import Answer, MemoryCache, read_secret
-from toolkit.frontdoor.triton import parse_gauges
+from toolkit.frontdoor.triton import MetricsReader, TritonBackend, parse_gauges
 
 
 def parse(body, kind="chat"):
@@ -119,6 +119,69 @@ nv_trt_llm_kv_cache_block_metrics{instance="a",kv_cache_block_type="free",model=
 """
     g = parse_gauges(text)
     assert g.present and g.active == 5 and g.max_batch == 8 and g.kv_free == 40
+
+
+GAUGE_TEXT = 'nv_trt_llm_request_metrics{instance="a",request_type="active"} 3\n'
+
+
+def test_the_metrics_reader_keeps_its_connection_and_reads_every_body_framing():
+    """Content-Length (kept alive), chunked, close-delimited, a kept connection the server closed, a 500."""
+
+    async def run():
+        connections, answers = [], []
+        body = GAUGE_TEXT.encode()
+
+        async def serve(reader, writer):
+            connections.append(writer)
+            while (await reader.readline()).startswith(b"GET "):
+                while (await reader.readline()) not in (b"\r\n", b""):
+                    pass
+                how = answers.pop(0)
+                if how == "length":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                elif how == "chunked":
+                    a, b = body[: len(body) // 2], body[len(body) // 2 :]
+                    chunks = b"%x\r\n%s\r\n%x;ext=1\r\n%s\r\n0\r\n\r\n" % (len(a), a, len(b), b)
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks)
+                elif how == "error":
+                    writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\nno")
+                else:  # "close": no length, the body ends with the connection
+                    writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body)
+                    await writer.drain()
+                    writer.close()
+                    return
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        m = MetricsReader(f"http://127.0.0.1:{port}/metrics", timeout_s=5)
+        try:
+            for how in ("length", "chunked", "length"):
+                answers.append(how)
+                assert await m.text() == GAUGE_TEXT
+            assert len(connections) == 1  # kept alive
+            answers.append("close")
+            assert await m.text() == GAUGE_TEXT
+            answers.append("length")
+            assert await m.text() == GAUGE_TEXT and len(connections) == 2
+            connections[-1].close()  # the server drops the kept connection: the next read opens a new one
+            await asyncio.sleep(0.05)
+            answers.append("length")
+            assert await m.text() == GAUGE_TEXT and len(connections) == 3
+            answers.append("error")
+            with pytest.raises(OSError, match="500"):
+                await m.text()
+            b = TritonBackend("127.0.0.1:1", metrics_url=f"http://127.0.0.1:{port}")
+            answers.append("length")
+            await b.read_gauges()
+            assert b.gauges.present and b.gauges.active == 3
+            await b.close()
+        finally:
+            m.close()
+            server.close()
+
+    asyncio.run(run())
 
 
 def test_secrets_come_from_env_or_file(tmp_path, monkeypatch):

@@ -170,12 +170,14 @@ class FrontDoor:
         await self.http.aclose()
 
     async def _poll(self, replica: Replica) -> None:
-        """The replica's health (every 0.5 s, and every period while it is not ready) and engine gauges."""
+        """The replica's health (every 0.5 s, and every period while it is not ready) and engine gauges (every
+        period; without a metrics URL there are none, and the poller wakes only for the health checks)."""
         period = self.config.guard.metrics_poll_ms / 1e3
         last_health = 0.0
         while True:
-            await asyncio.sleep(period)
             backend = replica.backend  # a hot reload may have replaced it
+            await asyncio.sleep(period if backend.metrics_url or not backend.ready else max(period, 0.5))
+            backend = replica.backend
             try:
                 if time.monotonic() - last_health > 0.5 or not backend.ready:
                     await backend.check_health()

@@ -7,7 +7,9 @@ Cancellation).  Opening a call costs a round of HTTP/2 and Triton's stream set-u
 request ended normally is kept open and the next request is written to it (:class:`StreamPool`);
 a cancelled or failed call is never reused.  Inputs the model does not declare are never sent; a
 request that needs one is refused with 400 naming the field.  Health and the engine's gauges are
-polled in the background.
+polled in the background; the gauges are read over one kept-alive HTTP/1.1 connection
+(:class:`MetricsReader`), not httpx, whose client took ~2.8 ms of the event loop per read, 10 reads a
+second.
 """
 
 from __future__ import annotations
@@ -82,6 +84,85 @@ def parse_gauges(text: str) -> EngineGauges:
     return g
 
 
+class MetricsReader:
+    """``GET`` of Triton's metrics text on one kept-alive HTTP/1.1 connection (asyncio streams).
+
+    The gauges are read every ``metrics_poll_ms`` (100 ms by default) for as long as the front door runs;
+    httpx's client spent ~2.8 ms of the event loop per read (its connection pool, anyio events, a failed
+    ``import sniffio`` per request), about 28 ms of CPU a second taken from the engine's cores on a CPU
+    target; this reads the same text for a small fraction of that.  Bodies with ``Content-Length``,
+    chunked or ended by closing the connection are read; anything else fails the read (the poller
+    keeps the last gauges' absence and tries again).  One read at a time (the poller's)."""
+
+    def __init__(self, url: str, timeout_s: float):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"not an http:// URL: {url!r}")
+        self.host, self.port, self.timeout_s = u.hostname, u.port or 80, timeout_s
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        self.request = f"GET {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAccept: text/plain\r\n\r\n".encode()
+        self._conn: tuple | None = None
+
+    async def text(self) -> str:
+        async with asyncio.timeout(self.timeout_s):
+            while True:
+                reused = self._conn is not None
+                try:
+                    if self._conn is None:
+                        self._conn = await asyncio.open_connection(self.host, self.port)
+                    code, body = await self._get(*self._conn)
+                    break
+                except (OSError, EOFError, asyncio.IncompleteReadError):
+                    self.close()
+                    if not reused:
+                        raise
+                    # The server closed the kept connection meanwhile: once more on a new one.
+                except BaseException:
+                    self.close()  # a timeout or a cancel mid-answer: the connection's state is unknown
+                    raise
+        if code != 200:
+            raise OSError(f"the metrics server answered {code}")
+        return body.decode("utf-8", "replace")
+
+    async def _get(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, bytes]:
+        writer.write(self.request)
+        status = await reader.readline()
+        if not status:
+            raise EOFError("the metrics server closed the connection")
+        code = int(status.split(None, 2)[1])
+        length, chunked, close = None, False, False
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.endswith(b"chunked")
+            elif name == b"connection":
+                close = b"close" in value
+        if chunked:
+            parts = []
+            while size := int((await reader.readline()).split(b";", 1)[0].strip(), 16):
+                parts.append(await reader.readexactly(size + 2))
+            while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            body = b"".join(p[:-2] for p in parts)
+        elif length is not None:
+            body = await reader.readexactly(length)
+        else:
+            body, close = await reader.read(), True
+        if close or status.startswith(b"HTTP/1.0"):
+            self.close()
+        return code, body
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
+
+
 _PACK = {"BOOL": "?", "INT32": "i", "UINT64": "Q", "FP32": "f"}
 
 
@@ -109,6 +190,7 @@ class TritonBackend:
         self.gauges = EngineGauges()
         self._channel = None
         self.pool: StreamPool | None = None
+        self._metrics: MetricsReader | None = None
 
     async def open(self) -> None:
         import grpc
@@ -121,6 +203,8 @@ class TritonBackend:
         await self.check_health()
 
     async def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self.pool is not None:
             self.pool.close()
         if self._channel is not None:
@@ -164,15 +248,21 @@ class TritonBackend:
         """A request could not reach this server: not ready until a health check says otherwise."""
         self._not_ready(f"tritonserver at {self.grpc_url} could not be reached: {reason}")
 
-    async def read_gauges(self, client) -> None:
-        """Read the engine's gauges from Triton's metrics endpoint (``client``: an httpx.AsyncClient)."""
+    async def read_gauges(self, client=None) -> None:
+        """Read the engine's gauges from Triton's metrics endpoint: over :class:`MetricsReader`'s connection, or
+        with ``client`` (an httpx.AsyncClient) for a URL that is not plain ``http://``."""
         if not self.metrics_url:
             return
         try:
             url = self.metrics_url.rstrip("/")
             url = url if url.endswith("/metrics") else url + "/metrics"
-            r = await client.get(url, timeout=self.timeout_s)
-            self.gauges = parse_gauges(r.text)
+            if url.startswith("http://"):
+                if self._metrics is None:
+                    self._metrics = MetricsReader(url, self.timeout_s)
+                text = await self._metrics.text()
+            else:
+                text = (await client.get(url, timeout=self.timeout_s)).text
+            self.gauges = parse_gauges(text)
         except Exception:  # noqa: BLE001 — the next poll retries; until then the front door counts alone
             self.gauges = EngineGauges(read_at=time.monotonic())
 
