@@ -43,6 +43,10 @@ class FrontDoorServer:
             port=port,
             log_level="warning",
             access_log=False,
+            # Per request: no X-Forwarded-* middleware (nothing here reads the client's address) and no
+            # ``server`` header (one header less to build and check).
+            proxy_headers=False,
+            server_header=False,
             lifespan="on",
             timeout_graceful_shutdown=2,
             log_config=None,
