@@ -2,7 +2,7 @@
 """What the front door and its content filter add to TTFT and per token over Triton's gRPC stream.
 
     flock /tmp/rtk/cpu.lock python scripts/bench_filter.py [--requests 60] [--tokens 64] [--concurrency 1 8]
-        [--paths frontdoor front+filter] [--client raw|httpx]
+        [--paths frontdoor front+filter] [--client raw|httpx] [--metrics] [--compare-frontdoor DIR]
 
 One tritonserver serves a paced decoupled model (tests/triton_helpers.py's fake LLM: first token after
 ``--ttft-ms``, then one every ``--itl-ms``, the text " tok1234" per token), so the engine's own time is
@@ -14,7 +14,12 @@ turns ``--rounds`` times:
   code (grpc.aio, kept ``ModelStreamInfer`` calls);
 * ``frontdoor``     — the OpenAI-compatible front door (its own process), SSE over HTTP, no filter;
 * ``front+filter``  — the same with a content filter: ``--keywords`` keywords, 8 regular expressions,
-  a 32-character hold-back window; nothing in the text matches, so the answer is unchanged.
+  a 32-character hold-back window; nothing in the text matches, so the answer is unchanged;
+* ``frontdoor@DIR`` — with ``--compare-frontdoor DIR``: the front door of another tree (e.g. an earlier
+  commit, ``git archive <commit> toolkit | tar -x -C DIR``), no filter, in the same run.
+
+``--metrics`` gives the front doors Triton's metrics URL, as ``rtk serve`` does, so they read the
+engine's gauges every 100 ms (the fake exports none, but the reads cost what they cost).
 
 The HTTP paths' client is ``--client raw`` (default: asyncio streams on kept-alive connections, one
 ``readline`` per chunk, about as little work per message as the gRPC path's client) or ``httpx``.
@@ -65,7 +70,7 @@ cfg = FrontDoorConfig(model_name="fake", filter=FilterSpec(**json.loads({flt!r})
                       default_max_tokens=16)
 cfg.sessions = cfg.sessions.model_copy(update={{"enabled": False}})
 cfg.jobs = cfg.jobs.model_copy(update={{"enabled": False}})
-fd = FrontDoorServer(create_app(cfg, {grpc!r}), "127.0.0.1", {port})
+fd = FrontDoorServer(create_app(cfg, {grpc!r}, metrics_url={metrics!r}), "127.0.0.1", {port})
 fd.start()
 print("ready", flush=True)
 while True:
@@ -83,13 +88,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_front_door(grpc_url: str, flt: dict) -> tuple[subprocess.Popen, str]:
+def start_front_door(
+    grpc_url: str, flt: dict, metrics_url: str | None = None, root: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = FRONT_DOOR.format(root=str(ROOT), flt=json.dumps(flt), grpc=grpc_url, port=port)
+    code = FRONT_DOOR.format(root=str(root), flt=json.dumps(flt), grpc=grpc_url, port=port, metrics=metrics_url)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if "ready" not in p.stdout.readline():
         raise SystemExit("the front door did not start")
@@ -230,7 +237,11 @@ async def measure(args, triton, words) -> int:
     backend = TritonBackend(grpc_url, "ensemble")
     await backend.open()
     filters = {"frontdoor": {}, "front+filter": {"keywords": words, "patterns": PATTERNS, "hold_back_chars": 32}}
-    doors = {name: start_front_door(grpc_url, flt) for name, flt in filters.items() if name in args.paths}
+    metrics = triton.metrics_url if args.metrics else None
+    doors = {name: start_front_door(grpc_url, flt, metrics) for name, flt in filters.items() if name in args.paths}
+    if args.compare_frontdoor:
+        other = Path(args.compare_frontdoor).resolve()
+        doors[f"frontdoor@{other.name}"] = start_front_door(grpc_url, {}, metrics, root=other)
     client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64))
     raws = {name: RawHTTP(url, args.tokens) for name, (_, url) in doors.items()}
     paths = {"grpc": lambda: grpc_request(backend, args.tokens)}
@@ -241,10 +252,10 @@ async def measure(args, triton, words) -> int:
             paths[name] = raws[name].one
     expected = None
     idle_cpu = {}  # CPU seconds per second of each front door while idle (its Triton health and metrics poller)
+    c0 = {name: cpu_seconds(p.pid) for name, (p, _) in doors.items()}
+    await asyncio.sleep(4.0)
     for name, (p, _) in doors.items():
-        c0 = cpu_seconds(p.pid)
-        await asyncio.sleep(2.0)
-        idle_cpu[name] = (cpu_seconds(p.pid) - c0) / 2.0
+        idle_cpu[name] = (cpu_seconds(p.pid) - c0[name]) / 4.0
     try:
         rows = []
         for c in args.concurrency:
@@ -299,8 +310,9 @@ async def measure(args, triton, words) -> int:
     print(
         f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
         f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32  "
-        f"HTTP client: {args.client}"
+        f"HTTP client: {args.client}  metrics read: {'yes' if args.metrics else 'no'}"
     )
+    print("front door CPU while idle, ms per s: " + ", ".join(f"{n} {v * 1e3:.1f}" for n, v in idle_cpu.items()))
     print(
         "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
         "| added/token p50 ms | added/token p99 ms | front door CPU/request ms |"
@@ -333,6 +345,12 @@ def main(argv=None) -> int:
         choices=["raw", "httpx"],
         default="raw",
         help="HTTP client: raw (asyncio streams, least work per token, like the gRPC path's) or httpx",
+    )
+    ap.add_argument("--metrics", action="store_true", help="the front doors read Triton's metrics, as rtk serve's do")
+    ap.add_argument(
+        "--compare-frontdoor",
+        metavar="DIR",
+        help="also measure the front door of the tree in DIR (its toolkit/), no filter, in the same run",
     )
     return asyncio.run(run(ap.parse_args(argv)))
 
