@@ -40,6 +40,7 @@ def config(**kw) -> EngineConfig:
         max_seq_len=512,
         tokens_per_block=16,
         decode_batching="exact",
+        dtype="bfloat16",  # transformers' dtype here, whatever this CPU's default ("auto") is
     )
     return EngineConfig(**{**base, **kw})
 
@@ -49,8 +50,9 @@ def engine(tiny_llama_dir) -> Engine:
     return Engine(tiny_llama_dir, config())
 
 
-def transformers_model(path, fp32_attention: bool = True):
-    """transformers' model in bf16; with ``fp32_attention`` its SDPA runs on float32 q/k/v (as the engine's default)."""
+def transformers_model(path, fp32_attention: bool = True, dtype: torch.dtype = torch.bfloat16):
+    """transformers' model (bf16 by default); with ``fp32_attention`` its SDPA runs on float32 q/k/v (as the
+    engine's default)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -60,7 +62,7 @@ def transformers_model(path, fp32_attention: bool = True):
 
     AttentionInterface.register("sdpa_fp32", sdpa_fp32)
     impl = "sdpa_fp32" if fp32_attention else "sdpa"
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=impl).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl).eval()
 
 
 @pytest.fixture(scope="module")

@@ -131,7 +131,14 @@ def engine(tiny_llama_dir) -> Engine:
     torch.set_num_threads(1)  # 2 shared cores: see tests/test_runtime_engine.py
     yield Engine(
         tiny_llama_dir,
-        EngineConfig(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16),
+        EngineConfig(
+            max_batch_size=4,
+            max_num_tokens=64,
+            max_input_len=128,
+            max_seq_len=256,
+            tokens_per_block=16,
+            dtype="bfloat16",
+        ),
     )
     torch.set_num_threads(before)
 
@@ -139,17 +146,9 @@ def engine(tiny_llama_dir) -> Engine:
 @pytest.fixture(scope="module")
 def hf_model(tiny_llama_dir):
     """transformers' model in bf16 with its SDPA on float32 q/k/v (the engine's default attention)."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from test_runtime_engine import transformers_model
 
-    def sdpa_fp32(module, query, key, value, attention_mask, **kw):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
-        return out.to(query.dtype), weights
-
-    AttentionInterface.register("sdpa_fp32", sdpa_fp32)
-    return AutoModelForCausalLM.from_pretrained(
-        tiny_llama_dir, dtype=torch.bfloat16, attn_implementation="sdpa_fp32"
-    ).eval()
+    return transformers_model(tiny_llama_dir)
 
 
 PROMPT = [1, 510, 3458, 282, 4649, 314, 510, 3458]

@@ -80,5 +80,7 @@ def test_the_engines_waiting_gauge_moves_under_load_and_tritons_pending_count_do
     by = {r.objective["metric"]: r for r in rep.verdict.results}
     assert rep.summary.outcomes["served"] == 18, rep.summary.errors
     assert by[WAITING].status == "PASS" and by[WAITING].observed >= 1, by[WAITING]
-    assert by[pending].status == "FAIL", by[pending]  # decoupled: Triton's own queue is always empty
-    assert rep.exit_code == 10
+    # decoupled: Triton's own queue holds a request only while the model's execute runs (it returns at
+    # once), so its count stays at zero, or 1 on a slow host, while the engine's queue fills
+    assert by[pending].observed < by[WAITING].observed, (by[pending], by[WAITING])
+    assert rep.exit_code == (10 if by[pending].status == "FAIL" else 0)
