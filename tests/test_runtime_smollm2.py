@@ -44,11 +44,17 @@ def hf_reply(model, ids: list[int], eos: int, n: int = 40) -> list[int]:
     return out[:-1] if out and out[-1] == eos else out  # transformers keeps the EOS; the engine leaves it out
 
 
-def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, tokenizer):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, tokenizer, dtype):
+    """bf16 (what CPUs with native bf16 compute) and float32 (what the others compute, their decode rows
+    through rtk's AVX2 GEMV where it builds), each against transformers in the same dtype."""
     from test_runtime_engine import transformers_model
 
-    hf = transformers_model(smollm2_dir)  # float32 attention, as the engine's default
-    engine = Engine(smollm2_dir, EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512))
+    hf = transformers_model(smollm2_dir, dtype=getattr(torch, dtype))  # float32 attention, as the engine's default
+    engine = Engine(
+        smollm2_dir,
+        EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, dtype=dtype),
+    )
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     refs = []
     for ids in prompts:
@@ -80,7 +86,14 @@ def test_bf16_attention_is_bit_identical_to_stock_transformers(smollm2_dir, toke
     hf = transformers_model(smollm2_dir, fp32_attention=False)
     engine = Engine(
         smollm2_dir,
-        EngineConfig(max_batch_size=4, max_num_tokens=128, max_input_len=256, max_seq_len=512, attention_dtype="model"),
+        EngineConfig(
+            max_batch_size=4,
+            max_num_tokens=128,
+            max_input_len=256,
+            max_seq_len=512,
+            attention_dtype="model",
+            dtype="bfloat16",
+        ),
     )
     for q in QUESTIONS[:2]:
         ids = chat_ids(tokenizer, q)

@@ -46,20 +46,56 @@ FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and s
 CPU_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")  # Zen 4 and later, Sapphire Rapids and later
 
 
-def cpu_supports_kernels() -> bool:
-    """True when this CPU has what kernels.cpp is compiled for: AVX512-BF16 and AVX512-VBMI."""
+def cpu_has(flags: tuple[str, ...]) -> bool:
+    """True when /proc/cpuinfo lists every one of ``flags``."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return all(f" {flag}" in flags for flag in CPU_FLAGS)
+    return all(f" {flag}" in info for flag in flags)
 
 
-def build_dir() -> Path:
-    """``$XDG_CACHE_HOME/rtk/kernels/<source hash>-<torch version>``: a changed source or torch rebuilds."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+def cpu_supports_kernels() -> bool:
+    """True when this CPU has what kernels.cpp is compiled for: AVX512-BF16 and AVX512-VBMI."""
+    return cpu_has(CPU_FLAGS)
+
+
+def build_dir(source: Path = SOURCE, flags: list[str] = FLAGS) -> Path:
+    """``$XDG_CACHE_HOME/rtk/kernels/<stem>-<source hash>-<torch version>``: a changed source or torch rebuilds."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "rtk" / "kernels" / f"kernels-{key}-torch{torch.__version__.replace('+', '_')}"
+    return cache / "rtk" / "kernels" / f"{source.stem}-{key}-torch{torch.__version__.replace('+', '_')}"
+
+
+def build_and_load(name: str, source: Path, flags: list[str]) -> bool:
+    """Compile ``source`` (first use on this host) into rtk's cache and load it as ``torch.ops.<name>``;
+    False, logged, where it cannot be (no compiler, a build error): the engine keeps torch's operators."""
+    if not source.is_file():
+        log.warning("rtk's kernel source %s is missing; torch's operators run", source)
+        return False
+    from torch.utils import cpp_extension
+
+    out = build_dir(source, flags)
+    out.mkdir(parents=True, exist_ok=True)
+    # torch's builder runs ninja from PATH: the one installed beside this interpreter (pip's ninja) counts
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: keep torch's operators
+        log.warning("rtk's kernels %s could not be built in %s (%s); torch's operators run", source.name, out, exc)
+        return False
+    finally:
+        os.environ["PATH"] = path
+    return True
 
 
 @functools.cache
@@ -70,32 +106,7 @@ def available() -> bool:
     if not cpu_supports_kernels():
         log.info("rtk's CPU kernels need AVX512-BF16 and AVX512-VBMI; this CPU lacks them, torch's operators run")
         return False
-    if not SOURCE.is_file():
-        log.warning("rtk's bf16 GEMV kernel source %s is missing; oneDNN computes one-row matmuls", SOURCE)
-        return False
-    from torch.utils import cpp_extension
-
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    # torch's builder runs ninja from PATH: the one installed beside this interpreter (pip's ninja) counts
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
-    try:
-        cpp_extension.load(
-            name="rtk_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(out),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - any build or load failure means: keep oneDNN
-        log.warning("rtk's bf16 GEMV kernel could not be built in %s (%s); oneDNN computes one-row matmuls", out, exc)
-        return False
-    finally:
-        os.environ["PATH"] = path
-    return True
+    return build_and_load("rtk_kernels", SOURCE, FLAGS)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SourceError
-from . import kernels
+from . import kernels, kernels_avx2
 from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
 from .kv_cache import KVPool, KVQuant
 
@@ -198,10 +198,18 @@ class Projection:
                 self.int_max_rows = INT_MAX_ROWS[8]
             elif full_batching and self.int4 is not None:
                 self.int_max_rows = INT_MAX_ROWS[4]
-        # int4-dot rounds its own way (not the dense path's bits): decode rows always go through it and
-        # prompt rows never do, so neither kind of row changes numbers with what shares its call.  False
-        # lets one-row prompt calls through it too (to measure its numerics over a prompt, one token a step).
-        self.codes_own_rounding = self.quant is not None and self.quant.kind == "int4-dot"
+        # float32 engines (CPUs without native bf16): rtk's AVX2 GEMV reads the weights as stored (bf16 or
+        # the export's codes) instead of their float32 copies, summing in its own order
+        self.fp32_gemv = None
+        if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
+            self.fp32_gemv = self._pack_fp32(linears, weight, bias)
+        # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
+        # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
+        # call.  False lets one-row prompt calls through them too (to measure their numerics over a prompt,
+        # one token a step).
+        self.codes_own_rounding = (
+            self.quant is not None and self.quant.kind == "int4-dot"
+        ) or self.fp32_gemv is not None
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
@@ -218,6 +226,8 @@ class Projection:
         or ``dense``."""
         if self.quant is not None:
             return f"rtk-{self.quant.kind}"
+        if self.fp32_gemv is not None:
+            return f"rtk-avx2-{self.fp32_gemv.kind}"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
     def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
@@ -243,6 +253,21 @@ class Projection:
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
             return None
         return quant
+
+    def _pack_fp32(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels_avx2.Fp32Weight | None:
+        """The float32 weights as rtk's AVX2 GEMV reads them (their codes, else bf16), where its products are
+        the float32 ones within its tolerance; None keeps MKL's."""
+        codes = [lin.codes for lin in linears]
+        stored = None
+        if all(c is not None for c in codes) and len({(c.kind, c.group_size) for c in codes}) == 1:
+            stored = (codes[0].kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes]))
+        packed = kernels_avx2.Fp32Weight.pack(weight, stored)
+        if packed is None:
+            return None
+        if not packed.within(weight, bias):
+            log.info("rtk's AVX2 GEMV is off the float32 product for %s; MKL computes it", tuple(weight.shape))
+            return None
+        return packed
 
     def _fused_input_agrees(self) -> bool:
         """True when ``kernels.quantize_input`` gives torch's bits for this projection's input quantization."""
@@ -315,6 +340,8 @@ class Projection:
         """Bytes of weights a decode forward reads (codes and scales where a kernel reads the codes)."""
         if self.quant is not None:
             return self.quant.nbytes
+        if self.fp32_gemv is not None:
+            return self.fp32_gemv.nbytes
         if self.int8:
             return self.int8[0].numel() + self.int8[1].numel() * 2
         if self.int4:
@@ -383,7 +410,10 @@ class Projection:
         return y if self.bias is None else y + self.bias
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows with the one-row bits: over the codes for a few rows, else over the bf16 weights (same bits)."""
+        """Rows with the one-row bits: over the codes for a few rows, else over the bf16 weights (same bits);
+        on a float32 engine, rtk's AVX2 GEMV where it applies."""
+        if self.fp32_gemv is not None:
+            return self.fp32_gemv(x, self.bias)
         limit = self.codes_max_rows
         if self.quant is not None and (x.shape[0] <= limit or self.gemv is None):
             if x.shape[0] <= limit:
