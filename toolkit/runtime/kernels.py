@@ -23,7 +23,8 @@ except the INT4 group sums (``int4-dot``), which are held to the float32 product
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16 and
 AVX512-VBMI, about 10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is
 impossible (a CPU without them, no compiler, a build error) :func:`available` is False and the
-engine keeps torch's operators.
+engine keeps torch's operators.  A CPU without AVX512-BF16 runs a float32 engine, whose decode GEMV
+is :mod:`toolkit.runtime.kernels_avx2` (built the same way, by :func:`build_and_load`).
 """
 
 from __future__ import annotations
