@@ -7,8 +7,8 @@ Cancellation).  Opening a call costs a round of HTTP/2 and Triton's stream set-u
 request ended normally is kept open and the next request is written to it (:class:`StreamPool`);
 a cancelled or failed call is never reused.  Inputs the model does not declare are never sent; a
 request that needs one is refused with 400 naming the field.  Health and the engine's gauges are
-polled in the background; the gauges are read over one kept-alive HTTP/1.1 connection
-(:class:`MetricsReader`), not httpx, whose client took ~2.8 ms of the event loop per read, 10 reads a
+polled in the background; the gauges are read over one kept-alive HTTP/1.1 connection with h11
+(:class:`MetricsReader`), not httpx's client, which took ~2.8 ms of the event loop per read, 10 reads a
 second.
 """
 
@@ -85,14 +85,13 @@ def parse_gauges(text: str) -> EngineGauges:
 
 
 class MetricsReader:
-    """``GET`` of Triton's metrics text on one kept-alive HTTP/1.1 connection (asyncio streams).
+    """``GET`` of Triton's metrics text on one kept-alive HTTP/1.1 connection: asyncio streams for the
+    bytes, h11 (the HTTP/1.1 state machine under httpx and uvicorn) for the protocol.
 
     The gauges are read every ``metrics_poll_ms`` (100 ms by default) for as long as the front door runs;
     httpx's client spent ~2.8 ms of the event loop per read (its connection pool, anyio events, a failed
     ``import sniffio`` per request), about 28 ms of CPU a second taken from the engine's cores on a CPU
-    target; this reads the same text for a small fraction of that.  Bodies with ``Content-Length``,
-    chunked or ended by closing the connection are read; anything else fails the read (the poller
-    keeps the last gauges' absence and tries again).  One read at a time (the poller's)."""
+    target; this reads the same text for a small fraction of that.  One read at a time (the poller's)."""
 
     def __init__(self, url: str, timeout_s: float):
         from urllib.parse import urlsplit
@@ -101,9 +100,9 @@ class MetricsReader:
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"not an http:// URL: {url!r}")
         self.host, self.port, self.timeout_s = u.hostname, u.port or 80, timeout_s
-        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        self.request = f"GET {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAccept: text/plain\r\n\r\n".encode()
-        self._conn: tuple | None = None
+        self.target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        self.headers = [("Host", u.netloc), ("Accept", "text/plain")]
+        self._conn: tuple | None = None  # (reader, writer, h11.Connection)
 
     async def text(self) -> str:
         async with asyncio.timeout(self.timeout_s):
@@ -111,51 +110,49 @@ class MetricsReader:
                 reused = self._conn is not None
                 try:
                     if self._conn is None:
-                        self._conn = await asyncio.open_connection(self.host, self.port)
+                        import h11
+
+                        self._conn = (*await asyncio.open_connection(self.host, self.port), h11.Connection(h11.CLIENT))
                     code, body = await self._get(*self._conn)
                     break
-                except (OSError, EOFError, asyncio.IncompleteReadError):
+                except (OSError, EOFError):
                     self.close()
                     if not reused:
                         raise
                     # The server closed the kept connection meanwhile: once more on a new one.
                 except BaseException:
-                    self.close()  # a timeout or a cancel mid-answer: the connection's state is unknown
+                    self.close()  # a timeout, a cancel or a protocol error mid-answer: its state is unknown
                     raise
         if code != 200:
             raise OSError(f"the metrics server answered {code}")
         return body.decode("utf-8", "replace")
 
-    async def _get(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, bytes]:
-        writer.write(self.request)
-        status = await reader.readline()
-        if not status:
-            raise EOFError("the metrics server closed the connection")
-        code = int(status.split(None, 2)[1])
-        length, chunked, close = None, False, False
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.partition(b":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding":
-                chunked = value.endswith(b"chunked")
-            elif name == b"connection":
-                close = b"close" in value
-        if chunked:
-            parts = []
-            while size := int((await reader.readline()).split(b";", 1)[0].strip(), 16):
-                parts.append(await reader.readexactly(size + 2))
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
-                pass
-            body = b"".join(p[:-2] for p in parts)
-        elif length is not None:
-            body = await reader.readexactly(length)
+    async def _get(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, http) -> tuple[int, bytes]:
+        import h11
+
+        writer.write(http.send(h11.Request(method="GET", target=self.target, headers=self.headers)))
+        writer.write(http.send(h11.EndOfMessage()))
+        code, parts = 0, []
+        while True:
+            event = http.next_event()
+            if event is h11.NEED_DATA:
+                data = await reader.read(65536)
+                if not data and not code:
+                    raise EOFError("the metrics server closed the connection")
+                http.receive_data(data)  # b"" ends a body delimited by the connection's close
+            elif isinstance(event, h11.Response):
+                code = event.status_code
+            elif isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise EOFError("the metrics server closed the connection")
+        if http.our_state is h11.DONE and http.their_state is h11.DONE:
+            http.start_next_cycle()  # kept alive for the next read
         else:
-            body, close = await reader.read(), True
-        if close or status.startswith(b"HTTP/1.0"):
-            self.close()
-        return code, body
+            self.close()  # the server said Connection: close, or ended the body by closing
+        return code, b"".join(parts)
 
     def close(self) -> None:
         if self._conn is not None:
