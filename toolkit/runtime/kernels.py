@@ -190,17 +190,9 @@ class QuantizedWeight:
         return torch.ops.rtk_kernels.gemv_q(x, self.codes, self.scales, QUANT_KINDS[self.kind], self.out_features, bias)
 
     def within(self, exact: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
-        """For ``int4-dot``, which does not give the dense path's bits: True when its products are those of
-        the float32 weights ``exact`` (``codes * scale``) within ``INT4_DOT_TOLERANCE`` of the outputs'
-        largest magnitude, and every row is the same alone and with the others (batch invariance)."""
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, exact.shape[1], generator=g).to(torch.bfloat16)
-        with torch.inference_mode():
-            ref = x.float() @ exact.float().t() + (0 if bias is None else bias.float())
-            got = self(x, bias)
-            one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
-        err = (got.float() - ref).abs().max().item()
-        return torch.equal(one, got) and err <= INT4_DOT_TOLERANCE * ref.abs().max().item()
+        """For ``int4-dot``, which does not give the dense path's bits: :func:`within_and_invariant` of the
+        float32 weights ``exact`` (``codes * scale``) and ``INT4_DOT_TOLERANCE``, on bf16 rows."""
+        return within_and_invariant(self, exact, bias, INT4_DOT_TOLERANCE, torch.bfloat16, rows)
 
     def agrees(self, weight: torch.Tensor, reference, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """True when the kernel's weights are ``weight`` (bf16) exactly and it gives ``reference(x)``'s bits
@@ -213,6 +205,22 @@ class QuantizedWeight:
             expected = torch.cat([reference(x[i : i + 1]) for i in range(rows)])
             one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
             return torch.equal(one, expected) and torch.equal(self(x, bias), expected)
+
+
+def within_and_invariant(
+    kernel, exact: torch.Tensor, bias, tolerance: float, dtype: torch.dtype, rows: int = 16
+) -> bool:
+    """True when ``kernel(x, bias)`` is the float64 product ``x exact^T + bias`` within ``tolerance`` of the
+    outputs' largest magnitude on ``rows`` random rows of ``dtype``, and every row alone gives the bits it
+    gets with the others (batch invariance): the check at load of a kernel that rounds its own way."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, exact.shape[1], generator=g).to(dtype)
+    with torch.inference_mode():
+        ref = x.double() @ exact.double().t() + (0 if bias is None else bias.double())
+        got = kernel(x, bias)
+        one = torch.cat([kernel(x[i : i + 1], bias) for i in range(rows)])
+    err = (got.double() - ref).abs().max().item()
+    return torch.equal(one, got) and err <= tolerance * ref.abs().max().item()
 
 
 def _block_scales(scale: torch.Tensor) -> torch.Tensor | None:

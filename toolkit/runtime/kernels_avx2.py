@@ -88,13 +88,5 @@ class Fp32Weight:
         return torch.ops.rtk_avx2.gemv(x, self.weights, KINDS[self.kind], self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
-        """True when the products are those of ``dense`` within :data:`TOLERANCE` of the outputs' largest
-        magnitude, and every row is the same alone and with the others (batch invariance)."""
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, dense.shape[1], generator=g)
-        with torch.inference_mode():
-            ref = x.double() @ dense.double().t() + (0 if bias is None else bias.double())
-            got = self(x, bias)
-            one = torch.cat([self(x[i : i + 1], bias) for i in range(rows)])
-        err = (got.double() - ref).abs().max().item()
-        return torch.equal(one, got) and err <= TOLERANCE * ref.abs().max().item()
+        """:func:`kernels.within_and_invariant` of the dense float32 weights and :data:`TOLERANCE`."""
+        return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows)
