@@ -158,6 +158,26 @@ def test_doctor_on_a_stand_in_gpu_host_passes_the_gpu_targets():
     assert bad.name == "NVIDIA driver" and "590.44" in bad.fix
 
 
+def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
+    def engine_check(flags):
+        host = HostInfo.from_dict({**probe_host(triton_version=False).to_dict(), "cpu_flags": flags})
+        (check,) = [c for c in diagnose("cpu", host).checks if c.name == "CPU engine"]
+        return check
+
+    zen4 = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"])
+    assert zen4.status == "ok" and "bf16" in zen4.found
+    zen3 = engine_check(["avx2", "fma"])
+    assert zen3.status == "warn" and "float32" in zen3.found and "AVX2 decode GEMV" in zen3.found
+    assert "docs/engine.md" in zen3.fix
+    old = engine_check([])
+    assert old.status == "warn" and "torch's operators only" in old.found
+    assert diagnose("cpu", HostInfo.from_dict({**probe_host(triton_version=False).to_dict(), "cpu_flags": []})).ok
+    # this host: what the probe read is what /proc/cpuinfo lists
+    from toolkit.hostinfo import CPU_FLAGS, cpu_flags
+
+    assert set(probe_host(triton_version=False).cpu_flags) == cpu_flags() & set(CPU_FLAGS)
+
+
 def test_doctor_cli_on_this_cpu_host(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     ok = subprocess.run(

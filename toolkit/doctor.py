@@ -239,6 +239,7 @@ def cpu_checks(host: HostInfo) -> list[Check]:
                 else "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)",
             )
         )
+    out.append(_cpu_engine(host))
     out.append(
         _package(
             host,
@@ -249,6 +250,21 @@ def cpu_checks(host: HostInfo) -> list[Check]:
         )
     )
     return out
+
+
+def _cpu_engine(host: HostInfo) -> Check:
+    """How rtk's CPU engine will compute here (toolkit/runtime/kernels.py, kernels_avx2.py)."""
+    flags = set(host.cpu_flags)
+    need = "AVX512-BF16 + AVX512-VBMI (AMD Zen 4+, Intel Sapphire Rapids+): bf16 compute with rtk's kernels"
+    if {"avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi"} <= flags:
+        return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels", need)
+    why = (
+        "prompts prefill ~3.5x slower than with AVX512-BF16, and the example's SLO objectives were set there "
+        "(docs/engine.md, 'CPUs without native bf16')"
+    )
+    if {"avx2", "fma"} <= flags:
+        return Check("CPU engine", "warn", "AVX2 + FMA, no native bf16: float32, rtk's AVX2 decode GEMV", need, why)
+    return Check("CPU engine", "warn", "no AVX2: float32, torch's operators only", need, why)
 
 
 def trt_engine_checks(host: HostInfo) -> list[Check]:

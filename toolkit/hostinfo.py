@@ -83,6 +83,7 @@ class HostInfo:
     triton_container: str | None = None  # NGC release, e.g. "26.04" (NVIDIA_TRITON_SERVER_VERSION)
     executables: dict[str, str | None] = field(default_factory=dict)
     python: str = field(default_factory=lambda: ".".join(map(str, sys.version_info[:3])))
+    cpu_flags: list[str] = field(default_factory=list)  # those of CPU_FLAGS this CPU has (/proc/cpuinfo)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -117,6 +118,21 @@ class HostInfo:
 
 
 # -- probing ------------------------------------------------------------------------------------
+
+# The CPU features that decide how rtk's CPU engine computes (toolkit/runtime/kernels*.py).
+CPU_FLAGS = ("avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
 
 
 def package_version(key: str) -> str | None:
@@ -252,6 +268,8 @@ def probe_host(*, tritonserver: str | None = None, triton_version: bool = True) 
     if cuda_env:
         host.cuda_runtime_version = ".".join(cuda_env.split(".")[:2])
     host.packages = {k: package_version(k) for k in PACKAGES}
+    have = cpu_flags()
+    host.cpu_flags = [f for f in CPU_FLAGS if f in have]
     host.triton_container = os.environ.get("NVIDIA_TRITON_SERVER_VERSION")
     from .errors import RtkError
     from .triton.server import find_tritonserver  # stdlib-only

@@ -49,11 +49,9 @@ CPU_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")  # Zen 4 and l
 
 def cpu_has(flags: tuple[str, ...]) -> bool:
     """True when /proc/cpuinfo lists every one of ``flags``."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in info for flag in flags)
+    from ..hostinfo import cpu_flags
+
+    return set(flags) <= cpu_flags()
 
 
 def cpu_supports_kernels() -> bool:
