@@ -67,6 +67,15 @@ def resolve_dtype(name: str) -> torch.dtype:
 # -- projections --------------------------------------------------------------------------------
 
 
+def _stored_codes(linears: list[Linear]) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """``(kind, codes, scale)`` of the linears' quantized weights, concatenated by output, where all have codes
+    of one kind and group size; else None."""
+    codes = [lin.codes for lin in linears]
+    if any(c is None for c in codes) or len({(c.kind, c.group_size) for c in codes}) != 1:
+        return None
+    return codes[0].kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes])
+
+
 def _same_emulation(a: Linear, b: Linear) -> bool:
     def same(x, y):
         return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
@@ -232,14 +241,12 @@ class Projection:
 
     def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
         """The codes packed for rtk's GEMV, where its weights are exactly ``weight`` and its products oneDNN's."""
-        codes = [lin.codes for lin in linears]
-        if any(c is None for c in codes) or len({(c.kind, c.group_size) for c in codes}) != 1:
+        stored = _stored_codes(linears)
+        if stored is None:
             return None
-        kind = "int4-dot" if codes[0].kind == "int4" and self.int4_gemv == "dot" else codes[0].kind
+        kind = "int4-dot" if stored[0] == "int4" and self.int4_gemv == "dot" else stored[0]
         try:
-            quant = kernels.QuantizedWeight.pack(
-                kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes])
-            )
+            quant = kernels.QuantizedWeight.pack(kind, stored[1], stored[2])
         except RuntimeError as exc:  # e.g. a group size the layout cannot take
             log.info("rtk's GEMV cannot read the %s codes of %s (%s)", kind, tuple(weight.shape), exc)
             return None
@@ -257,11 +264,7 @@ class Projection:
     def _pack_fp32(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels_avx2.Fp32Weight | None:
         """The float32 weights as rtk's AVX2 GEMV reads them (their codes, else bf16), where its products are
         the float32 ones within its tolerance; None keeps MKL's."""
-        codes = [lin.codes for lin in linears]
-        stored = None
-        if all(c is not None for c in codes) and len({(c.kind, c.group_size) for c in codes}) == 1:
-            stored = (codes[0].kind, torch.cat([c.codes for c in codes]), torch.cat([c.scale for c in codes]))
-        packed = kernels_avx2.Fp32Weight.pack(weight, stored)
+        packed = kernels_avx2.Fp32Weight.pack(weight, _stored_codes(linears))
         if packed is None:
             return None
         if not packed.within(weight, bias):
