@@ -1,8 +1,10 @@
-"""rtk's float32 decode GEMV for CPUs without native bf16 (runtime/kernels_avx2.cpp), against float64
+"""rtk's float32-engine kernels for CPUs without native bf16 (runtime/kernels_avx2.cpp), against float64
 products and transformers' float32 model.
 
-It reads weights as stored (bf16, or an export's FP8 / INT8 / INT4 codes) and sums in its own order:
-within a stated tolerance of the exact product, never dependent on the other rows of its call.
+The decode GEMV reads weights as stored (bf16, or an export's FP8 / INT8 / INT4 codes) and sums in its
+own order: within a stated tolerance of the exact product, never dependent on the other rows of its
+call.  The W8A8 kernel (INT8 SmoothQuant) sums fake_quant's input codes times the weight codes as
+integers, exact, for every row.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from toolkit.runtime import kernels_avx2
-from toolkit.runtime.checkpoint import Linear, WeightCodes
+from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes, fake_quant
 from toolkit.runtime.engine import Engine
 from toolkit.runtime.model import Projection
 
@@ -105,3 +107,115 @@ def test_float32_engine_greedy_tokens_equal_transformers_float32(tiny_llama_dir)
         assert eng.generate(r) == hf_greedy(hf, r.prompt_ids, r.max_new_tokens)
     ids, events, _ = run(eng, reqs, arrivals={1: 2, 2: 4})  # decode rows share GEMV calls
     assert [tokens(events[i]) for i in ids] == [eng.generate(r) for r in reqs]
+
+
+# -- W8A8 (INT8 SmoothQuant): integer products for every row ------------------------------------------
+
+
+def w8a8_linear(n: int, k: int, g: torch.Generator, act_scale: float = 0.02) -> Linear:
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    return Linear(
+        weight=codes.float() * scale[:, None],
+        codes=WeightCodes(bits=8, codes=codes, scale=scale),
+        act_quant=ActQuant("int8", torch.tensor(act_scale)),
+    )
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (77, 64)])
+def test_w8a8_is_the_float64_product_of_the_quantized_input_and_a_row_depends_on_itself_alone(shape):
+    g = torch.Generator().manual_seed(4)
+    n, k = shape
+    lin = w8a8_linear(n, k, g)
+    packed = kernels_avx2.W8A8Weight.pack(("int8", lin.codes.codes, lin.codes.scale), lin.act_quant.scale)
+    bias = torch.randn(n, generator=g)
+    # inputs past the codes' range (clamped), ties (x / s = m + 0.5: rounded half to even) and zeros
+    x = torch.randn(37, k, generator=g) * 1.5
+    x[0, :8] = torch.tensor([3.0, -3.0, 0.01, -0.01, 0.03, 0.05, -0.05, 0.0])
+    ref = fake_quant(x, "int8", lin.act_quant.scale).double() @ lin.weight.double().t() + bias.double()
+    got = packed(x, bias)
+    assert (got.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
+    # any split of the rows (one at a time, a decode batch, prompt chunks of 5 and 16) gives the same bits
+    for size in (1, 3, 5, 16):
+        assert torch.equal(torch.cat([packed(x[i : i + size], bias) for i in range(0, 37, size)]), got), size
+    assert packed.within(lin.weight, bias)
+    assert not kernels_avx2.W8A8Weight(packed.codes, packed.scales * 2, packed.act_scale).within(lin.weight, bias)
+
+
+def test_w8a8_quantizes_its_input_to_fake_quants_codes_exactly():
+    """Bit for bit: the sums are fake_quant's int8 codes times the weight codes (exact integers), scaled once.
+    A power-of-two scale makes ``x / s`` exact, so the inputs below hit every tie (m + 0.5, rounded to even)."""
+    g = torch.Generator().manual_seed(7)
+    lin = w8a8_linear(40, 64, g, act_scale=2.0**-6)
+    s = lin.act_quant.scale
+    packed = kernels_avx2.W8A8Weight.pack(("int8", lin.codes.codes, lin.codes.scale), s)
+    halves = torch.arange(-140, 140).float() + 0.5  # ties across the whole range and beyond the clamp
+    x = torch.cat([halves, torch.randn(24 * 64 - halves.numel(), generator=g) * 3]).reshape(24, 64) * s
+    codes = torch.round(x / s).clamp(-128, 127)  # checkpoint.fake_quant's codes
+    assert torch.equal(codes * s, fake_quant(x, "int8", s))
+    sums = codes.to(torch.int64) @ lin.codes.codes.to(torch.int64).t()
+    assert torch.equal(packed(x, None), sums.to(torch.float32) * packed.scales)
+
+
+def test_w8a8_refuses_what_its_integer_sums_cannot_take():
+    g = torch.Generator().manual_seed(5)
+    lin = w8a8_linear(16, 64, g)
+    codes, scale, act = lin.codes.codes, lin.codes.scale, lin.act_quant.scale
+    assert kernels_avx2.W8A8Weight.pack(("int8", codes, scale), act) is not None
+    assert kernels_avx2.W8A8Weight.pack(("int8", codes[:, :48], scale), act) is None  # K not a multiple of 32
+    assert kernels_avx2.W8A8Weight.pack(("int8", codes, scale[:, None].repeat(1, 2)), act) is None  # groups
+    low = codes.clone()
+    low[3, 5] = -128  # vpmaddubsw's int16 pair sums would overflow
+    assert kernels_avx2.W8A8Weight.pack(("int8", low, scale), act) is None
+    assert kernels_avx2.W8A8Weight.pack(("fp8", codes, scale), act) is None
+
+
+def test_a_float32_int8_smoothquant_projection_takes_every_row_through_the_integer_products():
+    g = torch.Generator().manual_seed(6)
+    lin = w8a8_linear(96, 64, g)
+    lin.pre_quant_scale = torch.rand(64, generator=g) + 0.5
+    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True)
+    assert proj.kernel == "rtk-avx2-w8a8" and proj.fp32_gemv is None
+    assert proj.nbytes == 96 * 64 + 96 * 4
+    x = torch.randn(7, 64, generator=g)
+    with torch.inference_mode():
+        mixed = proj(x, singles=3)  # three decode rows, four prompt rows
+        assert torch.equal(mixed, proj(x, singles=0)) and torch.equal(mixed[3:], proj(x[3:], singles=0))
+        ref = lin(x)  # checkpoint.Linear: the reference semantics (pre_quant_scale, int8 QDQ, float32)
+    assert (mixed - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
+    # a bf16 engine and an engine without rtk's kernels keep their own paths
+    assert Projection([lin], torch.float32, pack=False, gemv_kernel=False).w8a8 is None
+
+
+def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_dir):
+    """A real ModelOpt INT8-SQ export (tiny Llama) on a float32 engine: every quantized projection runs the
+    W8A8 kernel; its logits are the float32 dense path's within the tolerance the input quantization
+    leaves (an activation on a rounding boundary may move one code); greedy tokens equal that path's; a
+    prompt's logits do not depend on its chunking, nor a request's tokens on what decodes beside it."""
+    from conftest import spec_for
+    from test_runtime_engine import greedy, run, tokens
+
+    from toolkit.quantize import quantize
+    from toolkit.runtime.engine import EngineConfig
+
+    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+    spec = spec_for(
+        "tiny-int8", tiny_llama_dir, quantization={"format": "int8_sq", "max_perplexity_increase": 100.0, **calib}
+    )
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    cfg = dict(max_batch_size=4, max_input_len=128, max_seq_len=256, tokens_per_block=16, dtype="float32")
+    fast = Engine(hf, EngineConfig(**cfg, max_num_tokens=64))
+    chunked = Engine(hf, EngineConfig(**cfg, max_num_tokens=16))
+    dense = Engine(hf, EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
+    parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+    assert {p.kernel for p in parts} == {"rtk-avx2-w8a8"}
+    ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    got, want = fast.prompt_logits(ids), dense.prompt_logits(ids)
+    assert torch.equal(chunked.prompt_logits(ids), got)  # 16-token chunks: the same bits
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    reqs = [greedy(ids[:n]) for n in (5, 33, 70)]
+    alone = [fast.generate(r) for r in reqs]
+    assert alone == [dense.generate(r) for r in reqs]
+    run_ids, events, _ = run(fast, reqs, arrivals={1: 2, 2: 4})
+    assert [tokens(events[i]) for i in run_ids] == alone

@@ -206,15 +206,17 @@ class QuantizedWeight:
 
 
 def within_and_invariant(
-    kernel, exact: torch.Tensor, bias, tolerance: float, dtype: torch.dtype, rows: int = 16
+    kernel, exact: torch.Tensor, bias, tolerance: float, dtype: torch.dtype, rows: int = 16, quantize=None
 ) -> bool:
     """True when ``kernel(x, bias)`` is the float64 product ``x exact^T + bias`` within ``tolerance`` of the
     outputs' largest magnitude on ``rows`` random rows of ``dtype``, and every row alone gives the bits it
-    gets with the others (batch invariance): the check at load of a kernel that rounds its own way."""
+    gets with the others (batch invariance): the check at load of a kernel that rounds its own way.
+    ``quantize``: what the kernel does to its input first (the product is then ``quantize(x) exact^T``)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, exact.shape[1], generator=g).to(dtype)
     with torch.inference_mode():
-        ref = x.double() @ exact.double().t() + (0 if bias is None else bias.double())
+        xe = x if quantize is None else quantize(x)
+        ref = xe.double() @ exact.double().t() + (0 if bias is None else bias.double())
         got = kernel(x, bias)
         one = torch.cat([kernel(x[i : i + 1], bias) for i in range(rows)])
     err = (got.double() - ref).abs().max().item()

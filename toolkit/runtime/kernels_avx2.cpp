@@ -18,7 +18,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -136,8 +139,120 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weights, int64_t kind, co
   return y;
 }
 
+// -- W8A8 (INT8 SmoothQuant exports): integer products ---------------------------------------------
+//
+// The export quantizes each projection's input per tensor, q = clamp(round(x / s), -128, 127) (round
+// half to even: checkpoint.fake_quant's float32 division and rounding), and its weights per output
+// channel to int8 codes.  The dense path multiplies the dequantized values in float32; here the
+// products are summed as integers, 32 a step (vpsignb / vpmaddubsw / vpmaddwd, as llama.cpp's Q8_0
+// dot product on AVX2), and scaled once: y = float(sum q * code) * (s * scale[o]).  An integer sum is
+// exact in any order, so a row's outputs depend on that row alone: prompt rows and decode rows take
+// the same kernel and a sequence's numbers change neither with its batch nor with its prompt's
+// chunking.  vpmaddubsw adds two u8 x s8 products into int16 with saturation: |q| <= 128 and codes in
+// -127..127 (checked at pack) keep each pair within 2 * 128 * 127 < 32767.
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// y[r * ldy + o] = float(sum_k q[r, k] * w[o, k]) * oscale[o] for R rows and O outputs.
+template <int64_t R, int64_t O>
+inline void idot(const int8_t* q, const uint8_t* qa, int64_t K, const int8_t* w, const float* oscale, float* y,
+                 int64_t ldy) {
+  __m256i acc[R][O];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < O; ++o) acc[r][o] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i wv[O];
+    for (int64_t o = 0; o < O; ++o) wv[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * K + k));
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + r * K + k));
+      for (int64_t o = 0; o < O; ++o) {
+        const __m256i pairs = _mm256_maddubs_epi16(av, _mm256_sign_epi8(wv[o], qv));
+        acc[r][o] = _mm256_add_epi32(acc[r][o], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = static_cast<float>(hsum_i32(acc[r][o])) * oscale[o];
+}
+
+template <int64_t O>
+inline void idot_rows(const int8_t* q, const uint8_t* qa, int64_t rows, int64_t K, const int8_t* w,
+                      const float* oscale, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) idot<4, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy);
+  switch (rows - r) {
+    case 3: idot<3, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
+    case 2: idot<2, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
+    case 1: idot<1, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 while a thread's outputs pass
+
+// x [R, K] float32 (the projection's input before its quantization); codes [N, K] int8 in -127..127;
+// oscale [N] float32 = act_scale * weight scale[o].
+at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, const at::Tensor& oscale,
+                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8: x must be [rows, K] float32");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
+              "rtk_avx2.w8a8: codes must be [N, K] int8, contiguous");
+  const int64_t rows = x.size(0), K = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "rtk_avx2.w8a8: K must match the codes and be a multiple of 32");
+  TORCH_CHECK(oscale.scalar_type() == at::kFloat && oscale.numel() == n && oscale.is_contiguous(),
+              "rtk_avx2.w8a8: oscale must be [N] float32");
+  at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  // the input's codes, as checkpoint.fake_quant computes them (float32 division, round half to even,
+  // clamp); a NaN input has no integer code (it gives -128 here, NaN on the dense path)
+  std::vector<int8_t> q(rows * K);
+  std::vector<uint8_t> qa(rows * K);
+  const float* xp = xs.data_ptr<float>();
+  const __m256 sv = _mm256_set1_ps(static_cast<float>(act_scale));
+  const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(xp + b * 32 + j * 8), sv);
+        v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+      }
+      const __m256i c8 = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * 32), c8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa.data() + b * 32), _mm256_abs_epi8(c8));
+    }
+  });
+  const auto* w = codes.data_ptr<int8_t>();
+  const float* os = oscale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t o0, int64_t o1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t rt = std::min(kRowTile, rows - r0);
+      const int8_t* qr = q.data() + r0 * K;
+      const uint8_t* ar = qa.data() + r0 * K;
+      int64_t o = o0;
+      for (; o + 2 <= o1; o += 2) idot_rows<2>(qr, ar, rt, K, w + o * K, os + o, yp + r0 * n + o, n);
+      if (o < o1) idot_rows<1>(qr, ar, rt, K, w + o * K, os + o, yp + r0 * n + o, n);
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_avx2, m) {
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
+  m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8);
 }

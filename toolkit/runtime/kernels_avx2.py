@@ -1,4 +1,4 @@
-"""rtk's decode GEMV for CPUs without native bf16 (``kernels_avx2.cpp``: AVX2 + FMA).
+"""rtk's float32-engine kernels for CPUs without native bf16 (``kernels_avx2.cpp``: AVX2 + FMA).
 
 Where the CPU has no bf16 dot products (AMD Zen 1-3, Intel before Cooper Lake / Sapphire Rapids),
 the engine computes in float32 and its dense weights take 4 bytes each.  Decode is bound by reading
@@ -10,6 +10,9 @@ batch-invariant (a row's sums do not depend on the other rows of its call).
 
 Decode rows always go through it and prompt rows never do (``Projection.codes_own_rounding``), so
 neither kind of row changes its numbers with what shares its step.
+
+INT8 SmoothQuant (W8A8) exports take :class:`W8A8Weight` instead, for every row: the input's int8
+codes times the weights' int8 codes summed as integers (exact in any order), scaled once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import kernels
+from .checkpoint import fake_quant
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +94,52 @@ class Fp32Weight:
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` of the dense float32 weights and :data:`TOLERANCE`."""
         return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows)
+
+
+@dataclass
+class W8A8Weight:
+    """An INT8 SmoothQuant projection as integers: ``x [rows, K]`` float32 (before its quantization) ->
+    ``[rows, N]`` = ``float(sum q * code) * (act_scale * scale[o])``, where ``q`` are the input's codes as
+    ``checkpoint.fake_quant`` computes them.
+
+    The dense path sums the dequantized products in float32; the integer sum is exact, so the result is
+    within :data:`TOLERANCE` of the float64 product of the same values (checked at load) and depends on the
+    row alone: prompt and decode rows both take it, in any batch or chunk.
+    """
+
+    codes: torch.Tensor  # [N, K] int8 in -127..127
+    scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output
+    act_scale: torch.Tensor  # the input's per-tensor scale (float32, 0-dim)
+
+    @classmethod
+    def pack(cls, codes, act_scale: torch.Tensor) -> W8A8Weight | None:
+        """From ``(kind, codes, scale)`` of the linears' weights (``model._stored_codes``) and the inputs'
+        int8 scale; None where the kernel cannot take them: not INT8 with one scale per output, ``K`` not a
+        multiple of 32, or a code of -128 (vpmaddubsw's int16 pair sums need codes within -127..127)."""
+        if codes is None:
+            return None
+        kind, values, scale = codes
+        if kind != "int8" or scale.dim() != 1 or values.shape[1] % 32 or bool((values == -128).any()):
+            return None
+        act = act_scale.to(torch.float32).reshape(())
+        return cls(values.to(torch.int8).contiguous(), (act * scale.to(torch.float32)).contiguous(), act)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.rtk_avx2.w8a8(x, float(self.act_scale), self.codes, self.scales, bias)
+
+    def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
+        """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on
+        inputs spread over the int8 codes (about 40 steps of the scale per unit of ``randn``)."""
+        spread = float(self.act_scale) * 40.0
+
+        def kernel(x, b):
+            return self(x * spread, b)
+
+        def quantize(x):
+            return fake_quant(x * spread, "int8", self.act_scale)
+
+        return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)

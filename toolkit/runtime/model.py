@@ -209,9 +209,12 @@ class Projection:
                 self.int_max_rows = INT_MAX_ROWS[4]
         # float32 engines (CPUs without native bf16): rtk's AVX2 GEMV reads the weights as stored (bf16 or
         # the export's codes) instead of their float32 copies, summing in its own order
-        self.fp32_gemv = None
+        self.fp32_gemv = self.w8a8 = None
         if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
-            self.fp32_gemv = self._pack_fp32(linears, weight, bias)
+            if self.act_kind == "int8":
+                self.w8a8 = self._pack_w8a8(linears, bias)
+            if self.w8a8 is None:
+                self.fp32_gemv = self._pack_fp32(linears, weight, bias)
         # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
         # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
         # call.  False lets one-row prompt calls through them too (to measure their numerics over a prompt,
@@ -231,12 +234,15 @@ class Projection:
     @property
     def kernel(self) -> str:
         """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-fp8-table`` / ``rtk-int4``
-        (rtk's GEMV over the codes), ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16)
+        (rtk's GEMV over the codes), ``rtk-avx2-<kind>`` / ``rtk-avx2-w8a8`` (a float32 engine's AVX2 kernels),
+        ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16)
         or ``dense``."""
         if self.quant is not None:
             return f"rtk-{self.quant.kind}"
         if self.fp32_gemv is not None:
             return f"rtk-avx2-{self.fp32_gemv.kind}"
+        if self.w8a8 is not None:
+            return "rtk-avx2-w8a8"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
     def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
@@ -269,6 +275,17 @@ class Projection:
             return None
         if not packed.within(weight, bias):
             log.info("rtk's AVX2 GEMV is off the float32 product for %s; MKL computes it", tuple(weight.shape))
+            return None
+        return packed
+
+    def _pack_w8a8(self, linears: list[Linear], bias) -> kernels_avx2.W8A8Weight | None:
+        """An INT8 SmoothQuant projection as integer products (every row), where they are the float32 product
+        of the same quantized values within the kernel's tolerance; None leaves it to the float32 paths."""
+        packed = kernels_avx2.W8A8Weight.pack(_stored_codes(linears), self.act_scale)
+        if packed is None:
+            return None
+        if not packed.within(torch.cat([lin.weight for lin in linears]), bias):
+            log.info("rtk's W8A8 kernel is off the float32 product for %s; float32 computes it", self.out_features)
             return None
         return packed
 
@@ -345,6 +362,8 @@ class Projection:
             return self.quant.nbytes
         if self.fp32_gemv is not None:
             return self.fp32_gemv.nbytes
+        if self.w8a8 is not None:
+            return self.w8a8.nbytes
         if self.int8:
             return self.int8[0].numel() + self.int8[1].numel() * 2
         if self.int4:
@@ -357,6 +376,8 @@ class Projection:
         ``singles=None``: one call over all rows, whatever their count (not batch-invariant).
         """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
+        if self.w8a8 is not None:  # integer products: a row's result is its own, so every row goes through
+            return self.w8a8(x if self.pre_quant_scale is None else x * self.pre_quant_scale, self.bias)
         if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
             x = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
         else:
