@@ -111,6 +111,9 @@ class W8A8Weight:
     scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output
     act_scale: torch.Tensor  # the input's per-tensor scale (float32, 0-dim)
 
+    def __post_init__(self):
+        self._act_scale = float(self.act_scale)  # read once: the call is on every projection of every step
+
     @classmethod
     def pack(cls, codes, act_scale: torch.Tensor) -> W8A8Weight | None:
         """From ``(kind, codes, scale)`` of the linears' weights (``model._stored_codes``) and the inputs'
@@ -129,7 +132,7 @@ class W8A8Weight:
         return self.codes.numel() + self.scales.numel() * 4
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.rtk_avx2.w8a8(x, float(self.act_scale), self.codes, self.scales, bias)
+        return torch.ops.rtk_avx2.w8a8(x, self._act_scale, self.codes, self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on
