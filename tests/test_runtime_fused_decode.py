@@ -125,7 +125,9 @@ def test_prompt_rows_are_the_operators_bits(tiny_llama_dir):
 def test_it_applies_only_where_rtks_kernels_run(tiny_llama_dir):
     assert Engine(tiny_llama_dir, EngineConfig(**BASE, cpu_kernels=False)).model.fused is None
     assert Engine(tiny_llama_dir, EngineConfig(**BASE, attention_dtype="model")).model.fused is None
-    assert Engine(tiny_llama_dir, EngineConfig(**BASE, dtype="float32")).model.fused is None
+    # a float32 engine has its own fused step (kernels_avx2.DecodeLayers, tests/test_runtime_kernels_avx2.py)
+    float32 = Engine(tiny_llama_dir, EngineConfig(**BASE, dtype="float32"))
+    assert not isinstance(float32.model.fused, kernels.DecodeLayers)
 
 
 def test_bad_inputs_are_refused_by_the_kernel(tiny_llama_dir):

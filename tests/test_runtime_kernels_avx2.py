@@ -14,7 +14,7 @@ import torch
 
 from toolkit.runtime import kernels_avx2
 from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes, fake_quant
-from toolkit.runtime.engine import Engine
+from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
 from toolkit.runtime.model import Projection
 
 pytestmark = [
@@ -196,7 +196,6 @@ def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_d
     from test_runtime_engine import greedy, run, tokens
 
     from toolkit.quantize import quantize
-    from toolkit.runtime.engine import EngineConfig
 
     calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
     spec = spec_for(
@@ -219,3 +218,77 @@ def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_d
     assert alone == [dense.generate(r) for r in reqs]
     run_ids, events, _ = run(fast, reqs, arrivals={1: 2, 2: 4})
     assert [tokens(events[i]) for i in run_ids] == alone
+
+
+# -- the float32 fused decode step (kernels_avx2.DecodeLayers) -----------------------------------------
+
+FUSED_BASE = dict(
+    max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16, dtype="float32"
+)
+
+
+def fused_matches_operators(path, what: str, batch: int = 3, steps: int = 10, **kw) -> None:
+    """Every decode step's logits through the fused float32 step equal torch's operators' (the same kernels for
+    the projections) bit for bit; MKL's float32 decode rows (``cpu_kernels: false``) differ, so it can fail."""
+    from test_runtime_fused_decode import forced_logits, prompt
+
+    fused = Engine(path, EngineConfig(**FUSED_BASE, **kw))
+    assert isinstance(fused.model.fused, kernels_avx2.DecodeLayers)
+    operators = Engine(path, EngineConfig(**FUSED_BASE, **kw, fused_decode=False))
+    assert operators.model.fused is None
+    mkl = Engine(path, EngineConfig(**FUSED_BASE, **kw, cpu_kernels=False))
+    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (16, 3), (70, 4)][:batch]]
+    forced = [prompt(steps, 10 + i) for i in range(batch)]
+    got, want, other = (forced_logits(e, prompts, forced) for e in (fused, operators, mkl))
+    for step, (a, b, c) in enumerate(zip(got, want, other, strict=True)):
+        assert torch.equal(a, b), f"{what}, step {step}: max difference {(a - b).abs().max().item()}"
+        assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("batch,batching", [(1, "attention"), (3, "attention"), (3, "exact"), (4, "full")])
+def test_float32_fused_decode_gives_the_operators_bits(tiny_llama_dir, batch, batching):
+    fused_matches_operators(tiny_llama_dir, f"bf16 weights, batch {batch}, {batching}", batch, decode_batching=batching)
+
+
+def test_float32_fused_decode_with_one_kv_head_and_biases(tmp_path, smollm2_tokenizer_dir):
+    from conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "mqa", smollm2_tokenizer_dir, seed=3, num_key_value_heads=1, attention_bias=True)
+    fused_matches_operators(path, "one KV head, q/k/v biases")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq"])
+def test_float32_fused_decode_on_real_exports(tmp_path, tiny_llama_dir, fmt):
+    """FP8 (the GEMV over e4m3 codes after the input's FP8 quantize-dequantize) and INT8-SQ (W8A8)."""
+    from conftest import spec_for
+
+    from toolkit.quantize import quantize
+
+    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+    quantization = {"format": fmt, "max_perplexity_increase": 100.0, **calib}
+    spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization=quantization)
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    fused_matches_operators(hf, fmt)
+
+
+def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_path, tiny_llama_dir):
+    """Generation with a long prompt arriving mid-stream (decode rows fused, prompt rows through the operators)
+    gives the tokens of the request alone; a quantized KV cache keeps the operators."""
+    from conftest import with_kv_cache_scales
+    from test_runtime_fused_decode import prompt
+
+    ids = prompt(9, 5)
+    alone = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
+    engine = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE))
+    rid = engine.add_request(GenerationRequest(ids, 20, end_id=-1))
+    got: list[int] = []
+    for step in range(200):
+        if step == 3:
+            engine.add_request(GenerationRequest(prompt(150, 8), 4, end_id=-1))
+        got += [e.token_id for e in engine.step() if e.request_id == rid and e.token_id is not None]
+        if not engine.has_work():
+            break
+    assert got == alone
+    kv = with_kv_cache_scales(tiny_llama_dir, tmp_path / "kv-fp8", "FP8", (0.02, 0.01))
+    assert Engine(kv, EngineConfig(**FUSED_BASE)).model.fused is None
+    assert Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.fused is None

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -256,9 +257,209 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   return y;
 }
 
+
+// -- DecodeLayers: a float32 engine's decode rows through whole decoder layers in one call ---------
+//
+// Between its projections a decode step runs ~30 small torch operators per layer (RMSNorm, RoPE, K/V
+// writes, attention, residual adds, SiLU), most of each one's cost being Python and dispatch: about
+// two thirds of a SmolLM2 batch-1 step on an AVX2 host.  Here the projections are the kernels above,
+// called as model.Projection calls them for decode rows (with the input's pre_quant_scale and
+// quantize-dequantize as ATen operators, in checkpoint.fake_quant's order); RoPE, the residual adds,
+// the K/V writes and SiLU's product are loops of single float32 operations (this file is compiled with
+// -ffp-contract=off, so a * b + c is never fused into one rounding); RMSNorm, attention and SiLU call
+// the ATen operators model.py calls.  So the results are the operator path's bits
+// (tests/test_runtime_kernels_avx2.py), for a float32 K/V pool (no KV-cache quantization).
+
+struct Projection32 {
+  bool w8a8_path = false;
+  at::Tensor weights;                   // gemv: [N, K] as stored; w8a8: int8 codes
+  int64_t kind = 0;                     // gemv's kind
+  c10::optional<at::Tensor> scales;     // gemv's scales; w8a8's oscale
+  double w8a8_scale = 0.0;              // w8a8's input scale
+  c10::optional<at::Tensor> bias, pre_quant_scale;
+  int64_t act_kind = 0;                 // the gemv input's quantize-dequantize: 0 none, 1 fp8, 2 int8
+  c10::optional<at::Tensor> act_scale;  // 0-dim float32
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
+    if (w8a8_path) return w8a8(in, w8a8_scale, weights, *scales, bias);
+    if (act_kind == 1) {
+      in = at::div(in, *act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat).mul(*act_scale);
+    } else if (act_kind == 2) {
+      in = at::div(in, *act_scale).round().clamp(-128, 127).mul(*act_scale);
+    }
+    return gemv(in, weights, kind, scales, bias);
+  }
+};
+
+struct Layer32 {
+  at::Tensor input_norm, post_norm;  // float32 [hidden]
+  std::vector<Projection32> proj;    // qkv, o, gate_up, down
+};
+
+struct DecodeLayers : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim;
+  double eps, scale;
+  at::Tensor cos, sin;  // float32 [positions, head_dim]; sin signed as model.rope_tables makes it
+  std::vector<Layer32> layers;
+
+  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, at::Tensor cos,
+               at::Tensor sin)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale), cos(cos.contiguous()),
+        sin(sin.contiguous()) {
+    TORCH_CHECK(this->cos.scalar_type() == at::kFloat && this->sin.scalar_type() == at::kFloat &&
+                    this->cos.size(1) == head_dim && head_dim % 2 == 0 && heads % kv_heads == 0,
+                "rtk_avx2.DecodeLayers: float32 rope tables [positions, head_dim], heads a multiple of kv_heads");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
+    TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat,
+                "rtk_avx2.DecodeLayers: float32 norm weights");
+    layers.push_back({input_norm.contiguous(), post_norm.contiguous(), {}});
+  }
+
+  void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
+                      double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
+                      int64_t act_kind, c10::optional<at::Tensor> act_scale) {
+    TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
+    TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
+    TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
+    layers.back().proj.push_back(
+        {w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind, act_scale});
+  }
+
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    // model.py's RMSNorm on float32: weight * F.rms_norm(x)
+    return at::mul(weight, at::rms_norm(x, {x.size(1)}, c10::nullopt, eps));
+  }
+
+  static void add_into(at::Tensor& h, const at::Tensor& y) {  // h = h + y, one float32 rounding each
+    float* hs = h.data_ptr<float>();
+    const float* ys = y.data_ptr<float>();
+    const int64_t n = h.numel();
+    for (int64_t i = 0; i < n; ++i) hs[i] = hs[i] + ys[i];
+  }
+
+  // K or V rows at the given slots, [count, kv_heads, head_dim], as KVPool.gather's index_select gives them
+  at::Tensor gather(const float* pool, const int64_t* slots, int64_t count) const {
+    const int64_t row = kv_heads * head_dim;
+    auto out = at::empty({count, kv_heads, head_dim}, at::kFloat);
+    float* o = out.data_ptr<float>();
+    for (int64_t j = 0; j < count; ++j) std::memcpy(o + j * row, pool + slots[j] * row, row * sizeof(float));
+    return out;
+  }
+
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor write_slots, at::Tensor ctx_slots,
+                     at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end,
+                     c10::optional<at::Tensor> padded_slots, c10::optional<at::Tensor> padded_mask) {
+    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2, "rtk_avx2.DecodeLayers: h is [rows, hidden] float32");
+    TORCH_CHECK(positions.numel() == m && write_slots.numel() == m && ctx_bounds.size(0) == m &&
+                    ctx_bounds.size(1) == 2 && positions.scalar_type() == at::kLong &&
+                    write_slots.scalar_type() == at::kLong && ctx_slots.scalar_type() == at::kLong &&
+                    ctx_bounds.scalar_type() == at::kLong,
+                "rtk_avx2.DecodeLayers: int64 positions, write_slots [rows], ctx_slots, ctx_bounds [rows, 2]");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == KVH &&
+                    k_pool.size(3) == D && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
+                "rtk_avx2.DecodeLayers: float32 K/V pools [layers, slots, kv_heads, head_dim]");
+    TORCH_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(layers.size()) && end <= k_pool.size(0),
+                "rtk_avx2.DecodeLayers: layer range");
+    const int64_t slots = k_pool.size(1);
+    const auto* pos = positions.data_ptr<int64_t>();
+    const auto* ws = write_slots.data_ptr<int64_t>();
+    const auto* cs = ctx_slots.data_ptr<int64_t>();
+    const auto* cb = ctx_bounds.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r) {
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && ws[r] >= 0 && ws[r] < slots &&
+                      0 <= cb[2 * r] && cb[2 * r] < cb[2 * r + 1] && cb[2 * r + 1] <= ctx_slots.numel(),
+                  "rtk_avx2.DecodeLayers: a position, slot or context bound is out of range");
+      for (int64_t j = cb[2 * r]; j < cb[2 * r + 1]; ++j)
+        TORCH_CHECK(cs[j] >= 0 && cs[j] < slots, "rtk_avx2.DecodeLayers: context slot out of range");
+    }
+    const bool batched = padded_slots.has_value();
+    at::Tensor padded;
+    if (batched) {
+      padded = padded_slots->contiguous();
+      TORCH_CHECK(padded.scalar_type() == at::kLong && padded.dim() == 2 && padded.size(0) == m &&
+                      padded_mask.has_value() && padded_mask->size(0) == m && padded_mask->size(-1) == padded.size(1),
+                  "rtk_avx2.DecodeLayers: padded slots [rows, L] int64 with their mask [rows, 1, 1, L]");
+      const auto* ps = padded.data_ptr<int64_t>();
+      for (int64_t j = 0; j < padded.numel(); ++j)
+        TORCH_CHECK(ps[j] >= 0 && ps[j] < slots, "rtk_avx2.DecodeLayers: context slot out of range");
+    }
+    h = h.contiguous().clone();
+    const float* cos_t = cos.data_ptr<float>();
+    const float* sin_t = sin.data_ptr<float>();
+    const int64_t row = KVH * D, layer_floats = slots * row;
+    for (int64_t li = begin; li < end; ++li) {
+      const Layer32& layer = layers[li];
+      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm)).contiguous();  // [m, (H + 2 KVH) D]
+      const float* src = qkv.data_ptr<float>();
+      const int64_t width = (H + 2 * KVH) * D;
+      // RoPE on the q and k heads as model.py: x * cos + x[swap] * signed sin, three float32 roundings
+      auto qk = at::empty({m, H + KVH, D}, at::kFloat);
+      float* dst = qk.data_ptr<float>();
+      for (int64_t r = 0; r < m; ++r) {
+        const float* c = cos_t + pos[r] * D;
+        const float* s = sin_t + pos[r] * D;
+        for (int64_t hd = 0; hd < H + KVH; ++hd) {
+          const float* v = src + r * width + hd * D;
+          float* o = dst + (r * (H + KVH) + hd) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const float a = v[d] * c[d];
+            const float b = v[(d + half) % D] * s[d];
+            o[d] = a + b;
+          }
+        }
+      }
+      float* kp = k_pool.data_ptr<float>() + li * layer_floats;
+      float* vp = v_pool.data_ptr<float>() + li * layer_floats;
+      for (int64_t r = 0; r < m; ++r) {
+        std::memcpy(kp + ws[r] * row, dst + (r * (H + KVH) + H) * D, row * sizeof(float));
+        std::memcpy(vp + ws[r] * row, src + r * width + (H + KVH) * D, row * sizeof(float));
+      }
+      auto q = qk.narrow(1, 0, H);  // [m, H, D]
+      std::vector<at::Tensor> outs;
+      outs.reserve(m);
+      if (batched) {
+        const int64_t len = padded.size(1);
+        auto k = gather(kp, padded.data_ptr<int64_t>(), m * len).view({m, len, KVH, D}).transpose(1, 2);
+        auto v = gather(vp, padded.data_ptr<int64_t>(), m * len).view({m, len, KVH, D}).transpose(1, 2);
+        auto o = at::scaled_dot_product_attention(q.view({m, H, 1, D}), k, v, padded_mask, 0.0, false, scale,
+                                                  KVH != H);
+        outs.push_back(o.view({m, H * D}));
+      }
+      for (int64_t r = 0; r < m && !batched; ++r) {
+        const int64_t count = cb[2 * r + 1] - cb[2 * r];
+        auto k = gather(kp, cs + cb[2 * r], count).transpose(0, 1).unsqueeze(0);
+        auto v = gather(vp, cs + cb[2 * r], count).transpose(0, 1).unsqueeze(0);
+        auto o = at::scaled_dot_product_attention(q[r].view({1, H, 1, D}), k, v, c10::nullopt, 0.0, false, scale,
+                                                  KVH != H);
+        outs.push_back(o.view({1, H * D}));
+      }
+      auto attn = m == 1 ? outs[0] : at::cat(outs);
+      add_into(h, layer.proj[1](attn).contiguous());
+      auto gu = layer.proj[2](rms_norm(h, layer.post_norm)).contiguous();
+      const int64_t inter = gu.size(1) / 2;
+      auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the product
+      float* ac = act.data_ptr<float>();
+      const float* up = gu.data_ptr<float>() + inter;
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < inter; ++i) ac[r * inter + i] = ac[r * inter + i] * up[r * 2 * inter + i];
+      add_into(h, layer.proj[3](act).contiguous());
+    }
+    return h;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_avx2, m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_projection", &DecodeLayers::add_projection)
+      .def("forward", &DecodeLayers::forward);
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
   m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8);
 }

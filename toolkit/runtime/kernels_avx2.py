@@ -30,7 +30,8 @@ from .checkpoint import fake_quant
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels_avx2.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: DecodeLayers' elementwise loops must round each float32 operation as torch does
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 CPU_FLAGS = ("avx2", "fma")
 KINDS = {"bf16": 0, "int8": 1, "fp8": 2}
 # The kernel's sums against the float64 product, relative to the largest output: float32 rounding of a
@@ -146,3 +147,46 @@ class W8A8Weight:
             return fake_quant(x * spread, "int8", self.act_scale)
 
         return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)
+
+
+ACT_KINDS = {None: 0, "fp8": 1, "int8": 2}
+
+
+class DecodeLayers:
+    """A float32 engine's decode rows through whole decoder layers in one C++ call (``kernels_avx2.cpp``).
+
+    The float32 counterpart of ``kernels.DecodeLayers``: RMSNorm, RoPE, the K/V writes into a float32 paged
+    pool, float32 attention, residual adds and SiLU around the projections' kernels (:class:`Fp32Weight`,
+    :class:`W8A8Weight`), with the operator path's bits; no KV-cache quantization.
+    """
+
+    def __init__(self, heads, kv_heads, head_dim, eps, scale, cos, sin):
+        self._layers = torch.classes.rtk_avx2.DecodeLayers(
+            heads, kv_heads, head_dim, float(eps), float(scale), cos, sin
+        )
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        self._layers.add_layer(input_norm, post_norm)
+
+    def add_projection(self, proj) -> None:
+        """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down)."""
+        if proj.w8a8 is not None:
+            w = proj.w8a8
+            self._layers.add_projection(
+                True, w.codes, 0, w.scales, float(w.act_scale), proj.bias, proj.pre_quant_scale, 0, None
+            )
+            return
+        g = proj.fp32_gemv
+        act = None if proj.act_scale is None else proj.act_scale.to(torch.float32).reshape(())
+        act_kind = ACT_KINDS[proj.act_kind]
+        self._layers.add_projection(
+            False, g.weights, KINDS[g.kind], g.scales, 0.0, proj.bias, proj.pre_quant_scale, act_kind, act
+        )
+
+    def forward(
+        self, h, positions, write_slots, ctx_slots, ctx_bounds, pool, begin: int, end: int, padded=None, mask=None
+    ) -> torch.Tensor:
+        """As ``kernels.DecodeLayers.forward``, for float32 ``h`` and a float32 ``pool``."""
+        return self._layers.forward(
+            h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end, padded, mask
+        )

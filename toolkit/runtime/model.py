@@ -736,7 +736,11 @@ class Transformer:
         self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
         self.batch_invariant = batch_invariant
-        self.fused = self._fused_decode() if fused_decode and self.fast_gather else None
+        self.fused = None
+        if fused_decode and self.fast_gather:
+            self.fused = self._fused_decode()
+        elif fused_decode and cpu_kernels and dtype == torch.float32 and kernels_avx2.available():
+            self.fused = self._fused_decode_fp32()
 
     def _fused_decode(self):
         """rtk's fused decode layers (``kernels.DecodeLayers``) where every projection runs rtk's GEMV, else None."""
@@ -765,6 +769,26 @@ class Transformer:
             fused.add_layer(
                 layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
             )
+            for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                fused.add_projection(g.parts[0])
+        return fused
+
+    def _fused_decode_fp32(self):
+        """A float32 engine's fused decode layers (``kernels_avx2.DecodeLayers``) where every projection runs
+        rtk's AVX2 GEMV or W8A8 kernel and the K/V pool holds float32, else None."""
+        if self.attn_dtype != torch.float32 or self.kv_quant is not None:
+            log.info("the float32 fused decode step needs float32 attention and K/V; torch's operators run it")
+            return None
+        for g in (g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            p = g.parts[0]
+            if len(g.parts) != 1 or (p.fp32_gemv is None and p.w8a8 is None):
+                log.info("the float32 fused decode step does not apply here (%s); torch's operators run it", p.kernel)
+                return None
+        fused = kernels_avx2.DecodeLayers(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.cos, self.sin
+        )
+        for layer in self.layers:
+            fused.add_layer(layer.input_norm, layer.post_norm)
             for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 fused.add_projection(g.parts[0])
         return fused
