@@ -101,10 +101,14 @@ def test_a_rows_numbers_do_not_depend_on_the_batch(tiny_llama_dir):
     batched = forced_logits(engine, [prompt(30, 6), ids, prompt(3, 7)], [prompt(6, 21), prompt(6, 20), prompt(6, 22)])
     for a, b in zip(alone, batched, strict=True):
         assert torch.equal(a[0], b[1])
-    # generation with a 150-token prompt arriving mid-stream (mixed steps: decode rows fused, prompt rows not)
     exact = EngineConfig(**BASE, decode_batching="exact")
     alone = Engine(tiny_llama_dir, exact).generate(GenerationRequest(ids, 20, end_id=-1))
-    engine = Engine(tiny_llama_dir, exact)
+    assert tokens_beside_a_long_prompt(Engine(tiny_llama_dir, exact), ids) == alone
+
+
+def tokens_beside_a_long_prompt(engine: Engine, ids: list[int]) -> list[int]:
+    """Greedy tokens of ``ids`` while a 150-token prompt arrives mid-stream (mixed steps: decode rows fused,
+    prompt rows through torch's operators)."""
     rid = engine.add_request(GenerationRequest(ids, 20, end_id=-1))
     got: list[int] = []
     for step in range(200):
@@ -113,7 +117,7 @@ def test_a_rows_numbers_do_not_depend_on_the_batch(tiny_llama_dir):
         got += [e.token_id for e in engine.step() if e.request_id == rid and e.token_id is not None]
         if not engine.has_work():
             break
-    assert got == alone
+    return got
 
 
 def test_prompt_rows_are_the_operators_bits(tiny_llama_dir):

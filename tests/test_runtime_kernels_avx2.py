@@ -275,20 +275,11 @@ def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_pat
     """Generation with a long prompt arriving mid-stream (decode rows fused, prompt rows through the operators)
     gives the tokens of the request alone; a quantized KV cache keeps the operators."""
     from conftest import with_kv_cache_scales
-    from test_runtime_fused_decode import prompt
+    from test_runtime_fused_decode import prompt, tokens_beside_a_long_prompt
 
     ids = prompt(9, 5)
     alone = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
-    engine = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE))
-    rid = engine.add_request(GenerationRequest(ids, 20, end_id=-1))
-    got: list[int] = []
-    for step in range(200):
-        if step == 3:
-            engine.add_request(GenerationRequest(prompt(150, 8), 4, end_id=-1))
-        got += [e.token_id for e in engine.step() if e.request_id == rid and e.token_id is not None]
-        if not engine.has_work():
-            break
-    assert got == alone
+    assert tokens_beside_a_long_prompt(Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE)), ids) == alone
     kv = with_kv_cache_scales(tiny_llama_dir, tmp_path / "kv-fp8", "FP8", (0.02, 0.01))
     assert Engine(kv, EngineConfig(**FUSED_BASE)).model.fused is None
     assert Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.fused is None
