@@ -13,6 +13,7 @@ neither kind of row changes its numbers with what shares its step.
 
 INT8 SmoothQuant (W8A8) exports take :class:`W8A8Weight` instead, for every row: the input's int8
 codes times the weights' int8 codes summed as integers (exact in any order), scaled once.
+:class:`DecodeLayers` runs the decode rows' whole layers around these kernels in one C++ call.
 """
 
 from __future__ import annotations
