@@ -2,9 +2,8 @@
 // Haswell to Ice Lake client parts), in three parts: the decode GEMV (this header), INT8 SmoothQuant as
 // integer products (w8a8, below) and the fused decode step (DecodeLayers, below).
 //
-// The decode GEMV (AVX2 + FMA: Zen 1-3, Haswell to Ice
-// Lake client parts), where the engine computes in float32 (model.resolve_dtype).  There the dense
-// path reads float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
+// The decode GEMV.  Where the engine computes in float32 (model.resolve_dtype), the dense path reads
+// float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
 // were stored (bf16 of a bf16 checkpoint, or the FP8 / INT8 / INT4 codes of a quantized export) and
 // makes every weight back into exactly the float32 the dense path holds:
 //
