@@ -114,7 +114,7 @@ class W8A8Weight:
     act_scale: torch.Tensor  # the input's per-tensor scale (float32, 0-dim)
 
     def __post_init__(self):
-        self._act_scale = float(self.act_scale)  # read once: the call is on every projection of every step
+        self.act_scale_value = float(self.act_scale)  # read once: the call is on every projection of every step
 
     @classmethod
     def pack(cls, codes, act_scale: torch.Tensor) -> W8A8Weight | None:
@@ -134,12 +134,12 @@ class W8A8Weight:
         return self.codes.numel() + self.scales.numel() * 4
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.rtk_avx2.w8a8(x, self._act_scale, self.codes, self.scales, bias)
+        return torch.ops.rtk_avx2.w8a8(x, self.act_scale_value, self.codes, self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on
         inputs spread over the int8 codes (about 40 steps of the scale per unit of ``randn``)."""
-        spread = float(self.act_scale) * 40.0
+        spread = self.act_scale_value * 40.0
 
         def kernel(x, b):
             return self(x * spread, b)
@@ -148,9 +148,6 @@ class W8A8Weight:
             return fake_quant(x * spread, "int8", self.act_scale)
 
         return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)
-
-
-ACT_KINDS = {None: 0, "fp8": 1, "int8": 2}
 
 
 class DecodeLayers:
@@ -174,12 +171,12 @@ class DecodeLayers:
         if proj.w8a8 is not None:
             w = proj.w8a8
             self._layers.add_projection(
-                True, w.codes, 0, w.scales, float(w.act_scale), proj.bias, proj.pre_quant_scale, 0, None
+                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None
             )
             return
         g = proj.fp32_gemv
         act = None if proj.act_scale is None else proj.act_scale.to(torch.float32).reshape(())
-        act_kind = ACT_KINDS[proj.act_kind]
+        act_kind = kernels.ACT_KINDS[proj.act_kind]  # the same codes as rtk's AVX512 kernels
         self._layers.add_projection(
             False, g.weights, KINDS[g.kind], g.scales, 0.0, proj.bias, proj.pre_quant_scale, act_kind, act
         )

@@ -212,7 +212,7 @@ class Projection:
         self.fp32_gemv = self.w8a8 = None
         if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
             if self.act_kind == "int8":
-                self.w8a8 = self._pack_w8a8(linears, bias)
+                self.w8a8 = self._pack_w8a8(linears, weight, bias)
             if self.w8a8 is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
         # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
@@ -278,13 +278,13 @@ class Projection:
             return None
         return packed
 
-    def _pack_w8a8(self, linears: list[Linear], bias) -> kernels_avx2.W8A8Weight | None:
+    def _pack_w8a8(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels_avx2.W8A8Weight | None:
         """An INT8 SmoothQuant projection as integer products (every row), where they are the float32 product
         of the same quantized values within the kernel's tolerance; None leaves it to the float32 paths."""
         packed = kernels_avx2.W8A8Weight.pack(_stored_codes(linears), self.act_scale)
         if packed is None:
             return None
-        if not packed.within(torch.cat([lin.weight for lin in linears]), bias):
+        if not packed.within(weight, bias):  # the float32 weights (codes * scale) of every linear
             log.info("rtk's W8A8 kernel is off the float32 product for %s; float32 computes it", self.out_features)
             return None
         return packed
