@@ -8,7 +8,8 @@ For each concurrency level the same closed-loop workload (every stream sends its
 the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
 ``--output-tokens`` tokens) runs three ways:
 
-* ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token);
+* ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token),
+  with the served thread policy (``load_engine(served=True)``);
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
@@ -392,7 +393,9 @@ def main(argv=None) -> int:
     try:
         server.wait_ready(models=t.models)
         if "engine" in args.paths:
-            bg = BackgroundEngine(load_engine(engine_dir))
+            # the server's thread policy (decode on all cores but one, prompts on all), so that the
+            # comparison is of Triton's hops, not of thread counts
+            bg = BackgroundEngine(load_engine(engine_dir, served=True))
 
         def llm_inputs():
             return [

@@ -162,7 +162,10 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// y[r * ldy + o] = float(sum_k q[r, k] * w[o, k]) * oscale[o] for R rows and O outputs.
+// y[r * ldy + o] = float(sum_k q[r, k] * w_o[k]) * oscale[o] for R rows and O (1 or 2) outputs, whose
+// codes are O-interleaved: the 32 codes of output o from k on are at w + O * k + 32 * o, so that the
+// codes stream as one sequence (two outputs side by side as separate rows read 22 % slower at 3-4
+// rows, and 5 % at one).
 template <int64_t R, int64_t O>
 inline void idot(const int8_t* q, const uint8_t* qa, int64_t K, const int8_t* w, const float* oscale, float* y,
                  int64_t ldy) {
@@ -173,8 +176,8 @@ inline void idot(const int8_t* q, const uint8_t* qa, int64_t K, const int8_t* w,
   for (int64_t k = 0; k < K; k += 32) {
     __m256i wv[O];
     for (int64_t o = 0; o < O; ++o) {  // the codes 2 KiB ahead: the hardware prefetcher alone fell behind
-      _mm_prefetch(reinterpret_cast<const char*>(w + o * K + k + 2048), _MM_HINT_T0);
-      wv[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * K + k));
+      _mm_prefetch(reinterpret_cast<const char*>(w + O * k + 32 * o + 2048), _MM_HINT_T0);
+      wv[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + O * k + 32 * o));
     }
     for (int64_t r = 0; r < R; ++r) {
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
@@ -204,8 +207,9 @@ inline void idot_rows(const int8_t* q, const uint8_t* qa, int64_t rows, int64_t 
 
 constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 while a thread's outputs pass
 
-// x [R, K] float32 (the projection's input before its quantization); codes [N, K] int8 in -127..127;
-// oscale [N] float32 = act_scale * weight scale[o].
+// x [R, K] float32 (the projection's input before its quantization); codes: N x K int8 in -127..127,
+// pair-interleaved (kernels_avx2.W8A8Weight.pack: outputs 2p and 2p + 1 alternate in blocks of 32 codes;
+// an odd N's last output follows as it is); oscale [N] float32 = act_scale * weight scale[o].
 at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, const at::Tensor& oscale,
                 const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8: x must be [rows, K] float32");
@@ -243,17 +247,16 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   const auto* w = codes.data_ptr<int8_t>();
   const float* os = oscale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t o0, int64_t o1) {
+  const int64_t pairs = n / 2;
+  at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t rt = std::min(kRowTile, rows - r0);
       const int8_t* qr = q.data() + r0 * K;
       const uint8_t* ar = qa.data() + r0 * K;
-      int64_t o = o0;
-      // one output at a time streams the codes fastest for a row or two (measured: ~8 GB/s against ~5
-      // with two); from 3 rows up the products set the pace, and two outputs share each input load
-      if (rt >= 3)
-        for (; o + 2 <= o1; o += 2) idot_rows<2>(qr, ar, rt, K, w + o * K, os + o, yp + r0 * n + o, n);
-      for (; o < o1; ++o) idot_rows<1>(qr, ar, rt, K, w + o * K, os + o, yp + r0 * n + o, n);
+      for (int64_t p = p0; p < std::min(p1, pairs); ++p)  // two outputs share each input load
+        idot_rows<2>(qr, ar, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
+      if (p1 > pairs)  // an odd N's last output
+        idot_rows<1>(qr, ar, rt, K, w + (n - 1) * K, os + n - 1, yp + r0 * n + n - 1, n);
     }
   });
   if (bias.has_value()) y.add_(bias->to(at::kFloat));

@@ -98,6 +98,16 @@ class Fp32Weight:
         return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows)
 
 
+def interleave_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` codes as ``rtk_avx2.w8a8`` reads them: outputs ``2p`` and ``2p + 1`` alternate in blocks of
+    32 codes, so that the two outputs the kernel computes together stream as one sequence; an odd ``N``'s
+    last output follows unchanged."""
+    n, k = codes.shape
+    even = n - n % 2
+    pairs = codes[:even].reshape(even // 2, 2, k // 32, 32).transpose(1, 2).reshape(even, k)
+    return torch.cat([pairs, codes[even:]]).contiguous()
+
+
 @dataclass
 class W8A8Weight:
     """An INT8 SmoothQuant projection as integers: ``x [rows, K]`` float32 (before its quantization) ->
@@ -109,7 +119,7 @@ class W8A8Weight:
     row alone: prompt and decode rows both take it, in any batch or chunk.
     """
 
-    codes: torch.Tensor  # [N, K] int8 in -127..127
+    codes: torch.Tensor  # [N, K] int8 in -127..127, pair-interleaved (:func:`interleave_pairs`)
     scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output
     act_scale: torch.Tensor  # the input's per-tensor scale (float32, 0-dim)
 
@@ -127,7 +137,7 @@ class W8A8Weight:
         if kind != "int8" or scale.dim() != 1 or values.shape[1] % 32 or bool((values == -128).any()):
             return None
         act = act_scale.to(torch.float32).reshape(())
-        return cls(values.to(torch.int8).contiguous(), (act * scale.to(torch.float32)).contiguous(), act)
+        return cls(interleave_pairs(values.to(torch.int8)), (act * scale.to(torch.float32)).contiguous(), act)
 
     @property
     def nbytes(self) -> int:
