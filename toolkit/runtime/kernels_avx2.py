@@ -105,7 +105,7 @@ def interleave_pairs(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     even = n - n % 2
     pairs = codes[:even].reshape(even // 2, 2, k // 32, 32).transpose(1, 2).reshape(even, k)
-    return torch.cat([pairs, codes[even:]]).contiguous()
+    return torch.cat([pairs, codes[even:]])  # a new, contiguous tensor
 
 
 @dataclass
