@@ -292,3 +292,49 @@ def test_tensor_parallel_export_writes_one_rank_per_gpu(tmp_path, tiny_llama_dir
     assert cfg["mapping"]["tp_size"] == 2 and cfg["mapping"]["world_size"] == 2
     with safe_open(str(trt / "rank1.safetensors"), "pt") as f:
         assert tuple(f.get_tensor("transformer.layers.0.attention.qkv.weight").shape) == ((128 + 2 * 64) // 2, 128)
+
+
+def test_quantize_lm_head_exports_a_weight_only_int8_head_and_leaves_the_tied_embedding(tmp_path, tiny_llama_dir):
+    """``quantization.quantize_lm_head`` under int8_sq: the tied head is untied, its weights quantized per
+    output channel (W8A16: its input stays float), the embedding written as the source has it; ModelOpt
+    calls the mix MIXED_PRECISION in both exports, and rtk's loaders read the head's codes from either."""
+    from toolkit.runtime.checkpoint import load_trtllm_checkpoint
+
+    spec = spec_for(
+        "tiny-int8-head",
+        tiny_llama_dir,
+        quantization={"format": "int8_sq", "quantize_lm_head": True, **FAST_CALIB},
+        build={"target": "trt-engine"},
+    )
+    out = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q").path
+    source, hf = tensors(tiny_llama_dir), tensors(out / "hf")
+    assert "lm_head.weight" not in source  # tied in the source
+    assert torch.equal(hf["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    assert hf["lm_head.weight"].dtype == torch.int8 and "lm_head.input_scale" not in hf
+    # per-channel INT8 of the source's head, computed here: scale = max |w| / 127, codes = round(w / scale)
+    w = source["model.embed_tokens.weight"].float()
+    scale = w.abs().amax(1) / 127
+    rows = scale > 0  # the padding token's row is zeros (ModelOpt gives it scale 1 and codes 0)
+    torch.testing.assert_close(hf["lm_head.weight_scale"].float()[rows], scale[rows], rtol=1e-6, atol=0)
+    codes = torch.where(rows[:, None], torch.round(w / torch.where(rows, scale, 1.0)[:, None]), 0.0)
+    assert (hf["lm_head.weight"].float() - codes).abs().max() <= 1  # a weight on a rounding boundary
+    assert (hf["lm_head.weight"].float() != codes).float().mean() < 1e-3
+    assert json.loads((out / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    hq = json.loads((out / "hf" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "MIXED_PRECISION"
+    assert hq["quantized_layers"]["lm_head"]["quant_algo"] == "W8A16"
+    assert hq["quantized_layers"]["model.layers.1.mlp.down_proj"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+    ckpt = load_checkpoint(out / "hf")
+    head = ckpt.lm_head
+    assert head.codes.kind == "int8" and head.act_quant is None and head.pre_quant_scale is None
+    assert torch.equal(head.weight, head.codes.codes.float() * head.codes.scale[:, None])
+    assert ckpt.layers[0]["q_proj"].act_quant.kind == "int8"  # the layers stay INT8-SQ
+    trt_cfg = json.loads((out / "trtllm" / "config.json").read_text())["quantization"]
+    assert trt_cfg["quant_algo"] == "MIXED_PRECISION"
+    trt = load_trtllm_checkpoint(out / "trtllm", out / "hf")
+    assert torch.equal(trt.lm_head.weight, head.weight) and trt.lm_head.act_quant is None
+    assert trt.layers[0]["q_proj"].act_quant.kind == "int8"
+    q = json.loads((out / "quality.json").read_text())
+    # the gated numbers include the quantized head: read back, they are ModelOpt's own in-memory model's
+    assert q["quantized_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=2e-3)
+    assert q["trtllm_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=2e-2)

@@ -53,6 +53,7 @@ def test_examples_validate(path):
             "more tokens, not fewer",
         ),
         ("name: x\nbuild: {int4_gemv: fast}\n", "build.int4_gemv", "'dot' or 'exact'"),
+        ("name: x\nquantization: {quantize_lm_head: true}\n", "quantization.quantize_lm_head", "not fp8"),
         ("name: x\nslo: {objectives: [{metric: ttft, stat: p99}]}\n", "slo.objectives.0", "'max' or 'min'"),
         ("[1, 2]\n", None, "mapping"),
     ],

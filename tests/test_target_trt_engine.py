@@ -37,7 +37,7 @@ FAKE_H100_HOST = HostInfo(
     packages={"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48", "nvidia-modelopt": "0.37.0"},
 )
 
-# SmolLM2-135M's TensorRT-LLM checkpoint config.json as ModelOpt 0.47 writes it (modelopt-on-cpu.md §6.2).
+# SmolLM2-135M's TensorRT-LLM checkpoint config.json as ModelOpt 0.47 writes it (measured on this project's export).
 SMOL_TRTLLM_CONFIG = {
     "producer": {"name": "modelopt", "version": "0.47.0"},
     "architecture": "LlamaForCausalLM",
@@ -171,6 +171,18 @@ def test_checkpoint_must_match_the_spec(tmp_path):
     )
     with pytest.raises(UsageError, match="KV-cache quantization none but quantization.kv_cache is 'fp8'"):
         trt_engine.check_checkpoint(fp8kv, SMOL_TRTLLM_CONFIG, ckpt)
+    # quantize_lm_head under int8_sq: ModelOpt writes MIXED_PRECISION (a W8A16 head), which the plain spec refuses
+    mixed = {**SMOL_TRTLLM_CONFIG, "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None}}
+    int8 = {"name": "x", "build": {"target": "trt-engine"}, "quantization": {"format": "int8_sq"}}
+    head = spec_from_dict({**int8, "quantization": {"format": "int8_sq", "quantize_lm_head": True}})
+    trt_engine.check_checkpoint(head, mixed, ckpt)
+    with pytest.raises(UsageError, match="quantized as MIXED_PRECISION but quantization.format is 'int8_sq'"):
+        trt_engine.check_checkpoint(spec_from_dict(int8), mixed, ckpt)
+    sq = {**SMOL_TRTLLM_CONFIG, "quantization": {"quant_algo": "W8A8_SQ_PER_CHANNEL", "kv_cache_quant_algo": None}}
+    with pytest.raises(UsageError, match="'int8_sq' with quantize_lm_head"):
+        trt_engine.check_checkpoint(head, sq, ckpt)
+    # trtllm-build keeps the fused MLP for MIXED_PRECISION; its INT8-SQ MLPs do not take it, so rtk says off
+    assert not trt_engine.fused_mlp_effective(head, mixed)
     (ckpt / "rank0.safetensors").unlink()
     with pytest.raises(UsageError, match="lacks rank0.safetensors"):
         trt_engine.check_checkpoint(trt_spec(), SMOL_TRTLLM_CONFIG, ckpt)
@@ -179,11 +191,20 @@ def test_checkpoint_must_match_the_spec(tmp_path):
 # -- the memory estimate ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt, group, measured_mb", [("fp8", None, 219.5), ("int4_awq", 64, 173.3)])
-def test_weight_estimate_matches_measured_checkpoint_sizes(fmt, group, measured_mb):
+@pytest.mark.parametrize(
+    "fmt, group, head, measured_mb",
+    [
+        ("fp8", None, False, 219.5),
+        ("int4_awq", 64, False, 173.3),
+        ("int8_sq", None, False, 220.4),
+        ("int8_sq", None, True, 192.3),  # quantize_lm_head: a W8A16 head instead of bf16
+    ],
+)
+def test_weight_estimate_matches_measured_checkpoint_sizes(fmt, group, head, measured_mb):
     # Independent reference: rank0.safetensors sizes of ModelOpt 0.47's SmolLM2-135M exports, measured
     # on disk (not derived from the estimate's formula).
-    spec = spec_from_dict({"name": "x", "quantization": {"format": fmt, "group_size": group}})
+    q = {"format": fmt, "group_size": group, "quantize_lm_head": head}
+    spec = spec_from_dict({"name": "x", "quantization": q})
     est = estimate_memory(ModelShape.from_config(SMOL_TRTLLM_CONFIG), spec)
     assert est.weights_total / 1e6 == pytest.approx(measured_mb, rel=0.01)
 

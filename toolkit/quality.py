@@ -81,6 +81,8 @@ def reference_model(
     model.load_state_dict(sd, strict=False, assign=True)
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    elif ckpt.lm_head.pre_quant_scale is not None or ckpt.lm_head.act_quant is not None:
+        model.lm_head = _EmulatedLinear(ckpt.lm_head)  # a quantized head (quantization.quantize_lm_head)
     kv_kind = {"FP8": "fp8", "INT8": "int8"}.get(ckpt.kv_cache_quant_algo or "")
     for i, layer in enumerate(ckpt.layers):
         block = model.model.layers[i]

@@ -47,8 +47,18 @@ log = logging.getLogger(__name__)
 CPU_FAKE_QUANT = {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq"}
 
 
-def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:
-    """The ModelOpt quant config for a format (0.47: ``quant_cfg`` is a list of entries)."""
+def modelopt_config(fmt: str, kv_cache: str, group_size: int | None, quantize_lm_head: bool = False) -> dict:
+    """The ModelOpt quant config for a format (0.47: ``quant_cfg`` is a list of entries).
+
+    ``quantize_lm_head``: re-enable the LM head's weight quantizer, which ModelOpt's configs disable
+    (``*lm_head*``), as TensorRT-LLM's ``examples/quantization/quantize.py --quantize_lm_head`` does.  Entries
+    apply in order and one of ``enable`` alone keeps the format's settings, so the head's weights get the
+    layers' format: W4A16 AWQ under int4_awq, W8A16 under int8_sq (ModelOpt then exports MIXED_PRECISION).
+    Its input stays unquantized: on SmolLM2-135M an INT8-SQ head with its static per-tensor input scale
+    raised the export's perplexity increase from 6.8 % to 10.3 % (FP8: 2.0 % to 4.6 %), the weight-only
+    INT8 head by nothing measurable (docs/engine.md).  A blanket ``*lm_head*`` entry would also enable
+    the output quantizer, and the export would then claim an INT8 KV cache.
+    """
     import modelopt.torch.quantization as mtq
 
     base = {
@@ -67,6 +77,8 @@ def modelopt_config(fmt: str, kv_cache: str, group_size: int | None) -> dict:
                 for c in stages:  # W4A8: a two-stage SequentialQuantizer; only the int4 stage has blocks
                     if c.get("block_sizes"):
                         c["block_sizes"][-1] = group_size
+    if quantize_lm_head:
+        cfg["quant_cfg"].append({"quantizer_name": "*lm_head*weight_quantizer", "enable": True})
     if kv_cache != "none":
         kv_bits = (4, 3) if kv_cache == "fp8" else 8
         kv_entry = [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": kv_bits, "axis": None}}]
@@ -176,11 +188,32 @@ def load_model(checkpoint: Path, spec: Spec):
     m = AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code
     )
-    # ModelOpt reads config.rope_theta; transformers 5 keeps it only in rope_parameters (reference §6).
+    # ModelOpt 0.47 reads config.rope_theta; transformers 5 keeps it only in rope_parameters.
     rp = getattr(m.config, "rope_parameters", None) or {}
     if getattr(m.config, "rope_theta", None) is None and "rope_theta" in rp:
         m.config.rope_theta = rp["rope_theta"]
+    if spec.quantization.quantize_lm_head:
+        untie_lm_head(m)
     return m.eval()
+
+
+def untie_lm_head(model) -> None:
+    """Give the LM head its own copy of a tied embedding, so quantizing the head leaves the embedding alone.
+
+    Tied, SmoothQuant / AWQ would fold their scales into the shared weight, and the export would write that
+    folded weight as the embedding.  Untied, the export carries the quantized head besides the embedding and
+    says ``tie_word_embeddings: false``.
+    """
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is not embed.weight:
+        return
+    head.weight = torch.nn.Parameter(embed.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config(decoder=True).tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # transformers >= 5: the export dedups by this map
+        model.all_tied_weights_keys = {}
 
 
 def calibrate(model, spec: Spec, tokenizer, group_size: int | None, on_batch=None):
@@ -189,7 +222,8 @@ def calibrate(model, spec: Spec, tokenizer, group_size: int | None, on_batch=Non
     import torch
 
     batches = calibration_batches(spec, tokenizer)
-    cfg = modelopt_config(spec.quantization.format, spec.quantization.kv_cache, group_size)
+    q = spec.quantization
+    cfg = modelopt_config(q.format, q.kv_cache, group_size, q.quantize_lm_head)
 
     def forward_loop(m):
         with torch.no_grad():

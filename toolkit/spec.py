@@ -24,6 +24,7 @@ BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 QuantFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4"]
+LM_HEAD_FORMATS = ("int8_sq", "int4_awq")  # quantization.quantize_lm_head
 KVCacheQuant = Literal["none", "fp8", "int8"]
 TargetName = Literal[TARGET_NAMES]  # the rows of toolkit/targets/ TARGETS
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
@@ -84,6 +85,25 @@ class QuantizationSpec(Section):
         description="quality gate: largest allowed relative perplexity increase of the export (0.10 = +10 %)",
     )
     eval_samples: int = Field(32, ge=1, le=1024, description="held-out texts for the perplexity report")
+    quantize_lm_head: bool = Field(
+        False,
+        description="int8_sq, int4_awq: quantize the LM head's weights too (TensorRT-LLM's quantize.py "
+        "--quantize_lm_head): W8A16 under int8_sq, W4A16 AWQ under int4_awq; its input stays unquantized. A head "
+        "tied to the embedding is untied, so the embedding stays as it is. The head is the largest weight of a "
+        "small model: SmolLM2-135M's is a fifth of its bytes per token",
+    )
+
+    @field_validator("quantize_lm_head")
+    @classmethod
+    def _lm_head_formats(cls, v: bool, info) -> bool:
+        fmt = info.data.get("format")
+        if v and fmt not in LM_HEAD_FORMATS:
+            raise ValueError(
+                f"is for quantization.format int8_sq or int4_awq, not {fmt}: ModelOpt 0.47 exports a weight-only "
+                "fp8 / w4a8_awq head under the layers' algorithm (which TensorRT-LLM reads with a quantized input) "
+                "and rtk does not read its nvfp4 one; drop quantize_lm_head or change the format"
+            )
+        return v
 
     @field_validator("group_size")
     @classmethod

@@ -9,12 +9,17 @@ quant_algo   weight tensor                               dequantized weight / ac
 ===========  ==========================================  ==========================================
 FP8          F8_E4M3 [out,in], weight_scale []           w·s;  x → fp8(x/input_scale)·input_scale
 W8A8_SQ_*    I8 [out,in], weight_scale [out]             w·s[:,None];  x·pre_quant_scale → int8 QDQ
+W8A16        I8 [out,in], weight_scale [out]             w·s[:,None];  x as it is (weight-only)
 W4A16_AWQ    U8 [out/2,in] int4 pairs along *out*,        int4·weight_scale (per group of `group_size`
              low nibble = even row, two's complement      inputs);  x·pre_quant_scale where present
 W4A8_AWQ     as W4A16 + weight_scale_2, input_scale       as W4A16, then x → fp8 QDQ (input_scale)
 NVFP4        U8 [out,in/2] e2m1 codes along *in*, low     lut[code]·fp8 block scale·weight_scale_2;
              nibble first; weight_scale F8 [out,in/16]    x → NVFP4 QDQ in blocks of 16
 ===========  ==========================================  ==========================================
+
+``MIXED_PRECISION`` names each quantized module's algorithm (``quantized_layers``; a TensorRT-LLM
+checkpoint's in ``quant_cfg.json``), e.g. a W8A16 ``lm_head`` under W8A8 layers
+(``quantization.quantize_lm_head``).
 
 KV-cache scales (``k_proj.k_scale`` / ``v_proj.v_scale``) are returned per layer.  This module is
 the single reader of checkpoints: the quantize stage's quality report and the CPU engine both use
@@ -195,7 +200,7 @@ class Checkpoint:
     quant_algo: str | None
     kv_cache_quant_algo: str | None
     embed_tokens: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Linear  # the embedding (dense) where tied; quantized where the export quantized the head
     final_norm: torch.Tensor
     layers: list[dict]
     group_size: int | None = None
@@ -206,7 +211,7 @@ class Checkpoint:
         sd = {
             "model.embed_tokens.weight": self.embed_tokens,
             "model.norm.weight": self.final_norm,
-            "lm_head.weight": self.lm_head,
+            "lm_head.weight": self.lm_head.weight,
         }
         for i, layer in enumerate(self.layers):
             for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -260,13 +265,37 @@ def read_quant_config(path: Path) -> dict:
         return json.loads(hq.read_text()).get("quantization", {}) or {}
     cfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     if cfg.get("quant_method") == "modelopt":
-        return {k: cfg.get(k) for k in ("quant_algo", "kv_cache_quant_algo", "group_size")}
+        return {k: cfg.get(k) for k in ("quant_algo", "kv_cache_quant_algo", "group_size", "quantized_layers")}
     if cfg:
         raise SourceError(
             f"{path / 'config.json'}: quantization method '{cfg.get('quant_method')}' is not supported; "
             "rtk reads ModelOpt exports and unquantized checkpoints"
         )
     return {}
+
+
+MIXED_PRECISION = "MIXED_PRECISION"
+
+
+def layer_algos(q: dict, path: Path):
+    """``prefix -> (quant_algo, group_size)`` of a ModelOpt quantization section.
+
+    ``MIXED_PRECISION`` (ModelOpt's export where modules differ, e.g. a weight-only ``lm_head`` under
+    INT8-SQ layers) lists each quantized module in ``quantized_layers``; a module not listed is unquantized.
+    Otherwise every module has the section's algorithm (an excluded one has no scales: read dense).
+    """
+    algo, group = q.get("quant_algo"), q.get("group_size")
+    if algo != MIXED_PRECISION:
+        return lambda prefix: (algo, group)
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict):
+        raise SourceError(f"{path}: quant_algo MIXED_PRECISION without quantized_layers; re-export the checkpoint")
+
+    def of(prefix: str) -> tuple[str | None, int | None]:
+        entry = layers.get(prefix) or {}
+        return entry.get("quant_algo"), entry.get("group_size", group)
+
+    return of
 
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -297,7 +326,7 @@ def _dequant_weight(
     if algo == "FP8":
         rows = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
         return w.to(torch.float32) * scale, WeightCodes(8, w.to(torch.float8_e4m3fn), rows)
-    if algo.startswith("W8A8_SQ"):
+    if algo.startswith("W8A8_SQ") or algo == "W8A16":  # W8A16: per-channel int8 weights, float activations
         rows = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
         return w.to(torch.float32) * rows[:, None], WeightCodes(8, w.to(torch.int8), rows)
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
@@ -310,7 +339,8 @@ def _dequant_weight(
         s2 = t.require(prefix + ".weight_scale_2", path).to(torch.float32)
         return vals * block * s2, None
     raise SourceError(
-        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4"
+        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W8A16, W4A16_AWQ, "
+        "W4A8_AWQ, NVFP4 (and MIXED_PRECISION of these)"
     )
 
 
@@ -333,10 +363,26 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     q = read_quant_config(path)
     algo = q.get("quant_algo")
     kv_algo = q.get("kv_cache_quant_algo")
+    algo_of = layer_algos(q, path)
     t = _Tensors(path)
     embed = t.require("model.embed_tokens.weight", path).to(torch.float32)
-    lm_head = t.get("lm_head.weight")
-    lm_head = embed if lm_head is None or config.tie_word_embeddings else lm_head.to(torch.float32)
+
+    def linear(prefix: str) -> Linear:
+        bias = t.get(prefix + ".bias")
+        pqs = t.get(prefix + ".pre_quant_scale")
+        module_algo, group_size = algo_of(prefix)
+        weight, codes = _dequant_weight(t, prefix, module_algo, group_size, path)
+        return Linear(
+            weight=weight,
+            codes=codes,
+            bias=None if bias is None else bias.to(torch.float32),
+            pre_quant_scale=None if pqs is None else pqs.to(torch.float32),
+            act_quant=_act_quant(t, prefix, module_algo),
+        )
+
+    # a quantized head (quantization.quantize_lm_head) comes untied, with its codes and scales
+    tied = "lm_head.weight" not in t or config.tie_word_embeddings
+    lm_head = Linear(weight=embed) if tied else linear("lm_head")
     layers = []
     for i in range(config.num_layers):
         layer: dict = {}
@@ -344,17 +390,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             layer[norm] = t.require(f"model.layers.{i}.{norm}.weight", path).to(torch.float32)
         for p in PROJECTIONS:
             mod = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"model.layers.{i}.{mod}.{p}"
-            bias = t.get(prefix + ".bias")
-            pqs = t.get(prefix + ".pre_quant_scale")
-            weight, codes = _dequant_weight(t, prefix, algo, q.get("group_size"), path)
-            layer[p] = Linear(
-                weight=weight,
-                codes=codes,
-                bias=None if bias is None else bias.to(torch.float32),
-                pre_quant_scale=None if pqs is None else pqs.to(torch.float32),
-                act_quant=_act_quant(t, prefix, algo),
-            )
+            layer[p] = linear(f"model.layers.{i}.{mod}.{p}")
         for kv in ("k", "v"):
             s = t.get(f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale")
             layer[f"{kv}_scale"] = None if s is None else s.to(torch.float32).reshape(())
@@ -394,7 +430,7 @@ def _trtllm_weight(t: _Tensors, prefix: str, algo: str | None, path: Path) -> to
     s = s.to(torch.float32)
     if algo == "FP8":
         return w.to(torch.float32) * s.reshape(())
-    if algo.startswith("W8A8_SQ"):
+    if algo.startswith("W8A8_SQ") or algo == "W8A16":
         return w.to(torch.float32) * s.reshape(-1, 1)
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         q = unpack_int4_rows(w.view(torch.uint8)).to(torch.float32)
@@ -403,7 +439,8 @@ def _trtllm_weight(t: _Tensors, prefix: str, algo: str | None, path: Path) -> to
         s2 = t.require(prefix + ".weights_scaling_factor_2", path).to(torch.float32).reshape(())
         return unpack_fp4_cols(w.view(torch.uint8)) * s.repeat_interleave(16, dim=1) * s2
     raise SourceError(
-        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W4A16_AWQ, W4A8_AWQ, NVFP4"
+        f"{path}: quant_algo '{algo}' is not supported; rtk reads FP8, W8A8_SQ_PER_CHANNEL, W8A16, W4A16_AWQ, "
+        "W4A8_AWQ, NVFP4 (and MIXED_PRECISION of these)"
     )
 
 
@@ -424,18 +461,23 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
     config = ModelConfig.from_dir(Path(hf_config_dir))
     q = trt_cfg.get("quantization") or {}
     algo, kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+    if algo == MIXED_PRECISION and (path / "quant_cfg.json").is_file():  # TensorRT-LLM's per-module layout
+        q = {**q, **json.loads((path / "quant_cfg.json").read_text())}
+    algo_of = layer_algos(q, path)
     t = _Tensors(path)
     embed = t.require("transformer.vocab_embedding.weight", path).to(torch.float32)
-    lm_head = t.get("lm_head.weight")
-    lm_head = embed if lm_head is None else lm_head.to(torch.float32)
-    act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo or "")
-    if (algo or "").startswith("W8A8"):
-        act_kind = "int8"
     H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def weight_of(prefix: str) -> torch.Tensor:
+        return _trtllm_weight(t, prefix, algo_of(prefix)[0], path)
 
     def linear(prefix: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         pqs = t.get(prefix + ".prequant_scaling_factor")
         act = t.get(prefix + ".activation_scaling_factor")
+        module_algo = algo_of(prefix)[0] or ""
+        act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(module_algo)
+        if module_algo.startswith("W8A8"):
+            act_kind = "int8"
         return Linear(
             weight=weight,
             bias=bias,
@@ -443,6 +485,9 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
             act_quant=None if act is None or act_kind is None else ActQuant(act_kind, act.float().reshape(())),
         )
 
+    lm_head = Linear(weight=embed)
+    if "lm_head.weight" in t:  # quantized where the export quantized the head (quantization.quantize_lm_head)
+        lm_head = linear("lm_head", weight_of("lm_head"), None)
     layers = []
     for i in range(config.num_layers):
         pre = f"transformer.layers.{i}."
@@ -450,7 +495,7 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
             "input_layernorm": t.require(pre + "input_layernorm.weight", path).to(torch.float32),
             "post_attention_layernorm": t.require(pre + "post_layernorm.weight", path).to(torch.float32),
         }
-        qkv_w = _trtllm_weight(t, pre + "attention.qkv", algo, path)
+        qkv_w = weight_of(pre + "attention.qkv")
         qkv_b = t.get(pre + "attention.qkv.bias")
         bounds = {"q_proj": (0, H * D), "k_proj": (H * D, (H + KVH) * D), "v_proj": ((H + KVH) * D, (H + 2 * KVH) * D)}
         for name, (a, b) in bounds.items():
@@ -460,7 +505,7 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
             bias = t.get(pre + trt_name + ".bias")
             layer[name] = linear(
                 pre + trt_name,
-                _trtllm_weight(t, pre + trt_name, algo, path),
+                weight_of(pre + trt_name),
                 None if bias is None else bias.to(torch.float32),
             )
         kv = t.get(pre + "attention.kv_cache_scaling_factor")

@@ -166,13 +166,22 @@ inline int32_t hsum_i32(__m256i v) {
 // codes are O-interleaved: the 32 codes of output o from k on are at w + O * k + 32 * o, so that the
 // codes stream as one sequence (measured against the export's row order, which took two outputs from
 // 3 rows up and one below: 22 % faster at 3-4 rows, 5-8 % at 1-2 and 8 rows).
-template <int64_t R, int64_t O>
-inline void idot(const int8_t* q, const uint8_t* qa, int64_t K, const int8_t* w, const float* oscale, float* y,
-                 int64_t ldy) {
+//
+// Blockwise (w8a8_blockwise): each row's input has a scale per block of 32 (qs [R, K / 32]), as llama.cpp's
+// Q8_0 activations do; a block's exact integer sum (< 2^24, so exact in float32 too) is scaled by its
+// block's scale and added in float32, in the same order for every row.
+template <int64_t R, int64_t O, bool Blockwise>
+inline void idot(const int8_t* q, const uint8_t* qa, const float* qs, int64_t K, const int8_t* w,
+                 const float* oscale, float* y, int64_t ldy) {
   __m256i acc[R][O];
+  __m256 facc[R][O];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t o = 0; o < O; ++o) acc[r][o] = _mm256_setzero_si256();
+    for (int64_t o = 0; o < O; ++o) {
+      acc[r][o] = _mm256_setzero_si256();
+      facc[r][o] = _mm256_setzero_ps();
+    }
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = K / 32;
   for (int64_t k = 0; k < K; k += 32) {
     __m256i wv[O];
     for (int64_t o = 0; o < O; ++o) {  // the codes 2 KiB ahead: the hardware prefetcher alone fell behind
@@ -183,27 +192,59 @@ inline void idot(const int8_t* q, const uint8_t* qa, int64_t K, const int8_t* w,
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + r * K + k));
       for (int64_t o = 0; o < O; ++o) {
-        const __m256i pairs = _mm256_maddubs_epi16(av, _mm256_sign_epi8(wv[o], qv));
-        acc[r][o] = _mm256_add_epi32(acc[r][o], _mm256_madd_epi16(pairs, ones));
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(wv[o], qv)), ones);
+        if constexpr (Blockwise) {
+          const __m256 block_scale = _mm256_set1_ps(qs[r * nb + k / 32]);
+          facc[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), block_scale, facc[r][o]);
+        } else {
+          acc[r][o] = _mm256_add_epi32(acc[r][o], sums);
+        }
       }
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = static_cast<float>(hsum_i32(acc[r][o])) * oscale[o];
+    for (int64_t o = 0; o < O; ++o) {
+      const float sum = Blockwise ? hsum(facc[r][o], _mm256_setzero_ps()) : static_cast<float>(hsum_i32(acc[r][o]));
+      y[r * ldy + o] = sum * oscale[o];
+    }
 }
 
-template <int64_t O>
-inline void idot_rows(const int8_t* q, const uint8_t* qa, int64_t rows, int64_t K, const int8_t* w,
+template <int64_t O, bool Blockwise>
+inline void idot_rows(const int8_t* q, const uint8_t* qa, const float* qs, int64_t rows, int64_t K, const int8_t* w,
                       const float* oscale, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) idot<4, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy);
+  for (; r + 4 <= rows; r += 4)
+    idot<4, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy);
   switch (rows - r) {
-    case 3: idot<3, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
-    case 2: idot<2, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
-    case 1: idot<1, O>(q + r * K, qa + r * K, K, w, oscale, y + r * ldy, ldy); break;
+    case 3: idot<3, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
+    case 2: idot<2, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
+    case 1: idot<1, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
     default: break;
   }
 }
+
+// 32 float32 inputs -> int8 codes round(x / s) clamped to -128..127 (float32 division, round half to
+// even, as checkpoint.fake_quant), and their absolute values
+inline void quantize_block(const float* x, __m256 sv, int8_t* q, uint8_t* qa) {
+  const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) {
+    __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + j * 8), sv);
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+  }
+  const __m256i c8 = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), c8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa), _mm256_abs_epi8(c8));
+}
+
+// Every output pair (and an odd N's last output) of R rows, row tiles innermost.
+template <bool Blockwise>
+void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, const float* qs, int64_t rows,
+              int64_t K, const int8_t* w, const float* os, int64_t n, float* yp);
 
 constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 while a thread's outputs pass
 
@@ -228,37 +269,62 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   std::vector<uint8_t> qa(rows * K);
   const float* xp = xs.data_ptr<float>();
   const __m256 sv = _mm256_set1_ps(static_cast<float>(act_scale));
-  const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      __m256i c[4];
-      for (int j = 0; j < 4; ++j) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(xp + b * 32 + j * 8), sv);
-        v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
-      }
-      const __m256i c8 = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * 32), c8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa.data() + b * 32), _mm256_abs_epi8(c8));
-    }
+    for (int64_t b = b0; b < b1; ++b) quantize_block(xp + b * 32, sv, q.data() + b * 32, qa.data() + b * 32);
   });
-  const auto* w = codes.data_ptr<int8_t>();
-  const float* os = oscale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t pairs = n / 2;
+  idot_all<false>(q, qa, nullptr, rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n, y.data_ptr<float>());
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+template <bool Blockwise>
+void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, const float* qs, int64_t rows,
+              int64_t K, const int8_t* w, const float* os, int64_t n, float* yp) {
+  const int64_t pairs = n / 2, nb = K / 32;
   at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t rt = std::min(kRowTile, rows - r0);
       const int8_t* qr = q.data() + r0 * K;
       const uint8_t* ar = qa.data() + r0 * K;
+      const float* sr = qs == nullptr ? nullptr : qs + r0 * nb;
       for (int64_t p = p0; p < std::min(p1, pairs); ++p)  // two outputs share each input load
-        idot_rows<2>(qr, ar, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
+        idot_rows<2, Blockwise>(qr, ar, sr, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
       if (p1 > pairs)  // an odd N's last output
-        idot_rows<1>(qr, ar, rt, K, w + (n - 1) * K, os + n - 1, yp + r0 * n + n - 1, n);
+        idot_rows<1, Blockwise>(qr, ar, sr, rt, K, w + (n - 1) * K, os + n - 1, yp + r0 * n + n - 1, n);
     }
   });
+}
+
+// A weight-only INT8 projection (W8A16) with its inputs quantized here, per row and block of 32 as
+// llama.cpp's Q8_0 activations: scale = max |x| / 127 of the block (a block of zeros has codes 0),
+// codes round(x / scale).  Not the export's arithmetic (float inputs): kernels_avx2.W8A8Weight states
+// what it costs.  x [R, K] float32; codes and oscale as w8a8's, oscale [N] = the weights' scales.
+at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& oscale,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8_blockwise: x must be [rows, K] float32");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
+              "rtk_avx2.w8a8_blockwise: codes must be [N, K] int8, contiguous");
+  const int64_t rows = x.size(0), K = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && K % 32 == 0,
+              "rtk_avx2.w8a8_blockwise: K must match the codes and be a multiple of 32");
+  TORCH_CHECK(oscale.scalar_type() == at::kFloat && oscale.numel() == n && oscale.is_contiguous(),
+              "rtk_avx2.w8a8_blockwise: oscale must be [N] float32");
+  at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const int64_t blocks = rows * K / 32;
+  std::vector<int8_t> q(rows * K);
+  std::vector<uint8_t> qa(rows * K);
+  std::vector<float> qs(blocks);
+  const float* xp = xs.data_ptr<float>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xp[b * 32 + i]));
+    qs[b] = amax / 127.0f;
+    // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
+    quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32, qa.data() + b * 32);
+  }
+  idot_all<true>(q, qa, qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n, y.data_ptr<float>());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y;
 }
@@ -468,4 +534,5 @@ TORCH_LIBRARY(rtk_avx2, m) {
       .def("forward", &DecodeLayers::forward);
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
   m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8);
+  m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
 }

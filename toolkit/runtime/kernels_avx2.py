@@ -108,47 +108,76 @@ def interleave_pairs(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([pairs, codes[even:]])  # a new, contiguous tensor
 
 
+def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, K]`` float32 quantized and dequantized as ``rtk_avx2.w8a8_blockwise`` quantizes its input:
+    per block of 32, scale ``max |x| / 127`` and codes ``round(x / scale)`` (a block of zeros stays zero)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(-128, 127)
+    return (codes * scale).reshape(x.shape)
+
+
 @dataclass
 class W8A8Weight:
-    """An INT8 SmoothQuant projection as integers: ``x [rows, K]`` float32 (before its quantization) ->
-    ``[rows, N]`` = ``float(sum q * code) * (act_scale * scale[o])``, where ``q`` are the input's codes as
-    ``checkpoint.fake_quant`` computes them.
+    """An INT8 projection as integers: ``x [rows, K]`` float32 (before its quantization) -> ``[rows, N]``.
 
-    The dense path sums the dequantized products in float32; the integer sum is exact, so the result is
-    within :data:`TOLERANCE` of the float64 product of the same values (checked at load) and depends on the
-    row alone: prompt and decode rows both take it, in any batch or chunk.
+    * INT8 SmoothQuant (``act_scale`` given): ``float(sum q * code) * (act_scale * scale[o])``, where ``q``
+      are the input's codes as ``checkpoint.fake_quant`` computes them.  The dense path sums the dequantized
+      products in float32; the integer sum is exact, so the result is within :data:`TOLERANCE` of the
+      float64 product of the same values (checked at load).
+    * Weight-only INT8 (W8A16, ``act_scale`` None; the LM head of ``quantization.quantize_lm_head``):
+      ``blockwise``, the input quantized here per block of 32 (:func:`quantize_blocks`, as llama.cpp's
+      Q8_0 activations), each block's integer sum scaled by its block's scale and summed in float32.  This
+      is not the export's arithmetic, whose inputs stay float: on SmolLM2-135M's INT8-SQ export with an
+      INT8 head it moved the perplexity by +0.13 % (one scale per row instead: +1.5 %), and it reads half
+      the bytes of the float32 GEMV over the same codes with a fifth of its instructions (docs/engine.md).
+
+    Either way a row's result depends on that row alone: prompt and decode rows both take it, in any
+    batch or chunk.
     """
 
     codes: torch.Tensor  # [N, K] int8 in -127..127, pair-interleaved (:func:`interleave_pairs`)
-    scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output
-    act_scale: torch.Tensor  # the input's per-tensor scale (float32, 0-dim)
+    scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output (blockwise: the weights')
+    act_scale: torch.Tensor | None  # the input's per-tensor scale (float32, 0-dim); None: blockwise
 
     def __post_init__(self):
-        self.act_scale_value = float(self.act_scale)  # read once: the call is on every projection of every step
+        # read once: the call is on every projection of every step
+        self.act_scale_value = 0.0 if self.act_scale is None else float(self.act_scale)
+
+    @property
+    def blockwise(self) -> bool:
+        return self.act_scale is None
 
     @classmethod
-    def pack(cls, codes, act_scale: torch.Tensor) -> W8A8Weight | None:
+    def pack(cls, codes, act_scale: torch.Tensor | None) -> W8A8Weight | None:
         """From ``(kind, codes, scale)`` of the linears' weights (``model._stored_codes``) and the inputs'
-        int8 scale; None where the kernel cannot take them: not INT8 with one scale per output, ``K`` not a
-        multiple of 32, or a code of -128 (vpmaddubsw's int16 pair sums need codes within -127..127)."""
+        int8 scale (None: blockwise); None where the kernel cannot take them: not INT8 with one scale per
+        output, ``K`` not a multiple of 32, or a code of -128 (vpmaddubsw's int16 pair sums need codes within
+        -127..127)."""
         if codes is None:
             return None
         kind, values, scale = codes
         if kind != "int8" or scale.dim() != 1 or values.shape[1] % 32 or bool((values == -128).any()):
             return None
-        act = act_scale.to(torch.float32).reshape(())
-        return cls(interleave_pairs(values.to(torch.int8)), (act * scale.to(torch.float32)).contiguous(), act)
+        scale = scale.to(torch.float32)
+        act = None if act_scale is None else act_scale.to(torch.float32).reshape(())
+        scales = scale if act is None else act * scale
+        return cls(interleave_pairs(values.to(torch.int8)), scales.contiguous(), act)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.act_scale is None:
+            return torch.ops.rtk_avx2.w8a8_blockwise(x, self.codes, self.scales, bias)
         return torch.ops.rtk_avx2.w8a8(x, self.act_scale_value, self.codes, self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on
         inputs spread over the int8 codes (about 40 steps of the scale per unit of ``randn``)."""
+        if self.act_scale is None:
+            return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows, quantize_blocks)
         spread = self.act_scale_value * 40.0
 
         def kernel(x, b):
@@ -180,6 +209,8 @@ class DecodeLayers:
         """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down)."""
         if proj.w8a8 is not None:
             w = proj.w8a8
+            if w.blockwise:
+                raise ValueError("rtk_avx2.DecodeLayers takes INT8-SQ projections, not blockwise (W8A16) ones")
             self._layers.add_projection(
                 True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None
             )

@@ -144,7 +144,11 @@ class Projection:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
+        blockwise_int8: bool = False,
     ):
+        """``blockwise_int8``: on a float32 engine, weight-only INT8 weights (the LM head of
+        ``quantization.quantize_lm_head``) take ``kernels_avx2.W8A8Weight``'s blockwise integer products,
+        which quantize the input themselves (a stated rounding difference, not the export's arithmetic)."""
         first = linears[0]
         self.int4_gemv = int4_gemv
         self.dtype = dtype
@@ -211,7 +215,7 @@ class Projection:
         # the export's codes) instead of their float32 copies, summing in its own order
         self.fp32_gemv = self.w8a8 = None
         if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
-            if self.act_kind == "int8":
+            if self.act_kind == "int8" or (self.act_kind is None and blockwise_int8):
                 self.w8a8 = self._pack_w8a8(linears, weight, bias)
             if self.w8a8 is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
@@ -242,7 +246,7 @@ class Projection:
         if self.fp32_gemv is not None:
             return f"rtk-avx2-{self.fp32_gemv.kind}"
         if self.w8a8 is not None:
-            return "rtk-avx2-w8a8"
+            return "rtk-avx2-w8a8-blockwise" if self.w8a8.blockwise else "rtk-avx2-w8a8"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
     def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
@@ -279,8 +283,9 @@ class Projection:
         return packed
 
     def _pack_w8a8(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels_avx2.W8A8Weight | None:
-        """An INT8 SmoothQuant projection as integer products (every row), where they are the float32 product
-        of the same quantized values within the kernel's tolerance; None leaves it to the float32 paths."""
+        """An INT8 projection as integer products (every row), where they are the float32 product of the same
+        quantized values within the kernel's tolerance; None leaves it to the float32 paths.  Without an input
+        scale (weight-only INT8), the blockwise kernel."""
         packed = kernels_avx2.W8A8Weight.pack(_stored_codes(linears), self.act_scale)
         if packed is None:
             return None
@@ -718,7 +723,7 @@ class Transformer:
         self.embed = ckpt.embed_tokens.to(dtype)
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
-        self.lm_head = Projection([Linear(ckpt.lm_head)], dtype, pack, probes, gemv_kernel=cpu_kernels)
+        self.lm_head = Projection([ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, blockwise_int8=True)
         self.layers = [
             Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv)
             for spec in ckpt.layers

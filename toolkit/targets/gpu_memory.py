@@ -7,8 +7,8 @@ Face ``config.json``) and the spec, so a build that cannot fit is refused in mil
 Weights are counted the way the ModelOpt/TensorRT-LLM checkpoint stores them (rtk's own
 measurement of ModelOpt 0.47's SmolLM2-135M exports' rank0.safetensors: FP8 219.5 MB,
 INT4-AWQ g64 173.3 MB): quantized linears at their packed size plus their scales, embedding,
-``lm_head`` (written separately, never quantized) and norms in the model dtype.  The KV cache
-holds ``2 x layers x kv_heads x head_dim`` values per token.  Activations are an upper-bound
+``lm_head`` (written separately; quantized only with ``quantization.quantize_lm_head``) and norms in the
+model dtype.  The KV cache holds ``2 x layers x kv_heads x head_dim`` values per token.  Activations are an upper-bound
 rule of thumb sized by ``max_num_tokens`` (TensorRT-LLM sizes its activation buffers for that
 many tokens per step) plus float32 logits for a full batch, and a fixed runtime allowance
 covers the CUDA context, cuBLAS/TensorRT workspaces and NCCL.
@@ -70,7 +70,7 @@ class ModelShape:
 
 
 def linear_bytes(out_f: int, in_f: int, fmt: str, dtype_bytes: int, group_size: int | None) -> float:
-    """Bytes of one linear layer's weight and scales as exported (modelopt-on-cpu.md §6.1-6.2)."""
+    """Bytes of one linear layer's weight and scales as ModelOpt 0.47 exports them (measured on SmolLM2-135M)."""
     n = out_f * in_f
     if fmt == "none":
         return n * dtype_bytes
@@ -119,10 +119,15 @@ def estimate_memory(shape: ModelShape, spec) -> MemoryEstimate:
     db = shape.dtype_bytes
     per_layer = sum(linear_bytes(o, i, q.format, db, group) for o, i in shape.linear_shapes())
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * db
-    embed = shape.vocab_size * shape.hidden_size * db  # vocab embedding; lm_head is the same size
-    weights_total = per_layer * shape.num_layers + norms + 2 * embed
+    embed = shape.vocab_size * shape.hidden_size * db  # vocab embedding
+    # lm_head: the embedding's size, or the layers' format with quantization.quantize_lm_head
+    head = embed
+    if q.quantize_lm_head:  # weight-only: W8A16 (codes and per-channel scales) or W4A16 AWQ
+        v, h = shape.vocab_size, shape.hidden_size
+        head = v * h + 4 * v if q.format == "int8_sq" else linear_bytes(v, h, q.format, db, group)
+    weights_total = per_layer * shape.num_layers + norms + embed + head
     # The busiest rank: its share of the layers, plus the embedding (first stage) and lm_head (last).
-    edge = 2 * embed if pp == 1 else embed
+    edge = embed + head if pp == 1 else max(embed, head)
     weights_per_gpu = per_layer * math.ceil(shape.num_layers / pp) / tp + edge / tp + norms
 
     kv_value_bytes = 1 if q.kv_cache in ("fp8", "int8") else db

@@ -58,6 +58,16 @@ QUANT_ALGO = {
     "nvfp4": "NVFP4",
 }
 KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
+
+
+def checkpoint_quant_algo(q) -> str | None:
+    """The ``quant_algo`` ModelOpt writes for a ``quantization`` section: a W8A16 ``lm_head`` under INT8-SQ
+    layers (``quantize_lm_head``) makes the checkpoint MIXED_PRECISION; an int4_awq head is W4A16_AWQ too."""
+    if q.quantize_lm_head and q.format == "int8_sq":
+        return "MIXED_PRECISION"
+    return QUANT_ALGO[q.format]
+
+
 # trtllm-build switches use_fused_mlp off unless quant_algo is one of these (commands/build.py).
 FUSED_MLP_ALGOS = (None, "FP8", "MIXED_PRECISION")
 
@@ -87,11 +97,12 @@ def check_checkpoint(spec: Spec, config: dict, checkpoint_dir: Path) -> None:
     q, b = spec.quantization, spec.build
     redo = "re-run `rtk quantize SPEC --force` so the checkpoint matches the spec"
     quant = config.get("quantization") or {}
-    have = quant.get("quant_algo")
-    if have != QUANT_ALGO[q.format]:
+    have, want = quant.get("quant_algo"), checkpoint_quant_algo(q)
+    if have != want:
+        head = " with quantize_lm_head" if q.quantize_lm_head else ""
         raise UsageError(
             f"the TensorRT-LLM checkpoint at '{checkpoint_dir}' is quantized as {have or 'unquantized'} but "
-            f"quantization.format is '{q.format}' ({QUANT_ALGO[q.format] or 'unquantized'}); {redo}"
+            f"quantization.format is '{q.format}'{head} ({want or 'unquantized'}); {redo}"
         )
     have_kv = quant.get("kv_cache_quant_algo")
     if have_kv != KV_CACHE_QUANT_ALGO[q.kv_cache]:
@@ -156,8 +167,11 @@ def check_limits(spec: Spec, config: dict) -> None:
 
 
 def fused_mlp_effective(spec: Spec, config: dict) -> bool:
+    """trtllm-build's rule, by the layers' algorithm: a MIXED_PRECISION checkpoint whose only odd module is a
+    W8A16 head still has INT8-SQ MLPs, which the fused MLP does not take."""
     algo = (config.get("quantization") or {}).get("quant_algo")
-    return spec.build.use_fused_mlp and algo in FUSED_MLP_ALGOS
+    layers = QUANT_ALGO[spec.quantization.format]
+    return spec.build.use_fused_mlp and algo in FUSED_MLP_ALGOS and layers in FUSED_MLP_ALGOS
 
 
 # -- the command line ---------------------------------------------------------------------------

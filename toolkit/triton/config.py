@@ -373,7 +373,7 @@ def tensorrt_llm_cpu(spec, s: RepoSettings):
     # The queue forms in the engine, not in Triton: execute() hands requests over and returns at
     # once.  So the model enforces serving.max_queue_size / queue_timeout_ms itself, and the config
     # has no default_queue_policy: with one, tritonserver 2.51's dynamic batcher held the 3rd and 4th
-    # of 4 simultaneous requests back 0.5 s and 1.0 s (tests/test_serve_tiny.py; reference §4.2).
+    # of 4 simultaneous requests back 0.5 s and 1.0 s (tests/test_serve_tiny.py).
     cfg.dynamic_batching.max_queue_delay_microseconds = 0
     cpu_instances(cfg, sv.instance_count)
     set_parameters(
