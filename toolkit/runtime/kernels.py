@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,12 @@ def cpu_supports_kernels() -> bool:
 
 
 def build_dir(source: Path = SOURCE, flags: list[str] = FLAGS) -> Path:
-    """``$XDG_CACHE_HOME/rtk/kernels/<stem>-<source hash>-<torch version>``: a changed source or torch rebuilds."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    """``$XDG_CACHE_HOME/rtk/kernels/<stem>-<hash>-<torch version>``: a changed source, a changed header it
+    includes from its own directory (``#include "name.h"``), other flags or another torch rebuilds."""
+    text = source.read_bytes()
+    headers = [source.parent / name.decode() for name in re.findall(rb'^#include "([^"]+)"', text, re.M)]
+    key = hashlib.sha256(b"".join([text, *(h.read_bytes() for h in headers), " ".join(flags).encode()]))
+    key = key.hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "rtk" / "kernels" / f"{source.stem}-{key}-torch{torch.__version__.replace('+', '_')}"
 

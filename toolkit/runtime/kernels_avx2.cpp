@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_plan.h"
+
 namespace {
 
 constexpr int64_t kBf16 = 0, kInt8 = 1, kFp8 = 2;
@@ -426,39 +428,18 @@ struct DecodeLayers : torch::CustomClassHolder {
                      c10::optional<at::Tensor> padded_slots, c10::optional<at::Tensor> padded_mask) {
     const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
     TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2, "rtk_avx2.DecodeLayers: h is [rows, hidden] float32");
-    TORCH_CHECK(positions.numel() == m && write_slots.numel() == m && ctx_bounds.size(0) == m &&
-                    ctx_bounds.size(1) == 2 && positions.scalar_type() == at::kLong &&
-                    write_slots.scalar_type() == at::kLong && ctx_slots.scalar_type() == at::kLong &&
-                    ctx_bounds.scalar_type() == at::kLong,
-                "rtk_avx2.DecodeLayers: int64 positions, write_slots [rows], ctx_slots, ctx_bounds [rows, 2]");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == KVH &&
                     k_pool.size(3) == D && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
                 "rtk_avx2.DecodeLayers: float32 K/V pools [layers, slots, kv_heads, head_dim]");
-    TORCH_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(layers.size()) && end <= k_pool.size(0),
-                "rtk_avx2.DecodeLayers: layer range");
+    at::Tensor padded = check_decode_plan("rtk_avx2.DecodeLayers", m, positions, write_slots, ctx_slots, ctx_bounds,
+                                          k_pool, begin, end, static_cast<int64_t>(layers.size()), cos.size(0),
+                                          padded_slots, padded_mask);
+    const bool batched = padded.defined();
     const int64_t slots = k_pool.size(1);
     const auto* pos = positions.data_ptr<int64_t>();
     const auto* ws = write_slots.data_ptr<int64_t>();
     const auto* cs = ctx_slots.data_ptr<int64_t>();
     const auto* cb = ctx_bounds.data_ptr<int64_t>();
-    for (int64_t r = 0; r < m; ++r) {
-      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && ws[r] >= 0 && ws[r] < slots &&
-                      0 <= cb[2 * r] && cb[2 * r] < cb[2 * r + 1] && cb[2 * r + 1] <= ctx_slots.numel(),
-                  "rtk_avx2.DecodeLayers: a position, slot or context bound is out of range");
-      for (int64_t j = cb[2 * r]; j < cb[2 * r + 1]; ++j)
-        TORCH_CHECK(cs[j] >= 0 && cs[j] < slots, "rtk_avx2.DecodeLayers: context slot out of range");
-    }
-    const bool batched = padded_slots.has_value();
-    at::Tensor padded;
-    if (batched) {
-      padded = padded_slots->contiguous();
-      TORCH_CHECK(padded.scalar_type() == at::kLong && padded.dim() == 2 && padded.size(0) == m &&
-                      padded_mask.has_value() && padded_mask->size(0) == m && padded_mask->size(-1) == padded.size(1),
-                  "rtk_avx2.DecodeLayers: padded slots [rows, L] int64 with their mask [rows, 1, 1, L]");
-      const auto* ps = padded.data_ptr<int64_t>();
-      for (int64_t j = 0; j < padded.numel(); ++j)
-        TORCH_CHECK(ps[j] >= 0 && ps[j] < slots, "rtk_avx2.DecodeLayers: context slot out of range");
-    }
     h = h.contiguous().clone();
     const float* cos_t = cos.data_ptr<float>();
     const float* sin_t = sin.data_ptr<float>();
