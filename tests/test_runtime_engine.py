@@ -523,6 +523,7 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(dtype="float16"), "dtype"),
         (dict(attention_dtype="bfloat16"), "attention_dtype"),
         (dict(prefill_threads=0), "prefill_threads"),
+        (dict(lone_decode_threads=0), "lone_decode_threads"),
         (dict(int4_gemv="fast"), "int4_gemv"),
     ],
 )
@@ -543,6 +544,23 @@ def test_steps_that_prefill_run_on_prefill_threads(tiny_llama_dir):
     engine.model.forward = record
     engine.generate(greedy(prompt(100, 1), n=3))  # 100 tokens: two prefill steps of 64, then decodes
     assert seen == [(True, 2), (True, 2), (False, 1), (False, 1)]
+    assert torch.get_num_threads() == 1
+
+
+def test_decode_steps_of_one_sequence_alone_run_on_lone_decode_threads(tiny_llama_dir):
+    engine = Engine(tiny_llama_dir, config(num_threads=1, prefill_threads=1, lone_decode_threads=2))
+    seen = []
+    forward = engine.model.forward
+
+    def record(ids, plan, pool):
+        seen.append((len(ids), bool(plan.prefills), torch.get_num_threads()))
+        return forward(ids, plan, pool)
+
+    engine.model.forward = record
+    run(engine, [greedy(prompt(20, 1), n=5), greedy(prompt(20, 2), n=2)], arrivals={1: 2})
+    # alone: prefill (1 thread), decodes on 2; the second's prefill, then two decoding together on 1 thread,
+    # then the first alone again
+    assert seen == [(20, True, 1), (1, False, 2), (21, True, 1), (2, False, 1), (1, False, 2)]
     assert torch.get_num_threads() == 1
 
 
@@ -586,10 +604,11 @@ def test_engine_config_from_build_spec():
             "enable_kv_cache_reuse": False,
             "num_threads": 1,
             "prefill_threads": 2,
+            "lone_decode_threads": 2,
         },
     )
     c = EngineConfig.from_build(spec.build)
-    assert (c.num_threads, c.prefill_threads) == (1, 2)
+    assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (
         4,
         128,
@@ -702,3 +721,21 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
         assert (
             eng.prompt_logits(ids).sub(plain.prompt_logits(ids)).abs().max() > 0
         )  # the quantization is really applied
+
+
+def test_a_kernel_build_is_keyed_on_its_source_the_headers_it_includes_and_its_flags(tmp_path, monkeypatch):
+    """An edited shared header (runtime/decode_plan.h) must rebuild both kernels, not load a stale one."""
+    from toolkit.runtime import kernels, kernels_avx2
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, header = tmp_path / "k.cpp", tmp_path / "shared.h"
+    source.write_text('#include <vector>\n#include "shared.h"\nint f() { return g(); }\n')
+    header.write_text("inline int g() { return 1; }\n")
+    first = kernels.build_dir(source, ["-O3"])
+    assert first.parent == tmp_path / "cache" / "rtk" / "kernels" and first.name.startswith("k-")
+    assert kernels.build_dir(source, ["-O3"]) == first
+    header.write_text("inline int g() { return 2; }\n")
+    assert kernels.build_dir(source, ["-O3"]) != first
+    assert kernels.build_dir(source, ["-O2"]) != kernels.build_dir(source, ["-O3"])
+    for real in (kernels.SOURCE, kernels_avx2.SOURCE):
+        assert '#include "decode_plan.h"' in real.read_text()  # both DecodeLayers share its checks

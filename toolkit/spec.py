@@ -150,6 +150,13 @@ class BuildSpec(Section):
         description="cpu: torch threads for engine steps that prefill prompts (default: all cores when served "
         "without num_threads, else num_threads)",
     )
+    lone_decode_threads: int | None = Field(
+        None,
+        ge=1,
+        description="cpu: torch threads for decode steps of a single sequence, when the server's other processes "
+        "are nearly idle (default: num_threads). Host-dependent: on a 2-core AVX2 host 2 threads served one "
+        "stream ~12 % faster, on an AVX512 one slower (docs/engine.md)",
+    )
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",
         description="cpu, INT4-AWQ exports: the decode GEMV. dot = per-group sums of code x activation, scaled "

@@ -70,6 +70,9 @@ class EngineConfig:
     # threads for steps that prefill prompt rows (compute-bound, where the server's processes wait);
     # None = num_threads.  Served without num_threads: all cores (targets.cpu.load_engine)
     prefill_threads: int | None = None
+    # threads for decode steps of one sequence alone (no prompt rows), where the server's other processes
+    # have little to do; None = num_threads.  Host-dependent (docs/engine.md): off by default
+    lone_decode_threads: int | None = None
     dtype: str = "auto"  # auto = bfloat16 where the CPU has native bf16, else float32
     # Attention (QK^T, softmax, PV) in float32 on the compute dtype's q/k/v: several times faster
     # than torch's bf16 CPU attention at decode shapes, and more accurate; "model" = the compute
@@ -115,6 +118,7 @@ class EngineConfig:
             enable_chunked_context=build.enable_chunked_context,
             num_threads=build.num_threads,
             prefill_threads=build.prefill_threads,
+            lone_decode_threads=build.lone_decode_threads,
             int4_gemv=build.int4_gemv,
         )
         return cls(**{**fields, **overrides})
@@ -170,6 +174,8 @@ class EngineConfig:
             bad("num_threads", f"{self.num_threads} must be at least 1")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             bad("prefill_threads", f"{self.prefill_threads} must be at least 1")
+        if self.lone_decode_threads is not None and self.lone_decode_threads < 1:
+            bad("lone_decode_threads", f"{self.lone_decode_threads} must be at least 1")
 
 
 @dataclass
@@ -383,7 +389,10 @@ class Engine:
             batched=self.config.decode_batching != "exact",
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
-        threads = self.config.prefill_threads if plan.prefills else None
+        if plan.prefills:
+            threads = self.config.prefill_threads
+        else:
+            threads = self.config.lone_decode_threads if len(work) == 1 else None
         switch = threads is not None and threads != torch.get_num_threads()
         if switch:
             decode_threads = torch.get_num_threads()
