@@ -12,7 +12,8 @@
   BF16 file (its default mix for Q4_0: see the printed tensor types).  rtk builds the same model
   with ``rtk build SPEC --set quantization.format=F`` and serves it with ``rtk serve --detach``.
 * **Pairing** by weight bits: rtk ``none`` (bf16) with BF16, ``fp8`` and ``int8_sq`` with Q8_0,
-  ``int4_awq`` with Q4_0.
+  ``int4_awq`` with Q4_0.  The GGUFs hold the (tied) output layer quantized too; ``--quantize-lm-head``
+  gives rtk's int8_sq / int4_awq builds a quantized head as well (``quantization.quantize_lm_head``).
 * **Client.** One light client for both (this process, one thread per stream, raw HTTP/1.1 with
   server-sent events): rtk through Triton's ``generate_stream`` endpoint of the ``ensemble`` (text
   in, text out: what a user calls), the peer through its OpenAI ``/v1/completions`` with
@@ -472,6 +473,19 @@ def main(argv=None) -> int:
         help="rtk's build.num_threads (default: rtk's served default, all cores but one for the engine; "
         "tritonserver, its python stubs and the front door use the rest)",
     )
+    ap.add_argument(
+        "--rtk-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another spec override for rtk's builds (repeatable), e.g. build.lone_decode_threads=2",
+    )
+    ap.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="rtk quantizes the LM head's weights too (quantization.quantize_lm_head; int8_sq and int4_awq), as "
+        "llama.cpp's Q8_0 / Q4_0 files hold the tied output layer quantized",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="times rtk and the peer alternate per format")
     ap.add_argument(
         "--calibration-samples", type=int, default=16, help="rtk quantize calibration samples (x 128 tokens)"
@@ -493,8 +507,11 @@ def main(argv=None) -> int:
 
     levels, n, slots = args.concurrency, args.output_tokens, max(args.concurrency)
     rtk_threads = [] if args.rtk_threads is None else [f"build.num_threads={args.rtk_threads}"]
+    head = ["quantization.quantize_lm_head=true"] if args.quantize_lm_head else []
     base_sets = [
         *rtk_threads,
+        *head,
+        *args.rtk_set,
         "build.enable_kv_cache_reuse=true",
         f"quantization.calibration.num_samples={args.calibration_samples}",
         "quantization.calibration.max_length=128",
@@ -503,7 +520,7 @@ def main(argv=None) -> int:
     results: dict = {}
     for fmt in args.formats:
         kind = PAIRS[fmt]
-        name = f"peer-bench-{fmt.replace('_', '-')}"
+        name = f"peer-bench-{fmt.replace('_', '-')}" + ("-head" if args.quantize_lm_head else "")
         sets = [f"name={name}", f"quantization.format={fmt}", *base_sets]
         t0 = time.perf_counter()
         # --force build: the engine directory gets the current EngineConfig (its fields may have changed)
@@ -541,7 +558,8 @@ def main(argv=None) -> int:
         print_table(fmt, kind, per, levels, n)
     log(
         f"load average {loadavg()} at end; llama-server -t/-tb {args.threads}, rtk build.num_threads "
-        f"{args.rtk_threads or 'unset (served default: all cores but one)'}; llama-server -np {slots}, "
+        f"{args.rtk_threads or 'unset (served default: all cores but one)'}"
+        f"{''.join(f', {x}' for x in head + args.rtk_set)}; llama-server -np {slots}, "
         f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts"
     )
     if args.json:
