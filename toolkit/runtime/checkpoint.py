@@ -344,14 +344,16 @@ def _dequant_weight(
     )
 
 
+def act_kind(algo: str | None) -> str | None:
+    """How a module of ``algo`` quantizes its input (``ActQuant.kind``); None: it does not."""
+    if algo is None:
+        return None
+    return {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo, "int8" if algo.startswith("W8A8") else None)
+
+
 def _act_quant(t: _Tensors, prefix: str, algo: str | None) -> ActQuant | None:
-    s = t.get(prefix + ".input_scale")
-    if algo is None or s is None:
-        return None
-    kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(algo, "int8" if algo.startswith("W8A8") else None)
-    if kind is None:
-        return None
-    return ActQuant(kind, s.to(torch.float32).reshape(()))
+    s, kind = t.get(prefix + ".input_scale"), act_kind(algo)
+    return None if s is None or kind is None else ActQuant(kind, s.to(torch.float32).reshape(()))
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -473,16 +475,12 @@ def load_trtllm_checkpoint(path: str | Path, hf_config_dir: str | Path) -> Check
 
     def linear(prefix: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         pqs = t.get(prefix + ".prequant_scaling_factor")
-        act = t.get(prefix + ".activation_scaling_factor")
-        module_algo = algo_of(prefix)[0] or ""
-        act_kind = {"FP8": "fp8", "W4A8_AWQ": "fp8", "NVFP4": "nvfp4"}.get(module_algo)
-        if module_algo.startswith("W8A8"):
-            act_kind = "int8"
+        act, kind = t.get(prefix + ".activation_scaling_factor"), act_kind(algo_of(prefix)[0])
         return Linear(
             weight=weight,
             bias=bias,
             pre_quant_scale=None if pqs is None else pqs.to(torch.float32).reshape(-1),
-            act_quant=None if act is None or act_kind is None else ActQuant(act_kind, act.float().reshape(())),
+            act_quant=None if act is None or kind is None else ActQuant(kind, act.float().reshape(())),
         )
 
     lm_head = Linear(weight=embed)
