@@ -326,6 +326,101 @@ def test_float32_engine_on_an_int8_export_with_a_quantized_head(tmp_path, tiny_l
     assert ppl == pytest.approx(report["quantized_ppl"], rel=5e-3)  # the issue's bound for faster kernels
 
 
+# -- decode attention over the float32 paged pool (kernels_avx2.decode_attention) ----------------------
+
+
+def attention_float64(q, k_pool, v_pool, slots, bounds, scale):
+    """Each row's softmax(q . k * scale) weighted sum of v over its own slots, in float64."""
+    heads, kv_heads = q.shape[1], k_pool.shape[1]
+    rows = []
+    for r, (s, e) in enumerate(bounds.tolist()):
+        k = k_pool[slots[s:e]].double().repeat_interleave(heads // kv_heads, 1)  # [L, heads, D]
+        v = v_pool[slots[s:e]].double().repeat_interleave(heads // kv_heads, 1)
+        p = (torch.einsum("hd,lhd->hl", q[r].double(), k) * scale).softmax(-1)
+        rows.append(torch.einsum("hl,lhd->hd", p, v).reshape(-1))
+    return torch.stack(rows)
+
+
+def pool_and_rows(heads, kv_heads, head_dim, lens, seed=7, spread=2.0):
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(2048, kv_heads, head_dim, generator=g) * spread
+    v_pool = torch.randn(2048, kv_heads, head_dim, generator=g)
+    slots = torch.randperm(2048, generator=g)[: sum(lens)]  # scattered, as a paged pool's blocks may be
+    ends = torch.tensor(lens).cumsum(0)
+    bounds = torch.stack([ends - torch.tensor(lens), ends], 1)
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * spread
+    return q, k_pool, v_pool, slots, bounds
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 24), (8, 8, 128)])
+@pytest.mark.parametrize("spread", [2.0, 30.0])  # 30: scores thousands apart, most weights underflow
+def test_decode_attention_is_each_rows_own_softmax_within_float32_rounding(heads, kv_heads, head_dim, spread):
+    import torch.nn.functional as F
+
+    lens = [1, 7, 66, 513]  # one key, a partial block of 8, several, more than SDPA's block of 512
+    q, k_pool, v_pool, slots, bounds = pool_and_rows(heads, kv_heads, head_dim, lens, spread=spread)
+    scale = head_dim**-0.5
+    got = kernels_avx2.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
+    want = attention_float64(q, k_pool, v_pool, slots, bounds, scale)
+    sdpa = torch.stack(
+        [
+            F.scaled_dot_product_attention(
+                q[r].view(1, heads, 1, head_dim),
+                k_pool[slots[s:e]].transpose(0, 1)[None],
+                v_pool[slots[s:e]].transpose(0, 1)[None],
+                scale=scale,
+                enable_gqa=kv_heads != heads,
+            ).reshape(-1)
+            for r, (s, e) in enumerate(bounds.tolist())
+        ]
+    )
+    err, sdpa_err = (got.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), (err, sdpa_err)  # float32 rounding, not a wrong weight
+    assert err <= 4 * sdpa_err + 1e-7, (err, sdpa_err)  # of SDPA's own float32 order
+    # a row depends on itself alone, and q may be a view (the fused qkv rows' first heads)
+    alone = torch.cat(
+        [
+            kernels_avx2.decode_attention(q[r : r + 1], k_pool, v_pool, slots, bounds[r : r + 1], scale)
+            for r in range(len(lens))
+        ]
+    )
+    assert torch.equal(alone, got)
+    wide = torch.cat([q, torch.randn(len(lens), 2 * kv_heads, head_dim)], 1)
+    assert torch.equal(kernels_avx2.decode_attention(wide[:, :heads], k_pool, v_pool, slots, bounds, scale), got)
+
+
+def test_decode_attention_refuses_what_it_cannot_read():
+    q, k_pool, v_pool, slots, bounds = pool_and_rows(9, 3, 64, [5, 9])
+    call = kernels_avx2.decode_attention
+    with pytest.raises(RuntimeError, match="context slot out of range"):
+        call(q, k_pool, v_pool, torch.cat([slots[:-1], torch.tensor([2048])]), bounds, 0.125)
+    with pytest.raises(RuntimeError, match="context bound is out of range"):
+        call(q, k_pool, v_pool, slots, torch.tensor([[0, 5], [5, 15]]), 0.125)
+    with pytest.raises(RuntimeError, match="context bound is out of range"):
+        call(q, k_pool, v_pool, slots, torch.tensor([[0, 5], [5, 5]]), 0.125)  # a row with no key
+    with pytest.raises(RuntimeError, match="float32"):
+        call(q.double(), k_pool, v_pool, slots, bounds, 0.125)
+    with pytest.raises(RuntimeError, match="heads of kv_heads"):
+        call(q[:, :8], k_pool, v_pool, slots, bounds, 0.125)
+
+
+def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_decode_batching(tiny_llama_dir):
+    """Masked, padded attention over every decode row (``decode_batching: attention``) used to round a row
+    by its batch; the kernel reads each row's own context, so ``attention`` gives ``exact``'s bits."""
+    from test_runtime_fused_decode import forced_logits, prompt
+
+    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (70, 4)]]
+    forced = [prompt(8, 10 + i) for i in range(3)]
+    got = {}
+    for batching in ("exact", "attention"):
+        eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, decode_batching=batching, fused_decode=False))
+        assert eng.model.pool_attention and eng.model.fused is None
+        got[batching] = forced_logits(eng, prompts, forced)
+    assert all(torch.equal(a, b) for a, b in zip(got["exact"], got["attention"], strict=True))
+    assert not Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.pool_attention
+    assert not Engine(tiny_llama_dir, EngineConfig(**{**FUSED_BASE, "dtype": "bfloat16"})).model.pool_attention
+
+
 # -- the float32 fused decode step (kernels_avx2.DecodeLayers) -----------------------------------------
 
 FUSED_BASE = dict(

@@ -189,12 +189,25 @@ class W8A8Weight:
         return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)
 
 
+def decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode rows' attention over a float32 paged pool, the keys and values read where they lie.
+
+    ``q [rows, heads, head_dim]`` float32; ``k_pool``, ``v_pool`` one layer's ``[slots, kv_heads, head_dim]``;
+    row ``r`` attends to ``slots[bounds[r, 0] : bounds[r, 1]]``.  Returns ``[rows, heads * head_dim]``.
+    Each row is computed alone in one fixed order (batch-invariant), within float32 rounding of SDPA
+    (``kernels_avx2.cpp`` says how)."""
+    return torch.ops.rtk_avx2.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
+
+
 class DecodeLayers:
     """A float32 engine's decode rows through whole decoder layers in one C++ call (``kernels_avx2.cpp``).
 
     The float32 counterpart of ``kernels.DecodeLayers``: RMSNorm, RoPE, the K/V writes into a float32 paged
-    pool, float32 attention, residual adds and SiLU around the projections' kernels (:class:`Fp32Weight`,
-    :class:`W8A8Weight`), with the operator path's bits; no KV-cache quantization.
+    pool, float32 attention (:func:`decode_attention`), residual adds and SiLU around the projections'
+    kernels (:class:`Fp32Weight`, :class:`W8A8Weight`), with the operator path's bits; no KV-cache
+    quantization.
     """
 
     def __init__(self, heads, kv_heads, head_dim, eps, scale, cos, sin):

@@ -200,6 +200,10 @@ class KVPool:
         self._k_layers[layer].index_copy_(0, slots, k)
         self._v_layers[layer].index_copy_(0, slots, v)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V as stored, ``[num_slots, kv_heads, head_dim]`` each (views, no copy)."""
+        return self._k_layers[layer], self._v_layers[layer]
+
     def gather(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -740,6 +740,15 @@ class Transformer:
         self.scale = cfg.head_dim**-0.5
         self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
+        # decode rows of a float32 engine attend through rtk's kernel, over the K/V where they lie in the pool
+        # (kernels_avx2.decode_attention), in the operator path and the fused step alike
+        self.pool_attention = (
+            cpu_kernels
+            and dtype == torch.float32
+            and attention_dtype == torch.float32
+            and self.kv_quant is None
+            and kernels_avx2.available()
+        )
         self.batch_invariant = batch_invariant
         self.fused = None
         if fused_decode and self.fast_gather:
@@ -878,6 +887,7 @@ class Transformer:
         B = plan.num_decode
         rows = B if self.batch_invariant else None  # see Projection.__call__
         gqa = KVH != H
+        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B and self.pool_attention else None
         for li in range(begin, end):
             layer = self.layers[li]
             x = self._rms_norm(h, layer.input_norm)
@@ -890,7 +900,11 @@ class Transformer:
             outs = []
             ad = self.attn_dtype
             q = q.to(ad)
-            if plan.decode_padded is not None:
+            if B and self.pool_attention:
+                # every decode row over its exact context, read in place: batch-invariant whatever the batching
+                kp, vp = pool.layer(li)
+                outs.append(kernels_avx2.decode_attention(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
+            elif plan.decode_padded is not None:
                 # One SDPA for every decode row over its context padded to the longest (masked): a
                 # few calls instead of one per sequence, but the float reductions see the padding,
                 # so a row's last bits may depend on the batch (EngineConfig.decode_batching).
