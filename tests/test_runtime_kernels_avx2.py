@@ -421,6 +421,20 @@ def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_de
     assert not Engine(tiny_llama_dir, EngineConfig(**{**FUSED_BASE, "dtype": "bfloat16"})).model.pool_attention
 
 
+def test_huge_pages_move_the_decode_weights_and_pool_and_change_no_bit(tmp_path, tiny_llama_dir):
+    from test_runtime_fused_decode import forced_logits, prompt
+
+    engines = {huge: Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, huge_pages=huge)) for huge in (False, True)}
+    parts = [p for layer in engines[True].model.layers for g in (layer.qkv, layer.down) for p in g.parts]
+    regions = {p.fp32_gemv.weights.untyped_storage().data_ptr() for p in parts}
+    regions.add(engines[True].model.lm_head.fp32_gemv.weights.untyped_storage().data_ptr())
+    assert len(regions) == 1  # every streamed weight in the one advised region
+    assert engines[True].pool.k.data_ptr() % (2 << 20) == 0
+    prompts, forced = [prompt(9, 1), prompt(40, 2)], [prompt(6, 10), prompt(6, 11)]
+    on, off = (forced_logits(engines[huge], prompts, forced) for huge in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
 # -- the float32 fused decode step (kernels_avx2.DecodeLayers) -----------------------------------------
 
 FUSED_BASE = dict(

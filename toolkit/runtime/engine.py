@@ -102,6 +102,9 @@ class EngineConfig:
     # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention
     # call per row (as "exact" decode batching, whatever decode_batching says); False = torch's operators.
     fused_decode: bool = True
+    # the decode kernels' weights and the K/V pool on 2 MiB pages (runtime/hugepages.py) where Linux allows
+    # it: fewer TLB misses in the streams a decode step reads; False = ordinary allocations
+    huge_pages: bool = True
     scheduler_policy: str = "guaranteed_no_evict"  # or "max_utilization" (admit eagerly, preempt on a full pool)
 
     @classmethod
@@ -240,6 +243,7 @@ class Engine:
             batch_invariant=config.decode_batching != "full",
             cpu_kernels=config.cpu_kernels,
             fused_decode=config.fused_decode,
+            huge_pages=config.huge_pages,
             int4_gemv=config.int4_gemv,
         )
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)

@@ -19,11 +19,14 @@ copy-on-write.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
+
+from . import hugepages
 
 ROOT_KEY = b""
 
@@ -165,14 +168,19 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         quant: KVQuant | None = None,
+        huge_pages: bool = False,
     ):
         self.num_slots = num_blocks * tokens_per_block
         self.dtype = dtype
         self.quant = quant
         store = {None: dtype, "fp8": torch.uint8, "int8": torch.int8}[quant.kind if quant else None]
         shape = (num_layers, self.num_slots, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=store)
-        self.v = torch.zeros(shape, dtype=store)
+        if huge_pages:  # zeroed too; a decode step reads its context's K/V from memory (hugepages)
+            nbytes = math.prod(shape) * torch.empty((), dtype=store).element_size()
+            self.k, self.v = (hugepages.empty(nbytes).view(store).view(shape) for _ in range(2))
+        else:
+            self.k = torch.zeros(shape, dtype=store)
+            self.v = torch.zeros(shape, dtype=store)
         self._k_layers, self._v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))  # views, made once
         self.fast_gather = False  # rtk's gather_kv kernel for bf16 -> float32 reads (set by the model)
 

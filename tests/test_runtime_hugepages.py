@@ -1,0 +1,51 @@
+"""runtime/hugepages.py: the engine's streamed buffers on 2 MiB pages, with the same values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.runtime import hugepages
+
+
+def thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else "absent"
+
+
+def anon_huge_kb() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_pack_copies_every_tensor_exactly_each_on_a_cache_line():
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(-127, 128, (960, 576), generator=g, dtype=torch.int8),
+        torch.randn(77, 40, generator=g).to(torch.bfloat16).view(torch.int16),
+        torch.randn(3, generator=g),
+    ]
+    packed = hugepages.pack(tensors)
+    for a, b in zip(tensors, packed, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous() and torch.equal(a, b)
+        assert b.data_ptr() % hugepages.ALIGN == 0
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1  # one region
+
+
+def test_empty_is_zeroed_and_starts_on_a_huge_page():
+    t = hugepages.empty(5 << 20)
+    assert t.dtype == torch.uint8 and t.numel() == 5 << 20 and int(t.count_nonzero()) == 0
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are {thp_mode()} here")
+def test_the_advice_gives_huge_pages_where_the_kernel_allows_them():
+    before = anon_huge_kb()
+    t = hugepages.empty(16 << 20)
+    t.fill_(1)  # fault the pages in
+    assert anon_huge_kb() - before >= 8 << 10  # most of 16 MiB on 2 MiB pages (fragmentation may deny some)
