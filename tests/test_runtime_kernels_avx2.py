@@ -157,6 +157,20 @@ def test_w8a8_quantizes_its_input_to_fake_quants_codes_exactly():
     assert torch.equal(packed(x, None), sums.to(torch.float32) * packed.scales)
 
 
+def test_w8a8_folds_the_pre_quant_scale_into_its_quantization_with_torchs_bits():
+    """``pre_quant_scale`` multiplied in while quantizing gives the codes of torch's ``x * pre_quant_scale`` first:
+    the product rounds to float32 before the division, as the two operators round it."""
+    g = torch.Generator().manual_seed(8)
+    lin = w8a8_linear(77, 96, g)
+    packed = kernels_avx2.W8A8Weight.pack(("int8", lin.codes.codes, lin.codes.scale), lin.act_quant.scale)
+    x = torch.randn(37, 96, generator=g) * 0.9  # 37 rows: the blocks' K offsets wrap within and across rows
+    pqs = torch.rand(96, generator=g) * 3 + 0.05
+    assert torch.equal(packed(x, None, pqs), packed(x * pqs, None))
+    assert not torch.equal(packed(x, None, pqs), packed(x, None))
+    with pytest.raises(RuntimeError, match="pre_quant_scale must be"):
+        packed(x, None, pqs[:64])
+
+
 def test_w8a8_refuses_what_its_integer_sums_cannot_take():
     g = torch.Generator().manual_seed(5)
     lin = w8a8_linear(16, 64, g)

@@ -97,6 +97,8 @@ class EngineConfig:
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
     # request's bits never depend on the batch); "attention" = one masked attention call for all
     # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences).
+    # A float32 engine's decode attention reads each row's own context in either of the first two
+    # (kernels_avx2.decode_attention), so there they differ in nothing.
     decode_batching: str = "attention"
     # rtk's fused decode step (with cpu_kernels): decode rows run whole decoder layers in one C++ call
     # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention

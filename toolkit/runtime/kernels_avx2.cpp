@@ -227,13 +227,17 @@ inline void idot_rows(const int8_t* q, const uint8_t* qa, const float* qs, int64
 }
 
 // 32 float32 inputs -> int8 codes round(x / s) clamped to -128..127 (float32 division, round half to
-// even, as checkpoint.fake_quant), and their absolute values
-inline void quantize_block(const float* x, __m256 sv, int8_t* q, uint8_t* qa) {
+// even, as checkpoint.fake_quant), and their absolute values; with ``pqs`` (the SmoothQuant / AWQ
+// pre_quant_scale of these 32 inputs) round((x * pqs) / s), the product rounded to float32 first, as
+// torch's multiplication before the quantization rounds it
+inline void quantize_block(const float* x, __m256 sv, int8_t* q, uint8_t* qa, const float* pqs = nullptr) {
   const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   __m256i c[4];
   for (int j = 0; j < 4; ++j) {
-    __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + j * 8), sv);
+    __m256 v = _mm256_loadu_ps(x + j * 8);
+    if (pqs != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(pqs + j * 8));
+    v = _mm256_div_ps(v, sv);
     v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
   }
@@ -250,11 +254,12 @@ void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, cons
 
 constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 while a thread's outputs pass
 
-// x [R, K] float32 (the projection's input before its quantization); codes: N x K int8 in -127..127,
-// pair-interleaved (kernels_avx2.W8A8Weight.pack: outputs 2p and 2p + 1 alternate in blocks of 32 codes;
-// an odd N's last output follows as it is); oscale [N] float32 = act_scale * weight scale[o].
+// x [R, K] float32 (the projection's input before its quantization, and before its pre_quant_scale [K]
+// float32 where given); codes: N x K int8 in -127..127, pair-interleaved (kernels_avx2.W8A8Weight.pack:
+// outputs 2p and 2p + 1 alternate in blocks of 32 codes; an odd N's last output follows as it is);
+// oscale [N] float32 = act_scale * weight scale[o].
 at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, const at::Tensor& oscale,
-                const c10::optional<at::Tensor>& bias) {
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& pre_quant_scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8: x must be [rows, K] float32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
               "rtk_avx2.w8a8: codes must be [N, K] int8, contiguous");
@@ -262,6 +267,12 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "rtk_avx2.w8a8: K must match the codes and be a multiple of 32");
   TORCH_CHECK(oscale.scalar_type() == at::kFloat && oscale.numel() == n && oscale.is_contiguous(),
               "rtk_avx2.w8a8: oscale must be [N] float32");
+  at::Tensor pqs;
+  if (pre_quant_scale.has_value()) {
+    pqs = pre_quant_scale->contiguous();
+    TORCH_CHECK(pqs.scalar_type() == at::kFloat && pqs.numel() == K,
+                "rtk_avx2.w8a8: pre_quant_scale must be [K] float32");
+  }
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
@@ -270,9 +281,12 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   std::vector<int8_t> q(rows * K);
   std::vector<uint8_t> qa(rows * K);
   const float* xp = xs.data_ptr<float>();
+  const float* pp = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   const __m256 sv = _mm256_set1_ps(static_cast<float>(act_scale));
-  at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) quantize_block(xp + b * 32, sv, q.data() + b * 32, qa.data() + b * 32);
+  const int64_t nb = K / 32;
+  at::parallel_for(0, rows * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_block(xp + b * 32, sv, q.data() + b * 32, qa.data() + b * 32, pp ? pp + b % nb * 32 : nullptr);
   });
   idot_all<false>(q, qa, nullptr, rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n, y.data_ptr<float>());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
@@ -535,8 +549,8 @@ struct Projection32 {
   c10::optional<at::Tensor> act_scale;  // 0-dim float32
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
     at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
-    if (w8a8_path) return w8a8(in, w8a8_scale, weights, *scales, bias);
     if (act_kind == 1) {
       in = at::div(in, *act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat).mul(*act_scale);
     } else if (act_kind == 2) {
@@ -687,7 +701,9 @@ TORCH_LIBRARY(rtk_avx2, m) {
       .def("add_projection", &DecodeLayers::add_projection)
       .def("forward", &DecodeLayers::forward);
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
-  m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8);
+  m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None) "
+        "-> Tensor",
+        &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",

@@ -168,10 +168,16 @@ class W8A8Weight:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``pre_quant_scale`` (float32 ``[K]``): the input's SmoothQuant scale, multiplied in as the input is
+        quantized (the product rounded to float32 first: torch's ``x * pre_quant_scale`` bits, one pass)."""
         if self.act_scale is None:
+            if pre_quant_scale is not None:
+                x = x * pre_quant_scale
             return torch.ops.rtk_avx2.w8a8_blockwise(x, self.codes, self.scales, bias)
-        return torch.ops.rtk_avx2.w8a8(x, self.act_scale_value, self.codes, self.scales, bias)
+        return torch.ops.rtk_avx2.w8a8(x, self.act_scale_value, self.codes, self.scales, bias, pre_quant_scale)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on

@@ -382,7 +382,7 @@ class Projection:
         """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
         if self.w8a8 is not None:  # integer products: a row's result is its own, so every row goes through
-            return self.w8a8(x if self.pre_quant_scale is None else x * self.pre_quant_scale, self.bias)
+            return self.w8a8(x, self.bias, self.pre_quant_scale)
         if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
             x = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
         else:
