@@ -178,6 +178,24 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
     assert set(probe_host(triton_version=False).cpu_flags) == cpu_flags() & set(CPU_FLAGS)
 
 
+def test_doctor_says_whether_the_cpu_engine_gets_huge_pages():
+    def pages_check(mode):
+        host = HostInfo.from_dict({**probe_host(triton_version=False).to_dict(), "transparent_hugepages": mode})
+        (check,) = [c for c in diagnose("cpu", host).checks if c.name == "huge pages"]
+        return check
+
+    assert pages_check("madvise").status == "ok" and pages_check("always").status == "ok"
+    never = pages_check("never")
+    assert never.status == "warn" and "never" in never.found and "madvise" in never.fix
+    assert pages_check(None).status == "warn"
+    from toolkit.hostinfo import THP_SETTING, transparent_hugepages
+
+    if THP_SETTING.exists():  # this host: the bracketed word of the kernel's setting
+        text = THP_SETTING.read_text()
+        assert transparent_hugepages() == text[text.index("[") + 1 : text.index("]")]
+        assert probe_host(triton_version=False).transparent_hugepages == transparent_hugepages()
+
+
 def test_doctor_cli_on_this_cpu_host(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     ok = subprocess.run(

@@ -7,13 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from toolkit.hostinfo import transparent_hugepages
 from toolkit.runtime import hugepages
-
-
-def thp_mode() -> str:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    text = path.read_text() if path.exists() else ""
-    return text[text.find("[") + 1 : text.find("]")] if "[" in text else "absent"
 
 
 def anon_huge_kb() -> int:
@@ -43,7 +38,10 @@ def test_empty_is_zeroed_and_starts_on_a_huge_page():
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are {thp_mode()} here")
+@pytest.mark.skipif(
+    transparent_hugepages() not in ("always", "madvise"),
+    reason=f"transparent huge pages are {transparent_hugepages()} here",
+)
 def test_the_advice_gives_huge_pages_where_the_kernel_allows_them():
     before = anon_huge_kb()
     t = hugepages.empty(16 << 20)

@@ -84,6 +84,8 @@ class HostInfo:
     executables: dict[str, str | None] = field(default_factory=dict)
     python: str = field(default_factory=lambda: ".".join(map(str, sys.version_info[:3])))
     cpu_flags: list[str] = field(default_factory=list)  # those of CPU_FLAGS this CPU has (/proc/cpuinfo)
+    # the kernel's transparent huge page mode ("always", "madvise", "never"); None where it offers none
+    transparent_hugepages: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -133,6 +135,20 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_hugepages() -> str | None:
+    """The selected transparent huge page mode (``always [madvise] never`` -> ``madvise``); None where this
+    kernel has no such setting (rtk's engine then keeps ordinary pages: toolkit/runtime/hugepages.py)."""
+    try:
+        text = THP_SETTING.read_text()
+    except OSError:
+        return None
+    match = re.search(r"\[(\w+)\]", text)
+    return match.group(1) if match else None
 
 
 def package_version(key: str) -> str | None:
@@ -270,6 +286,7 @@ def probe_host(*, tritonserver: str | None = None, triton_version: bool = True) 
     host.packages = {k: package_version(k) for k in PACKAGES}
     have = cpu_flags()
     host.cpu_flags = [f for f in CPU_FLAGS if f in have]
+    host.transparent_hugepages = transparent_hugepages()
     host.triton_container = os.environ.get("NVIDIA_TRITON_SERVER_VERSION")
     from .errors import RtkError
     from .triton.server import find_tritonserver  # stdlib-only
