@@ -420,17 +420,28 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_decode_batching(tiny_llama_dir):
     """Masked, padded attention over every decode row (``decode_batching: attention``) used to round a row
-    by its batch; the kernel reads each row's own context, so ``attention`` gives ``exact``'s bits."""
-    from test_runtime_fused_decode import forced_logits, prompt
+    by its batch; the kernel reads each row's own context, so a padded plan gives the unpadded plan's bits,
+    and the engine no longer builds padded plans for it."""
+    from test_runtime_engine import greedy, prompt
 
-    prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (70, 4)]]
-    forced = [prompt(8, 10 + i) for i in range(3)]
-    got = {}
-    for batching in ("exact", "attention"):
-        eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, decode_batching=batching, fused_decode=False))
-        assert eng.model.pool_attention and eng.model.fused is None
-        got[batching] = forced_logits(eng, prompts, forced)
-    assert all(torch.equal(a, b) for a, b in zip(got["exact"], got["attention"], strict=True))
+    from toolkit.runtime.model import build_plan
+
+    for fused in (False, True):
+        eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, decode_batching="attention", fused_decode=fused))
+        assert eng.model.pool_attention and (eng.model.fused is not None) == fused
+        for n in (5, 37, 70):
+            eng.add_request(greedy(prompt(n, 300 + n), 40))
+        for _ in range(6):  # every prompt prefilled; all three decoding, contexts of different lengths
+            eng.step()
+        scheduled = eng.scheduler.schedule()
+        assert len(scheduled) == 3 and all(n == 1 and not s.prefilling for s, n in scheduled)
+        work = [(s.block_table, s.num_cached, 1, False) for s, _ in scheduled]
+        ids = torch.tensor([s.tokens[s.num_cached] for s, _ in scheduled])
+        with torch.inference_mode():
+            plans = [build_plan(work, 16, eng.scheduler.unit, batched=batched) for batched in (False, True)]
+            assert plans[1].decode_padded is not None
+            a, b = (eng.model.forward(ids, plan, eng.pool) for plan in plans)
+        assert torch.equal(a, b)
     assert not Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.pool_attention
     assert not Engine(tiny_llama_dir, EngineConfig(**{**FUSED_BASE, "dtype": "bfloat16"})).model.pool_attention
 

@@ -392,7 +392,8 @@ class Engine:
             self.config.tokens_per_block,
             self.scheduler.unit,
             reads_own_kv=self.pool.quant is None,
-            batched=self.config.decode_batching != "exact",
+            # padded contexts only for SDPA's masked call: the float32 kernel reads each row's own context
+            batched=self.config.decode_batching != "exact" and not self.model.pool_attention,
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
         if plan.prefills:

@@ -176,7 +176,7 @@ class KVPool:
         store = {None: dtype, "fp8": torch.uint8, "int8": torch.int8}[quant.kind if quant else None]
         shape = (num_layers, self.num_slots, kv_heads, head_dim)
         if huge_pages:  # zeroed too; a decode step reads its context's K/V from memory (hugepages)
-            nbytes = math.prod(shape) * torch.empty((), dtype=store).element_size()
+            nbytes = math.prod(shape) * store.itemsize
             self.k, self.v = (hugepages.empty(nbytes).view(store).view(shape) for _ in range(2))
         else:
             self.k = torch.zeros(shape, dtype=store)
