@@ -362,6 +362,45 @@ def test_prometheus_counters_become_deltas():
     assert sm.diff(None, after) == {}
 
 
+def test_a_lost_metrics_read_is_retried():
+    """A server that resets the first connection (as a loaded tritonserver's /metrics can time out) still
+    gives the run its counters; one that never answers gives None."""
+    import http.server
+    import socket
+    import threading
+
+    from toolkit.slo import server_metrics as sm
+
+    body = b'# TYPE nv_inference_count counter\nnv_inference_count{model="ensemble",version="1"} 7\n'
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            if len(seen) == 1:  # drop the first read without an answer
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        samples, types = sm.scrape(url, timeout=2.0)
+        assert samples['nv_inference_count{model="ensemble",version="1"}'] == 7 and len(seen) == 2
+        seen.clear()
+        assert sm.scrape(url, timeout=2.0, attempts=1) is None and len(seen) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- reports ----------------------------------------------------------------------------------------
 
 

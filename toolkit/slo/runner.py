@@ -261,6 +261,8 @@ def run_slo(
     if unmatched:
         notes.append(f"{len(unmatched)} error response(s) named no request sent: {unmatched[0][:200]}")
     after = server_metrics.scrape(target.metrics_url)
+    if target.metrics_url and before is not None and after is None:
+        notes.append(f"could not read {target.metrics_url} after the run; no server counters in this report")
     delta = server_metrics.diff(before, after)
     checks = [metric_check(m, watcher.peak[m], watcher.scrapes) for m in watch]
     t0 = min(r.t0 for r in results)

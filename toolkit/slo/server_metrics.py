@@ -8,6 +8,7 @@ queue and compute time per request from them.  Gauges are kept as read after the
 from __future__ import annotations
 
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -41,14 +42,20 @@ def parse_prometheus(text: str) -> tuple[dict[str, float], dict[str, str]]:
     return samples, types
 
 
-def scrape(url: str | None, timeout: float = 5.0) -> tuple[dict[str, float], dict[str, str]] | None:
+def scrape(url: str | None, timeout: float = 5.0, attempts: int = 3) -> tuple[dict[str, float], dict[str, str]] | None:
+    """The samples and types at ``url``; None when no read succeeded in ``attempts`` (a busy server can let one
+    read time out or reset, and one lost read would leave the run's report without server counters)."""
     if not url:
         return None
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return parse_prometheus(r.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(0.2 * attempt)
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return parse_prometheus(r.read().decode("utf-8", "replace"))
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    return None
 
 
 def family(key: str) -> str:
@@ -163,7 +170,7 @@ class MetricWatcher:
             self._read()  # one last look: a gauge may still be up at the end of the load
 
     def _read(self) -> None:
-        got = scrape(self.url, timeout=2.0)
+        got = scrape(self.url, timeout=2.0, attempts=1)  # the next read is 0.2 s away
         if got is None:
             return
         self.scrapes += 1
