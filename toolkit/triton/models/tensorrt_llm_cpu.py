@@ -14,9 +14,10 @@ and ``request_key`` (see toolkit/triton/config.py).
 
 The model is decoupled: ``execute`` hands every request to one :class:`BackgroundEngine` and
 returns at once, so requests from any number of Triton calls share the engine's in-flight batch;
-responses are sent from the engine's thread as tokens come.  A request the client cancels (or
-stops with ``stop``) is cancelled in the engine, which frees its KV blocks.  A bad request gets an
-INVALID_ARG error; the others keep being served.
+responses are made on the engine's thread as tokens come and sent, in that order, from a sender
+thread (:class:`_Sender`), so the engine's next step never waits for tritonserver to take them.
+A request the client cancels (or stops with ``stop``) is cancelled in the engine, which frees its
+KV blocks.  A bad request gets an INVALID_ARG error; the others keep being served.
 
 Sampling follows TensorRT-LLM: greedy unless ``runtime_top_k`` > 1, ``runtime_top_p`` in (0, 1)
 or ``temperature`` > 0 is sent (temperature defaults to 1.0 when only top-k/top-p are sent).
@@ -33,6 +34,7 @@ and the target, never ignored.  Invalid sampling values (NaN or negative tempera
 """
 
 import json
+import queue
 import threading
 import time
 import uuid
@@ -118,6 +120,39 @@ class _Group:
         self.closed = False
 
 
+class _Sender:
+    """Sends the decoupled responses from a thread of its own, in the order they were handed over.
+
+    python_backend's ``InferenceResponseSender.send`` puts the response in shared memory, messages
+    tritonserver and waits until the server has taken it, with the GIL released
+    (triton-inference-server/python_backend ``src/response_sender.cc``, ``ResponseSender::Send``).  On
+    the engine thread that round trip held the next step back once per stream and step; here the
+    engine thread only queues, and the wait overlaps the next forward pass (which runs without the GIL).
+    """
+
+    def __init__(self, logger):
+        self.logger = logger
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rtk-response-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, deliver, *args) -> None:
+        self._queue.put((deliver, args))
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            deliver, args = item
+            try:
+                deliver(*args)
+            except Exception as exc:  # one failed send must not stop the others'
+                self.logger.log_error(f"tensorrt_llm: sending a response failed: {exc!r}")
+
+
 class _Stream:
     """One engine request (one returned sequence of a Triton request)."""
 
@@ -184,6 +219,7 @@ class TritonPythonModel:
         )
         self.config = self.engine.config
         self.background = BackgroundEngine(self.engine)
+        self.sender = _Sender(self.logger)
         self.lock = threading.Lock()
         self.streams = {}  # engine request id -> _Stream
         self.closing = threading.Event()
@@ -516,18 +552,24 @@ class TritonPythonModel:
             "last_token_time_ns": s.last_token_ns or 0,
         }
 
-    def _send(self, s, response, *, final):
+    def _send(self, s, response, *, final, fail=False):
         """Send ``response`` of stream ``s``; ``final``: ``s`` is done (the Triton request is done when all
-        its streams are)."""
+        its streams are); ``fail``: ``response`` is an error that ends the whole Triton request."""
         if not self.decoupled:
             if final:
                 s.final_response = response
                 s.finished_event.set()
             return
+        self.sender.put(self._deliver, s, response, final, fail)
+
+    def _deliver(self, s, response, final, fail):
+        """On the sender thread: ``_send``'s response to tritonserver."""
         g = s.group
         with g.lock:
             if g.closed:
                 return
+            if fail:  # counted here, after the responses queued before it: the error is the request's last
+                g.pending = 1
             last = False
             if final:
                 g.pending -= 1
@@ -554,9 +596,7 @@ class TritonPythonModel:
             if other is not s and not other.done:
                 self._finish(other)
                 self.background.cancel(other.engine_id)
-        with s.group.lock:
-            s.group.pending = 1
-        self._send(s, response, final=True)
+        self._send(s, response, final=True, fail=True)
 
     def _client_cancelled(self, s):
         g = s.group
@@ -655,6 +695,7 @@ class TritonPythonModel:
         for engine_id in ids:
             self.background.cancel(engine_id)
         self.background.close()
+        self.sender.close()
 
 
 class _QueueFull(Exception):
