@@ -110,9 +110,16 @@ def test_served_engine_decodes_on_all_cores_but_one_unless_the_spec_says(tmp_pat
         served = load_engine(unset, served=True)
         assert served.config.num_threads == max(1, cores - 1) and torch.get_num_threads() == max(1, cores - 1)
         assert served.config.prefill_threads == cores  # prompts prefill on every core
+        # a lone stream's decode steps: every core where the step is the float32 AVX2 one, else num_threads
+        from toolkit.runtime import kernels_avx2
+
+        avx2_step = served.model.dtype == torch.float32 and kernels_avx2.available() and served.model.fused is not None
+        assert served.config.lone_decode_threads == (cores if avx2_step else None)
+        assert load_engine(unset, served=True, lone_decode_threads=1).config.lone_decode_threads == 1
         spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 2})
         config = load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config
-        assert (config.num_threads, config.prefill_threads) == (2, None)  # the spec's threads, for every step
+        # the spec's threads, for every step
+        assert (config.num_threads, config.prefill_threads, config.lone_decode_threads) == (2, None, None)
     finally:
         torch.set_num_threads(before)
 

@@ -154,8 +154,8 @@ class BuildSpec(Section):
         None,
         ge=1,
         description="cpu: torch threads for decode steps of a single sequence, when the server's other processes "
-        "are nearly idle (default: num_threads). Host-dependent: on a 2-core AVX2 host 2 threads served one "
-        "stream ~12 % faster, on an AVX512 one slower (docs/engine.md)",
+        "are nearly idle (default: num_threads; served without num_threads, all cores where the decode step is "
+        "the float32 AVX2 one: one stream ~20 % faster on a 2-core AVX2 host, docs/engine.md)",
     )
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",

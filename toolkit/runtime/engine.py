@@ -71,7 +71,8 @@ class EngineConfig:
     # None = num_threads.  Served without num_threads: all cores (targets.cpu.load_engine)
     prefill_threads: int | None = None
     # threads for decode steps of one sequence alone (no prompt rows), where the server's other processes
-    # have little to do; None = num_threads.  Host-dependent (docs/engine.md): off by default
+    # have little to do; None = num_threads.  Served without num_threads: all cores where the decode step
+    # is the float32 AVX2 one (targets.cpu.load_engine, docs/engine.md)
     lone_decode_threads: int | None = None
     dtype: str = "auto"  # auto = bfloat16 where the CPU has native bf16, else float32
     # Attention (QK^T, softmax, PV) in float32 on the compute dtype's q/k/v: several times faster
