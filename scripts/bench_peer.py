@@ -464,7 +464,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="measured requests per level (and server)")
     ap.add_argument("--warmup", type=int, default=2, help="requests per level not measured")
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--prompt-words", type=int, default=40, help="words per prompt (~50 tokens)")
+    ap.add_argument("--prompt-words", type=int, default=40, help="words per prompt (~60 SmolLM2 tokens, 50-81)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t / -tb")
     ap.add_argument(
         "--rtk-threads",
