@@ -418,6 +418,23 @@ def test_decode_attention_refuses_what_it_cannot_read():
         call(q[:, :8], k_pool, v_pool, slots, bounds, 0.125)
 
 
+@pytest.mark.parametrize("rows, k", [(1, 576), (7, 576), (60, 576), (3, 64), (5, 1536)])
+def test_rms_norm_gives_torchs_bits(rows, k):
+    """The prompt rows' RMSNorm in one call: ``weight * F.rms_norm(x)`` bit for bit, rows of magnitudes 1e-3 to
+    1e3 (the sum of squares is ATen's, everything else one rounding per operation)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    w = torch.randn(k, generator=g)
+    assert torch.equal(kernels_avx2.rms_norm(x, w, 1e-5), w * F.rms_norm(x, (k,), eps=1e-5))
+    assert torch.equal(kernels_avx2.rms_norm(x.t().contiguous().t(), w, 1e-6), w * F.rms_norm(x, (k,), eps=1e-6))
+    with pytest.raises(RuntimeError, match=r"weight must be \[k\] float32"):
+        kernels_avx2.rms_norm(x, w[:-1], 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels_avx2.rms_norm(x.double(), w, 1e-5)
+
+
 def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_decode_batching(tiny_llama_dir):
     """Masked, padded attention over every decode row (``decode_batching: attention``) used to round a row
     by its batch; the kernel reads each row's own context, so a padded plan gives the unpadded plan's bits,

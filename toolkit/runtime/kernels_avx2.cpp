@@ -565,6 +565,35 @@ struct Layer32 {
   std::vector<Projection32> proj;    // qkv, o, gate_up, down
 };
 
+// model.py's RMSNorm on float32: weight * F.rms_norm(x), i.e. torch's rms_norm_composite
+// (aten/src/ATen/native/layer_norm.cpp: pow(x, 2), mean = sum / k, add eps, rsqrt = 1 / sqrt, times x)
+// times the weight.  Every step is one correctly rounded float operation except the sum, whose
+// vectorized order only ATen's sum reproduces, so that one is ATen's.  (at::rms_norm itself ran its
+// composite as ~10 operators, ~70 us a call at one row and ~210 us at 60: 61 calls a step.)  Used by
+// DecodeLayers and, as the op rms_norm, by model.py's operator path for prompt rows.
+at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "rtk_avx2.rms_norm: x must be [rows, k] float32");
+  TORCH_CHECK(weight_in.scalar_type() == at::kFloat && weight_in.numel() == x_in.size(1),
+              "rtk_avx2.rms_norm: weight must be [k] float32");
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const float* xs = x.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  auto squares = at::empty({m, k}, at::kFloat);
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < m * k; ++i) sq[i] = xs[i] * xs[i];
+  auto sums = at::sum(squares, {1}, true);
+  const float* ss = sums.data_ptr<float>();
+  auto out = at::empty({m, k}, at::kFloat);
+  float* os = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < m; ++r) {
+    const float inv = 1.0f / std::sqrt(ss[r] / static_cast<float>(k) + e);
+    for (int64_t c = 0; c < k; ++c) os[r * k + c] = ws[c] * (xs[r * k + c] * inv);
+  }
+  return out;
+}
+
 struct DecodeLayers : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
@@ -596,30 +625,7 @@ struct DecodeLayers : torch::CustomClassHolder {
         {w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind, act_scale});
   }
 
-  at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight) const {
-    // model.py's RMSNorm on float32: weight * F.rms_norm(x), i.e. torch's rms_norm_composite
-    // (aten/src/ATen/native/layer_norm.cpp: pow(x, 2), mean = sum / k, add eps, rsqrt = 1 / sqrt, times x)
-    // times the weight.  Every step is one correctly rounded float operation except the sum, whose
-    // vectorized order only ATen's sum reproduces, so that one is ATen's.  (at::rms_norm itself ran its
-    // composite as ~10 operators, ~70 us a call here: 61 calls, ~4.5 ms of a 22 ms batch-1 step.)
-    const at::Tensor x = x_in.contiguous();
-    const int64_t m = x.size(0), k = x.size(1);
-    const float* xs = x.data_ptr<float>();
-    const float* ws = weight.data_ptr<float>();
-    auto squares = at::empty({m, k}, at::kFloat);
-    float* sq = squares.data_ptr<float>();
-    for (int64_t i = 0; i < m * k; ++i) sq[i] = xs[i] * xs[i];
-    auto sums = at::sum(squares, {1}, true);
-    const float* ss = sums.data_ptr<float>();
-    auto out = at::empty({m, k}, at::kFloat);
-    float* os = out.data_ptr<float>();
-    const float e = static_cast<float>(eps);
-    for (int64_t r = 0; r < m; ++r) {
-      const float inv = 1.0f / std::sqrt(ss[r] / static_cast<float>(k) + e);
-      for (int64_t c = 0; c < k; ++c) os[r * k + c] = ws[c] * (xs[r * k + c] * inv);
-    }
-    return out;
-  }
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
 
   static void add_into(at::Tensor& h, const at::Tensor& y) {  // h = h + y, one float32 rounding each
     float* hs = h.data_ptr<float>();
@@ -705,6 +711,7 @@ TORCH_LIBRARY(rtk_avx2, m) {
         "-> Tensor",
         &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",
         &decode_attention);

@@ -195,6 +195,12 @@ class W8A8Weight:
         return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * F.rms_norm(x, (k,), eps=eps)`` on float32 ``x [rows, k]``, with its bits, in one call (torch's
+    composite runs ~10 operators: ~210 us a call at 60 rows against ~20 here)."""
+    return torch.ops.rtk_avx2.rms_norm(x, weight, eps)
+
+
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -729,6 +729,8 @@ class Transformer:
             Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv)
             for spec in ckpt.layers
         ]
+        # prompt rows' RMSNorm in one C++ call (same bits as torch's composite) on float32 engines
+        self.rms_kernel = cpu_kernels and dtype == torch.float32 and kernels_avx2.available()
         self.huge_pages = huge_pages
         if huge_pages:
             self._weights_on_huge_pages()
@@ -866,7 +868,10 @@ class Transformer:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype
-        # (F.rms_norm on fp32 gives the same bits as its pow/mean/rsqrt sequence, in one op).
+        # (F.rms_norm on fp32 gives the same bits as its pow/mean/rsqrt sequence, in one op).  A float32
+        # engine with rtk's AVX2 kernels computes the same bits in one C++ call (kernels_avx2.rms_norm).
+        if self.rms_kernel and x.dim() == 2 and x.dtype == torch.float32:
+            return kernels_avx2.rms_norm(x, weight, self.eps)
         return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, plan: StepPlan, pool: KVPool) -> torch.Tensor:
