@@ -729,8 +729,9 @@ class Transformer:
             Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv)
             for spec in ckpt.layers
         ]
-        # prompt rows' RMSNorm in one C++ call (same bits as torch's composite) on float32 engines
-        self.rms_kernel = cpu_kernels and dtype == torch.float32 and kernels_avx2.available()
+        # a float32 engine with rtk's AVX2 kernels: decode attention read in place, the fused float32 step and
+        # the prompt rows' RMSNorm in one C++ call (same bits as torch's composite)
+        self.avx2_kernels = cpu_kernels and dtype == torch.float32 and kernels_avx2.available()
         self.huge_pages = huge_pages
         if huge_pages:
             self._weights_on_huge_pages()
@@ -748,18 +749,12 @@ class Transformer:
         self.kv_quant = self._kv_quant(ckpt)
         # decode rows of a float32 engine attend through rtk's kernel, over the K/V where they lie in the pool
         # (kernels_avx2.decode_attention), in the operator path and the fused step alike
-        self.pool_attention = (
-            cpu_kernels
-            and dtype == torch.float32
-            and attention_dtype == torch.float32
-            and self.kv_quant is None
-            and kernels_avx2.available()
-        )
+        self.pool_attention = self.avx2_kernels and attention_dtype == torch.float32 and self.kv_quant is None
         self.batch_invariant = batch_invariant
         self.fused = None
         if fused_decode and self.fast_gather:
             self.fused = self._fused_decode()
-        elif fused_decode and cpu_kernels and dtype == torch.float32 and kernels_avx2.available():
+        elif fused_decode and self.avx2_kernels:
             self.fused = self._fused_decode_fp32()
 
     def _weights_on_huge_pages(self) -> None:
@@ -870,7 +865,7 @@ class Transformer:
         # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale in the input dtype
         # (F.rms_norm on fp32 gives the same bits as its pow/mean/rsqrt sequence, in one op).  A float32
         # engine with rtk's AVX2 kernels computes the same bits in one C++ call (kernels_avx2.rms_norm).
-        if self.rms_kernel and x.dim() == 2 and x.dtype == torch.float32:
+        if self.avx2_kernels:
             return kernels_avx2.rms_norm(x, weight, self.eps)
         return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
