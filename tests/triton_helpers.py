@@ -184,15 +184,18 @@ class TritonPythonModel:
                 stamps["last_token_time_ns"] = now_ns
                 tokens.append(1000 + (prompt_len + i) % 1000)
                 if stream:
-                    sender.send(self._response([tokens[-1]], stamps if perf else None))
+                    sender.send(self._response(request, [tokens[-1]], stamps if perf else None))
             if stream:
                 sender.send(flags=FINAL)
             else:
-                sender.send(self._response(tokens, stamps if perf else None), flags=FINAL)
+                sender.send(self._response(request, tokens, stamps if perf else None), flags=FINAL)
         except Exception as exc:  # report instead of leaving the client waiting
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"fake_llm: {exc}")), flags=FINAL)
 
-    def _response(self, tokens, stamps):
+    def _response(self, request, tokens, stamps):
+        # Only requested outputs: tritonserver 2.51's python backend frees the others without the GIL
+        # (toolkit/triton/models/rtk_text.py, requested_outputs), which breaks the stub when threads run.
+        want = set(request.requested_output_names())
         if self.interface == "ensemble":
             text = "".join(f" tok{t}" for t in tokens)
             outs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
@@ -203,7 +206,7 @@ class TritonPythonModel:
             ]
         for k, v in (stamps or {}).items():
             outs.append(pb_utils.Tensor(k, np.array([v], dtype=np.int64)))
-        return pb_utils.InferenceResponse(outs)
+        return pb_utils.InferenceResponse([t for t in outs if t.name() in want])
 
     def finalize(self):
         self.work.put(None)

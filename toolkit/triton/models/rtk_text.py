@@ -36,6 +36,19 @@ PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_
 PRECEDING_WINDOW = 8  # tokens of context for decode_delta: covers a split 4-byte character and a space
 
 
+def requested_outputs(request) -> frozenset[str]:
+    """The outputs ``request`` asked for: the only ones a decoupled model may send it.
+
+    python_backend r24.10 (tritonserver 2.51, the bundled server) drops a response's other outputs in
+    ``ResponseSender::Send`` with the GIL released, and its ``PbTensor`` destructor then frees their numpy
+    arrays without the GIL (triton-inference-server/python_backend ``src/response_sender.cc``,
+    ``src/pb_tensor.cc`` at r24.10; fixed upstream by 4e4d2c4, "Hold GIL when deleting numpy array").  With
+    another thread of the model running Python meanwhile, that corrupts the stub's heap and kills it
+    ("Stub process ... is not healthy").  A response that holds only requested outputs frees nothing there.
+    """
+    return frozenset(request.requested_output_names())
+
+
 class PromptError(ValueError):
     """A request that cannot be served as sent; the message says what to change."""
 

@@ -177,6 +177,7 @@ class TritonPythonModel:
         window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
         prompt, dropped = rtk_text.encode_prompt(self.tokenizer, texts[0], window=window, policy=self.policy)
         stream = bool(_scalar(request, "stream", False)) and sender is not None
+        want = rtk_text.requested_outputs(request)
         exclude_input = bool(_scalar(request, "exclude_input_in_output", False))
         end_id = int(_scalar(request, "end_id", rtk_text.end_id_of(self.tokenizer)))
 
@@ -249,7 +250,7 @@ class TritonPythonModel:
                     self.tokenizer, seen[-rtk_text.PRECEDING_WINDOW :], new, skip_special_tokens=self.skip_special
                 )
                 seen += new
-                sender.send(self._response(text, extras, dropped))
+                sender.send(self._response(want, text, extras, dropped))
             else:
                 collected[index] = collected.get(index, []) + new  # non-streaming: one response per sequence
                 last_extras[index] = extras
@@ -266,7 +267,7 @@ class TritonPythonModel:
             )
             if not exclude_input:  # like TensorRT-LLM: the prompt comes back unless excluded
                 text = rtk_text.decode_delta(self.tokenizer, [], prompt, skip_special_tokens=self.skip_special) + text
-            responses.append(self._response(text, last_extras[index], dropped))
+            responses.append(self._response(want, text, last_extras[index], dropped))
         if sender is None:
             return responses[0] if responses else pb_utils.InferenceResponse([])
         for i, response in enumerate(responses):
@@ -275,11 +276,14 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         return None
 
-    def _response(self, text, extras, dropped):
-        # One-dimensional, as upstream's postprocessing returns it: clients read ``text_output[0]``.
-        out = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        out += [pb_utils.Tensor(t.name(), t.as_numpy()) for t in extras]
-        out.append(pb_utils.Tensor("dropped_turns", np.array([[dropped]], dtype=np.int32)))
+    def _response(self, want, text, extras, dropped):
+        """Of these outputs, those in ``want`` (the request's requested outputs: rtk_text.requested_outputs)."""
+        out = []
+        if "text_output" in want:  # one-dimensional, as upstream's postprocessing returns it: clients read [0]
+            out.append(pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)))
+        out += [pb_utils.Tensor(t.name(), t.as_numpy()) for t in extras if t.name() in want]
+        if "dropped_turns" in want:
+            out.append(pb_utils.Tensor("dropped_turns", np.array([[dropped]], dtype=np.int32)))
         return pb_utils.InferenceResponse(out)
 
     def _stop(self, inner_id):

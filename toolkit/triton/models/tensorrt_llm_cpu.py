@@ -109,10 +109,11 @@ def _scalar(request, name, default=None, kind=int):
 class _Group:
     """One Triton request: its response sender, shared by the ``num_return_sequences`` engine requests."""
 
-    __slots__ = ("sender", "lock", "closed", "pending", "streams")
+    __slots__ = ("sender", "outputs", "lock", "closed", "pending", "streams")
 
-    def __init__(self, sender, n):
+    def __init__(self, sender, n, outputs):
         self.sender, self.pending, self.streams = sender, n, []
+        self.outputs = outputs  # the request's requested outputs: responses carry no other (rtk_text.requested_outputs)
         # Guards the sender: is_cancelled() on a sender whose final response has gone crashes
         # tritonserver 2.51 (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so the cancel
         # watcher and the final send never overlap, and nothing touches the sender after it.
@@ -302,7 +303,7 @@ class TritonPythonModel:
             )
         stop_words = _opt(request, "stop_words_list")
 
-        group = _Group(sender, num_sequences)
+        group = _Group(sender, num_sequences, rtk_text.requested_outputs(request))
         streaming = bool(_scalar(request, "streaming", False, bool)) and self.decoupled
         stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
         end_id = _scalar(request, "end_id", None)
@@ -501,41 +502,47 @@ class TritonPythonModel:
 
     def _response(self, s, tokens, start, new_count):
         """A response carrying ``tokens``, which sit at position ``start`` of prompt + generated; the last
-        ``new_count`` generated tokens are the ones it reports log-probabilities of."""
-        everything = s.prompt + s.generated
+        ``new_count`` generated tokens are the ones it reports log-probabilities of.  Only the outputs the
+        request asked for are made (rtk_text.requested_outputs)."""
+        want = s.group.outputs
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
-        out = [
-            pb_utils.Tensor("output_ids", np.array([[tokens]], dtype=np.int32).reshape(1, 1, len(tokens))),
-            pb_utils.Tensor("sequence_length", i32(len(tokens))),
-            pb_utils.Tensor(
-                "preceding_ids",
-                np.array([everything[max(0, start - rtk_text.PRECEDING_WINDOW) : start]], dtype=np.int32),
-            ),
-            pb_utils.Tensor("batch_index", i32(0)),
-            pb_utils.Tensor("sequence_index", i32(s.index)),
-        ]
+        out = []
+        if "output_ids" in want:
+            out.append(pb_utils.Tensor("output_ids", np.array(tokens, dtype=np.int32).reshape(1, 1, len(tokens))))
+        if "sequence_length" in want:
+            out.append(pb_utils.Tensor("sequence_length", i32(len(tokens))))
+        if "preceding_ids" in want:
+            everything = s.prompt + s.generated
+            window = everything[max(0, start - rtk_text.PRECEDING_WINDOW) : start]
+            out.append(pb_utils.Tensor("preceding_ids", np.array([window], dtype=np.int32)))
+        if "batch_index" in want:
+            out.append(pb_utils.Tensor("batch_index", i32(0)))
+        if "sequence_index" in want:
+            out.append(pb_utils.Tensor("sequence_index", i32(s.index)))
         if s.want_log_probs:
             new = s.log_probs[len(s.log_probs) - new_count :] if new_count else []
-            out += [
-                pb_utils.Tensor("output_log_probs", np.array(new, dtype=np.float32).reshape(1, 1, len(new))),
-                pb_utils.Tensor("cum_log_probs", np.array([[sum(s.log_probs)]], dtype=np.float32)),
-            ]
+            if "output_log_probs" in want:
+                out.append(pb_utils.Tensor("output_log_probs", np.array(new, dtype=np.float32).reshape(1, 1, len(new))))
+            if "cum_log_probs" in want:
+                out.append(pb_utils.Tensor("cum_log_probs", np.array([[sum(s.log_probs)]], dtype=np.float32)))
         if s.want_perf:
             t = self._times(s)
-            out += [pb_utils.Tensor(name, np.array([[t[name]]], dtype=np.int64)) for name in PERF]
+            out += [pb_utils.Tensor(name, np.array([[t[name]]], dtype=np.int64)) for name in PERF if name in want]
             if s.kv is not None:
                 reused, total = s.kv
-                out += [
-                    pb_utils.Tensor("kv_cache_alloc_new_blocks", i32(total - reused)),
-                    pb_utils.Tensor("kv_cache_reused_blocks", i32(reused)),
-                    pb_utils.Tensor("kv_cache_alloc_total_blocks", i32(total)),
-                ]
-        if s.want_in:
+                kv = {
+                    "kv_cache_alloc_new_blocks": total - reused,
+                    "kv_cache_reused_blocks": reused,
+                    "kv_cache_alloc_total_blocks": total,
+                }
+                out += [pb_utils.Tensor(name, i32(v)) for name, v in kv.items() if name in want]
+        if s.want_in and "num_input_tokens" in want:
             out.append(pb_utils.Tensor("num_input_tokens", i32(len(s.prompt))))
-        if s.want_out:
+        if s.want_out and "num_output_tokens" in want:
             out.append(pb_utils.Tensor("num_output_tokens", i32(len(s.generated))))
-        out.append(pb_utils.Tensor("request_key", np.array([[s.engine_id.encode()]], dtype=np.object_)))
-        if s.dropped is not None:
+        if "request_key" in want:
+            out.append(pb_utils.Tensor("request_key", np.array([[s.engine_id.encode()]], dtype=np.object_)))
+        if s.dropped is not None and "dropped_turns" in want:
             out.append(pb_utils.Tensor("dropped_turns", i32(s.dropped)))
         return pb_utils.InferenceResponse(out)
 
