@@ -158,6 +158,34 @@ def test_client_lag_casts_doubt_on_latencies_but_not_on_errors():
     assert evaluate([Objective(metric="ttft", stat="p50", max=50)], slow).status == FAIL
 
 
+def test_under_client_lag_a_latency_fail_the_servers_own_clock_confirms_stands():
+    """A late client sends and reads late; it cannot stretch the server's arrival -> first token."""
+    from toolkit.slo.records import ARRIVAL, FIRST_TOKEN, LAST_TOKEN
+
+    def with_server(i, server_ttft):
+        r = served(i, ttft=80)
+        t0 = 10**12 + i * 10 * MS  # the server's clock: another origin than the client's
+        r.server = {ARRIVAL: t0, FIRST_TOKEN: t0 + int(server_ttft * MS), LAST_TOKEN: t0 + int((server_ttft + 3) * MS)}
+        return r
+
+    lagging = dict(schedule_ok=False, schedule_message="client send lag p99 9 ms > 5 ms")
+    p99 = [Objective(metric="ttft", stat="p99", max=50)]
+    slow_server = summarize([with_server(i, 75) for i in range(100)])
+    v = evaluate(p99, slow_server, **lagging)
+    assert v.status == FAIL and "server's own time stamps give 75" in v.results[0].message
+    e2e = evaluate([Objective(metric="e2e", stat="p50", max=60)], slow_server, **lagging)
+    assert e2e.status == FAIL
+    # The client read late, the server was fast: doubt, as before.
+    fast_server = summarize([with_server(i, 20) for i in range(100)])
+    assert evaluate(p99, fast_server, **lagging).status == INCONCLUSIVE
+    # Too few server stamps for a p99: doubt.
+    few = summarize([with_server(i, 75) for i in range(50)] + [served(50 + i, ttft=80) for i in range(50)])
+    assert evaluate(p99, few, **lagging).status == INCONCLUSIVE
+    # ITL has no server-side twin: doubt.
+    itl = evaluate([Objective(metric="itl", stat="p50", max=0.5)], slow_server, **lagging)
+    assert itl.status == INCONCLUSIVE
+
+
 def test_short_responses_are_counted_and_an_objective_fails_on_them():
     recs = [served(i, tokens=8, requested=8) for i in range(9)] + [served(9, tokens=3, requested=8)]
     s = summarize(recs)

@@ -6,7 +6,10 @@
 * When the client could not keep its own schedule (its send lag p99 over ``max_schedule_lag_ms``),
   the latencies and rates measure the client as much as the server: the run is **inconclusive**,
   unless an objective on request outcomes that lag cannot cause (``error_rate``,
-  ``short_output_rate``) failed: that FAIL stands.
+  ``short_output_rate``) failed, or a ``ttft`` / ``e2e`` objective failed whose statistic over the
+  server's own time stamps (``server_ttft`` / ``server_e2e``: arrival in the model to first / last
+  token, where the server returns them) fails it too: those FAILs stand.  A late client only sends
+  later (a lighter load) and reads later; it cannot make the server's own clock run long.
 * Otherwise any objective that is not met makes it **FAIL**; all met is **PASS**.
 * With no ``error_rate`` objective, ``error_rate ≤ 0`` is implied: a gate never passes a run in
   which requests failed unless the user said how many may fail.
@@ -88,6 +91,24 @@ def _check(obj: Objective, summary: Summary, implicit: bool = False) -> Objectiv
     return ObjectiveResult(**base, status=PASS if met else FAIL, message=f"observed {observed:.4g}")
 
 
+# Client-side latency -> the same span on the server's own clock (metrics.REQUEST_METRICS).
+SERVER_SIDE = {"ttft": "server_ttft", "e2e": "server_e2e"}
+
+
+def server_confirmed(result: ObjectiveResult, summary: Summary) -> float | None:
+    """The failed latency objective's statistic over the server's own time stamps, where there are enough of
+    them and it fails the objective too; else None."""
+    obj = result.objective
+    twin = SERVER_SIDE.get(obj["metric"])
+    dist = summary.distributions.get(twin) if twin else None
+    if result.status != FAIL or dist is None or obj.get("max") is None:
+        return None
+    if dist.requests < required_samples(Objective(**obj)):
+        return None
+    observed = dist.stat(obj["stat"])
+    return observed if observed is not None and observed > obj["max"] else None
+
+
 def lag_immune(metric: str) -> bool:
     """Whether a FAIL of this metric stands even when the client fell behind its schedule."""
     return metric in AGGREGATES and AGGREGATES[metric].lag_immune
@@ -133,6 +154,12 @@ def evaluate(
         reasons.append(f"the client could not keep the schedule: {schedule_message}")
     statuses = {r.status for r in results}
     lag_proof_fail = any(r.status == FAIL and lag_immune(r.objective["metric"]) for r in results)
+    if not schedule_ok:
+        for r in results:
+            server = server_confirmed(r, summary)
+            if server is not None:
+                r.message += f"; the server's own time stamps give {server:.4g}, over the limit too"
+                lag_proof_fail = True
     if not objectives and not checks:
         status = INCONCLUSIVE
     elif lag_proof_fail:
