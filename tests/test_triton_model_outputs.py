@@ -3,9 +3,10 @@
 python_backend r24.10 (the bundled tritonserver 2.51) drops a response's other outputs in
 ``ResponseSender::Send`` with the GIL released and frees their numpy arrays without it; with another
 thread of the model running Python, the stub then crashes or hangs within seconds
-(``rtk_text.requested_outputs``, docs/engine.md).  ``triton_python_backend_utils`` exists only inside the
-python backend's stub, so :class:`FakePbUtils` stands in for it here: it records the tensors a response is
-made of.  The responses' contents are checked against a real tritonserver in test_serve_tiny.py.
+(``rtk_text.requested_outputs``; docs/serving.md, "Only requested outputs").
+``triton_python_backend_utils`` exists only inside the python backend's stub, so :class:`FakePbUtils`
+stands in for it here: it records the tensors a response is made of.  The responses' contents are
+checked against a real tritonserver in test_serve_tiny.py.
 """
 
 from __future__ import annotations
