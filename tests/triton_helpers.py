@@ -159,6 +159,9 @@ class TritonPythonModel:
                 stream = bool(_opt(request, "streaming", False))
                 prompt_len = int(_opt(request, "input_lengths", 0))
             perf = bool(_opt(request, "return_perf_metrics", False))
+            # Only requested outputs: tritonserver 2.51's python backend frees the others without the GIL
+            # (toolkit/triton/models/rtk_text.py, requested_outputs), which breaks the stub when threads run.
+            want = set(request.requested_output_names())
             if self.fail_every and index % self.fail_every == self.fail_every - 1:
                 raise RuntimeError(f"request {index} fails on purpose (fail_every={self.fail_every})")
             if index == self.stall_at:
@@ -184,18 +187,15 @@ class TritonPythonModel:
                 stamps["last_token_time_ns"] = now_ns
                 tokens.append(1000 + (prompt_len + i) % 1000)
                 if stream:
-                    sender.send(self._response(request, [tokens[-1]], stamps if perf else None))
+                    sender.send(self._response(want, [tokens[-1]], stamps if perf else None))
             if stream:
                 sender.send(flags=FINAL)
             else:
-                sender.send(self._response(request, tokens, stamps if perf else None), flags=FINAL)
+                sender.send(self._response(want, tokens, stamps if perf else None), flags=FINAL)
         except Exception as exc:  # report instead of leaving the client waiting
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"fake_llm: {exc}")), flags=FINAL)
 
-    def _response(self, request, tokens, stamps):
-        # Only requested outputs: tritonserver 2.51's python backend frees the others without the GIL
-        # (toolkit/triton/models/rtk_text.py, requested_outputs), which breaks the stub when threads run.
-        want = set(request.requested_output_names())
+    def _response(self, want, tokens, stamps):
         if self.interface == "ensemble":
             text = "".join(f" tok{t}" for t in tokens)
             outs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]

@@ -103,7 +103,7 @@ def server_confirmed(result: ObjectiveResult, summary: Summary) -> float | None:
     dist = summary.distributions.get(twin) if twin else None
     if result.status != FAIL or dist is None or obj.get("max") is None:
         return None
-    if dist.requests < required_samples(Objective(**obj)):
+    if dist.requests < result.required:
         return None
     observed = dist.stat(obj["stat"])
     return observed if observed is not None and observed > obj["max"] else None
