@@ -15,10 +15,11 @@
   ``int4_awq`` with Q4_0.  The GGUFs hold the (tied) output layer quantized too; ``--quantize-lm-head``
   gives rtk's int8_sq / int4_awq builds a quantized head as well (``quantization.quantize_lm_head``).
 * **Client.** One light client for both (this process, one thread per stream, raw HTTP/1.1 with
-  server-sent events): rtk through Triton's ``generate_stream`` endpoint of the ``ensemble`` (text
-  in, text out: what a user calls), the peer through its OpenAI ``/v1/completions`` with
-  ``stream``.  Every request asks for exactly ``--output-tokens`` tokens (rtk ``end_id=-1``, the peer
-  ``ignore_eos``); each streamed event is a token.  Prompts are distinct plain texts of about
+  server-sent events), both through an OpenAI ``/v1/completions`` with ``stream``: rtk's front door
+  (``--rtk-endpoint frontdoor``, the default: what a user calls, as served by ``rtk serve``) or
+  Triton's ``generate_stream`` endpoint of the ``ensemble`` (``--rtk-endpoint ensemble``), and
+  llama-server's own.  Every request asks for exactly ``--output-tokens`` tokens (``ignore_eos``;
+  ``end_id=-1`` on the ensemble); each streamed event is a token.  Prompts are distinct plain texts of about
   ``--prompt-words`` words whose first words differ, so neither server's prefix cache hits.
 * **Fairness.** Both servers have the whole host: llama-server runs ``--threads`` threads
   (``-t/-tb``), rtk's engine ``--rtk-threads`` (``build.num_threads``; by default rtk's served
@@ -289,9 +290,14 @@ def rtk(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProces
 
 
 class RtkServer:
-    def __init__(self, spec: Path, sets: list[str], workdir: Path):
-        self.spec, self.sets, self.workdir = spec, sets, workdir
-        self.port = free_port()
+    """``rtk serve --detach``; requests go to its front door (``endpoint`` "frontdoor") or to Triton's
+    ``generate_stream`` of the ensemble (``endpoint`` "ensemble")."""
+
+    def __init__(self, spec: Path, sets: list[str], workdir: Path, endpoint: str = "frontdoor"):
+        self.spec, self.sets, self.workdir, self.endpoint = spec, sets, workdir, endpoint
+        self.triton_port, self.frontdoor_port = free_port(), free_port()
+        self.port = self.frontdoor_port if endpoint == "frontdoor" else self.triton_port
+        self.model = None
 
     def _args(self) -> list[str]:
         return [str(self.spec), *[a for s in self.sets for a in ("--set", s)]]
@@ -301,8 +307,12 @@ class RtkServer:
             "serve",
             *self._args(),
             "--detach",
+            "--set",
+            f"serving.frontend.port={self.frontdoor_port}",
+            "--set",
+            f"serving.frontend.enabled={str(self.endpoint == 'frontdoor').lower()}",
             "--http-port",
-            str(self.port),
+            str(self.triton_port),
             "--grpc-port",
             str(free_port()),
             "--metrics-port",
@@ -312,13 +322,22 @@ class RtkServer:
         )
         if p.returncode != 0:
             raise RuntimeError(f"rtk serve failed ({p.returncode}): {p.stderr[-2000:]}")
-        wait_http(self.port, "/v2/health/ready", 60)
+        wait_http(self.triton_port, "/v2/health/ready", 60)
+        if self.endpoint == "frontdoor":
+            wait_http(self.frontdoor_port, "/health", 60)
+            conn = http.client.HTTPConnection("127.0.0.1", self.frontdoor_port, timeout=30)
+            conn.request("GET", "/v1/models")
+            self.model = json.loads(conn.getresponse().read())["data"][0]["id"]
+            conn.close()
         return self
 
     def __exit__(self, *exc):
         rtk("serve", *self._args(), "--stop", cwd=self.workdir, check=False)
 
     def request(self, prompt: str, n: int) -> tuple[str, dict]:
+        if self.endpoint == "frontdoor":
+            body = {"model": self.model, "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True}
+            return "/v1/completions", {**body, "temperature": 0.0}
         return "/v2/models/ensemble/generate_stream", {
             "text_input": prompt,
             "max_tokens": n,
@@ -326,8 +345,9 @@ class RtkServer:
             "stream": True,
         }
 
-    @staticmethod
-    def is_token(event: dict) -> bool:
+    def is_token(self, event: dict) -> bool:
+        if self.endpoint == "frontdoor":
+            return PeerServer.is_token(event)
         return bool(event.get("text_output"))
 
 
@@ -493,6 +513,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--workdir", type=Path, default=None, help="where rtk builds (default: the peer cache's rtk/ folder)"
     )
+    ap.add_argument(
+        "--rtk-endpoint",
+        choices=["frontdoor", "ensemble"],
+        default="frontdoor",
+        help="rtk's side: its front door's /v1/completions (default) or Triton's ensemble generate_stream",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -541,7 +567,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"no fetched checkpoint under {workdir / 'engines' / name}")
         gguf = gguf_for(tree, bin_dir, checkpoint, kind, cache / "gguf" / args.spec.stem)
         log(f"peer model {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
-        rtk_srv = RtkServer(args.spec.resolve(), sets, workdir)
+        rtk_srv = RtkServer(args.spec.resolve(), sets, workdir, args.rtk_endpoint)
         peer = PeerServer(bin_dir, gguf, args.threads, slots, 1024, workdir / f"llama-server-{kind}.log")
         per = {"rtk": {c: Level() for c in levels}, "peer": {c: Level() for c in levels}}
         for r in range(args.rounds):
@@ -560,7 +586,8 @@ def main(argv=None) -> int:
         f"load average {loadavg()} at end; llama-server -t/-tb {args.threads}, rtk build.num_threads "
         f"{args.rtk_threads or 'unset (served default: all cores but one)'}"
         f"{''.join(f', {x}' for x in head + args.rtk_set)}; llama-server -np {slots}, "
-        f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts"
+        f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts;"
+        f" rtk through {'its front door' if args.rtk_endpoint == 'frontdoor' else 'the ensemble (generate_stream)'}"
     )
     if args.json:
         args.json.write_text(

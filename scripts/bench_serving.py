@@ -2,7 +2,7 @@
 """What Triton adds to rtk's CPU engine: TTFT and ITL through Triton vs calling the engine directly.
 
     python scripts/bench_serving.py triton_repo/smollm2-cpu [--requests 24] [--concurrency 1 8]
-        [--paths engine tensorrt_llm ensemble frontdoor] [--compare-frontdoor DIR]
+        [--paths engine tensorrt_llm ensemble frontdoor frontdoor-ensemble] [--compare-frontdoor DIR]
 
 For each concurrency level the same closed-loop workload (every stream sends its next request when
 the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
@@ -13,9 +13,13 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
-  over that ensemble: ``/v1/chat/completions`` SSE, ``ignore_eos``; its TTFT and ITL are also given
-  as added ms against ``ensemble`` (what the front door costs), with the front door process's CPU
-  time per request and per token (from /proc: on a shared host that CPU is taken from the engine).
+  as served by default: ``/v1/chat/completions`` SSE, ``ignore_eos``, sent as token ids straight to
+  ``tensorrt_llm`` (the front door tokenises and detokenises);
+* ``frontdoor-ensemble`` — the same front door through the ensemble (``serving.frontend.primary_model:
+  ensemble``).  Both front doors' TTFT and ITL are also given as added ms against the two gRPC paths
+  (``tensorrt_llm``: token ids, no text at all; ``ensemble``: text in and out), with the front door
+  process's CPU time per request and per token (from /proc: on a shared host that CPU is taken from the
+  engine).
   The client is a minimal HTTP/1.1 reader on a kept-alive socket (TCP_NODELAY), so that the client's
   own parsing costs about what tritonclient's does on the gRPC paths;
 * ``frontdoor@NAME`` — with ``--compare-frontdoor DIR``: the same front door started from another
@@ -52,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
 
 QUESTION = "Explain in a few sentences why the sky is blue."
-PATHS = ("engine", "tensorrt_llm", "ensemble", "frontdoor")
+PATHS = ("engine", "tensorrt_llm", "ensemble", "frontdoor", "frontdoor-ensemble")
+FRONTDOOR_SETTINGS = {"frontdoor": [], "frontdoor-ensemble": ["serving.frontend.primary_model=ensemble"]}
 
 
 def percentile(xs, q):
@@ -300,8 +305,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_frontdoor(repo, server, root=ROOT):
-    """``python -m toolkit.frontdoor`` (from the rtk checkout ``root``) on a free port; returns (process, url)."""
+def start_frontdoor(repo, server, root=ROOT, settings=()):
+    """``python -m toolkit.frontdoor`` (from the rtk checkout ``root``, with ``--set`` of each of ``settings``)
+    on a free port; returns (process, url)."""
     import subprocess
 
     from toolkit.triton.server import free_ports
@@ -318,6 +324,7 @@ def start_frontdoor(repo, server, root=ROOT):
         server.metrics_url,
         "--port",
         str(port),
+        *(x for s in settings for x in ("--set", s)),
     ]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root, env=env)
@@ -416,12 +423,11 @@ def main(argv=None) -> int:
             ]
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
-        roots = {"frontdoor": ROOT}
+        roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
-            roots[f"frontdoor@{args.compare_frontdoor.name}"] = args.compare_frontdoor.resolve()
-        for name, root in roots.items():
-            if "frontdoor" in args.paths:
-                doors[name] = start_frontdoor(repo, server, root)
+            roots[f"frontdoor@{args.compare_frontdoor.name}"] = (args.compare_frontdoor.resolve(), [])
+        for name, (root, settings) in roots.items():
+            doors[name] = start_frontdoor(repo, server, root, settings)
         fd_model = None
         for _, fd_url in doors.values():
             with urllib.request.urlopen(fd_url + "/v1/models") as resp:
@@ -480,15 +486,17 @@ def main(argv=None) -> int:
                 f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
                 f"{itl / b_itl:.2f} |"
             )
-    if doors and "ensemble" in paths:
+    for grpc_path in ("tensorrt_llm", "ensemble"):
+        if not doors or grpc_path not in paths:
+            continue
         print(
-            "\nThe front door against the ensemble it fronts (medians; added ms per request and per token; its CPU:"
-            " busy minus the idle polling rate)"
+            f"\nThe front doors against Triton's gRPC path to {grpc_path} (medians; added ms per request and per"
+            " token; their CPU: busy minus the idle polling rate)"
         )
         print("| streams | front door | TTFT added ms | ITL added ms | CPU ms per request | CPU us per token |")
         print("|---|---|---|---|---|---|")
         for c in args.concurrency:
-            e = results["ensemble"][c]
+            e = results[grpc_path][c]
             for name in doors:
                 f = results[name][c]
                 busy, busy_t, idle, idle_t = cpu[name][c]

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 from conftest import spec_for
-from triton_helpers import running_server
+from triton_helpers import model_successes, running_server
 
 from toolkit.frontdoor import FrontDoorServer, create_app
 
@@ -204,3 +204,57 @@ def test_logprobs_are_the_engines_and_match_transformers(served, tiny_llama_dir)
     first = int(torch.argmax(logp))
     assert entries[0]["token"] == tok.decode([first], skip_special_tokens=True)
     assert entries[0]["logprob"] == pytest.approx(float(logp[first]), abs=0.05)
+
+
+def test_the_primary_path_answers_as_the_ensemble_does(served):
+    """By default the front door sends token ids straight to ``tensorrt_llm`` (its own pre/postprocessing:
+    toolkit/frontdoor/tokens.py); with ``primary_model: ensemble`` it sends text through the ensemble.  Both
+    give the same answers, usage and log-probs for chat and plain prompts, stop strings and ignore_eos, and
+    the default path leaves the ensemble's models idle."""
+    from toolkit.frontdoor.config import config_from
+
+    repo, triton, model = served["repo"], served["triton"], served["model"]
+    via_ensemble = config_from(repo)
+    assert via_ensemble.primary_model == "tensorrt_llm"
+    via_ensemble.frontend.primary_model = "ensemble"
+    assert via_ensemble.primary_model == "ensemble"
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    bodies = [
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 8}),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 12, "ignore_eos": True, "logprobs": True}),
+        ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 10, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": "One, two, three,", "max_tokens": 16, "stop": [","], "ignore_eos": True}),
+    ]
+
+    def answers(url: str) -> list[dict]:
+        out = []
+        for path, body in bodies:
+            r = httpx.post(url + path, json={"model": model, "temperature": 0, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            choice = got["choices"][0]
+            out.append(
+                {
+                    "text": choice.get("message", {}).get("content", choice.get("text")),
+                    "finish": choice["finish_reason"],
+                    "usage": got["usage"],
+                    "logprobs": choice.get("logprobs"),
+                }
+            )
+        return out
+
+    before = {m: model_successes(triton.http_url, m) for m in ("postprocessing", "tensorrt_llm")}
+    direct = answers(served["fd"])
+    after = {m: model_successes(triton.http_url, m) for m in ("postprocessing", "tensorrt_llm")}
+    assert after["postprocessing"] == before["postprocessing"], "the default path went through the ensemble"
+    assert after["tensorrt_llm"] >= before["tensorrt_llm"] + len(bodies)
+
+    with FrontDoorServer(create_app(via_ensemble, triton.grpc_url), "127.0.0.1", _port()) as fd:
+        through_ensemble = answers(fd.url)
+    assert model_successes(triton.http_url, "postprocessing") > after["postprocessing"]
+    for (path, body), a, b in zip(bodies, direct, through_ensemble, strict=True):
+        assert a["text"] == b["text"] and a["finish"] == b["finish"] and a["usage"] == b["usage"], (path, body, a, b)
+        if body.get("logprobs"):
+            got = [t["logprob"] for t in a["logprobs"]["content"]]
+            want = [t["logprob"] for t in b["logprobs"]["content"]]
+            assert len(got) == body["max_tokens"] and got == pytest.approx(want, abs=1e-6)

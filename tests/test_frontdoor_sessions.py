@@ -15,7 +15,6 @@ import pytest
 
 from toolkit.frontdoor.protocol import APIError, GenRequest
 from toolkit.frontdoor.sessions import (
-    ChatTokens,
     RedisSessions,
     Session,
     SessionManager,
@@ -23,6 +22,7 @@ from toolkit.frontdoor.sessions import (
     owner_of,
     session_id_of,
 )
+from toolkit.frontdoor.tokens import ChatTokens
 from toolkit.spec import SessionsSpec
 
 

@@ -384,7 +384,7 @@ def test_triton_request_tensors_match_tritonclients_numpy_serialisation(interfac
         if interface == "ensemble" and tensor.name not in ("stop_words",):
             arr = arr.reshape(1)  # a scalar input
         elif interface == "ensemble":
-            arr = arr.reshape(1, -1)
+            arr = arr.reshape(-1)  # the ensemble's stop_words has dims [-1] (toolkit/triton/config.py)
         if batched:
             arr = arr[np.newaxis, ...]
         ref = InferInput(tensor.name, list(arr.shape), tensor.datatype)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from conftest import make_tiny_llama, spec_for
-from triton_helpers import pid_alive
+from triton_helpers import model_successes, pid_alive
 
 from toolkit.cli import cli
 from toolkit.errors import UsageError
@@ -108,11 +106,9 @@ def _stream(fd_url: str, max_tokens: int, first: threading.Event, out: dict) -> 
         first.set()
 
 
-def _successes(st: ServerState) -> float:
-    """Requests the ensemble of this server answered (Triton's own counter)."""
-    text = urllib.request.urlopen(st.metrics_url, timeout=10).read().decode()
-    m = re.search(r'^nv_inference_request_success\{model="ensemble",version="1"\} (\S+)', text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+def _successes(st: ServerState) -> int:
+    """Requests this server's tensorrt_llm answered (the front door sends there; Triton's own count)."""
+    return model_successes(st.http_url, "tensorrt_llm")
 
 
 def _servers_of(repo: Path) -> list[int]:

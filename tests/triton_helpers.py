@@ -297,3 +297,15 @@ def running_server(repo: Path, *, ready_timeout_s: float = 60.0, attempts: int =
         yield server
     finally:
         server.stop()
+
+
+def model_successes(http_url: str, model: str) -> int:
+    """Requests ``model`` answered, from Triton's statistics extension (``/v2/models/NAME/stats``).  Its
+    ``nv_inference_request_success`` metric is not used: this tritonserver exports none for the cpu
+    ``tensorrt_llm`` model, a decoupled python model called over gRPC."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http_url}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.loads(r.read())
+    return sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])

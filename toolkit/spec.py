@@ -197,6 +197,12 @@ class FrontendSpec(Section):
     )
     model_name: str | None = Field(None, description="model id in /v1/models and requests; default: the spec name")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="larger request bodies are refused (413)")
+    primary_model: Literal["tensorrt_llm", "ensemble"] = Field(
+        "tensorrt_llm",
+        description="where the front door sends requests on the cpu and trt-engine targets: straight to the "
+        "tensorrt_llm model, tokenised and detokenised in the front door (one python-stub hop less per token), or "
+        "through the repository's ensemble (its pre- and postprocessing models); the llmapi target has one model",
+    )
 
     @field_validator("api_keys")
     @classmethod

@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("repository")
     ap.add_argument("--triton-grpc", required=True, action="append", help="HOST:PORT; once per replica")
     ap.add_argument("--metrics-url", action="append", help="Triton's metrics URL; once per replica")
-    ap.add_argument("--model", default="ensemble", help="Triton model: ensemble (default) or tensorrt_llm_bls")
+    ap.add_argument(
+        "--model",
+        default="ensemble",
+        help="Triton model: ensemble (default; requests go straight to its tensorrt_llm unless "
+        "serving.frontend.primary_model is ensemble) or tensorrt_llm_bls",
+    )
     ap.add_argument("--host")
     ap.add_argument("--port", type=int)
     ap.add_argument("--set", action="append", default=[], metavar="serving.SECTION.FIELD=VALUE")

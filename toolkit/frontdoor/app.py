@@ -92,7 +92,7 @@ class FrontDoor:
         urls = replica_urls(triton_grpc_url, metrics_url)
         self.replicas = [
             Replica(
-                str(i), TritonBackend(grpc, config.triton_model, metrics), Estimator(max_batch=config.max_batch_size)
+                str(i), TritonBackend(grpc, config.primary_model, metrics), Estimator(max_batch=config.max_batch_size)
             )
             for i, (grpc, metrics) in enumerate(urls)
         ]
@@ -102,6 +102,7 @@ class FrontDoor:
         self.cache = None
         self.tiers: list = []
         self.tokenizer = None
+        self.prompts = None  # tokens.PromptRules: the primary path tokenises for the tensorrt_llm model
         self.chat_tokenizer = None  # transformers' tokenizer for the chat template (llmapi), loaded when needed
         self._tasks: list[asyncio.Task] = []
         clf = config.filter.classifier
@@ -129,7 +130,8 @@ class FrontDoor:
 
     @property
     def interface(self) -> str:
-        """The served model's interface (``ensemble`` or ``llmapi``), as the first replica that answered says."""
+        """The served model's interface (``ensemble``, ``llmapi`` or ``tensorrt_llm``), as the first replica that
+        answered says."""
         for r in self.replicas:
             if r.backend.inputs:
                 return r.backend.interface
@@ -141,6 +143,8 @@ class FrontDoor:
 
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
         self._load_tokenizer()
+        if self.config.primary_ids:
+            self._use_prompts(await asyncio.to_thread(self._prompt_rules))
         for t in self.config.guard.fallbacks:
             if t.kind == "cache":
                 self.cache = make_cache(self.config.cache)
@@ -197,6 +201,26 @@ class FrontDoor:
         except Exception as exc:  # noqa: BLE001 — counting falls back to an estimate from the bytes
             log.warning("front door: cannot load the tokenizer from %s: %r", d, exc)
 
+    def _prompt_rules(self):
+        """The tokenizer, chat template and context window of the primary path to ``tensorrt_llm`` (slow: run
+        it off the event loop)."""
+        from .tokens import ChatTokens, PromptRules
+
+        c = self.config
+        return PromptRules(
+            ChatTokens(c.tokenizer_dir),
+            max_input_len=c.max_input_len,
+            max_seq_len=c.max_seq_len,
+            context_policy=c.context_policy,
+        )
+
+    def _use_prompts(self, prompts) -> None:
+        """Every replica's primary path, and the sessions, tokenise with ``prompts``."""
+        self.prompts = prompts
+        self.sessions.tokens = prompts.tokens
+        for r in self.replicas:
+            r.backend.prompts = prompts
+
     async def swap_backend(self, grpc_url: str, metrics_url: str | None) -> tuple[list[TritonBackend], set[str]]:
         """Hot model update (``rtk serve --reload``, toolkit/frontdoor/runner.py): new requests go to the
         tritonserver at ``grpc_url`` once it answers ready, with the model limits of the rebuilt repository.
@@ -207,7 +231,7 @@ class FrontDoor:
                 f"this front door serves {len(self.replicas)} replicas; a hot reload swaps one server behind it"
             )
         replica = self.replicas[0]
-        backend = TritonBackend(grpc_url, self.config.triton_model, metrics_url)
+        backend = TritonBackend(grpc_url, self.config.primary_model, metrics_url)
         await backend.open()
         if not backend.ready:
             await backend.close()
@@ -219,10 +243,13 @@ class FrontDoor:
                 setattr(self.config, name, getattr(fresh, name))
             replica.estimator.max_batch = fresh.max_batch_size
             await asyncio.to_thread(self._load_tokenizer)
+        prompts = await asyncio.to_thread(self._prompt_rules) if self.config.primary_ids else None
         # No await from here on: a request sees either the old backend or the new one, never half of each
         # (the filter's classifier asks some_backend(), so it follows).
         old = [replica.backend, *self.sessions.forget_engine(grpc_url)]
         replica.backend = backend
+        if prompts is not None:
+            self._use_prompts(prompts)
         return old, set(replica.estimator.inflight)
 
     def prompt_tokens(self, req: GenRequest) -> int:

@@ -22,12 +22,30 @@ class FrontDoorConfig:
     sessions: SessionsSpec = field(default_factory=SessionsSpec)
     jobs: JobsSpec = field(default_factory=JobsSpec)
     triton_model: str = "ensemble"
+    context_policy: str = "truncate_oldest"
     max_batch_size: int = 8
     max_seq_len: int = 2048
     max_input_len: int = 2048
     default_max_tokens: int = 128
     tokenizer_dir: Path | None = None
     repository: Path | None = None  # sessions' SQLite file goes beside its state file
+
+    @property
+    def primary_ids(self) -> bool:
+        """Requests for the ensemble go straight to ``tensorrt_llm`` as token ids: the front door does the
+        pre- and postprocessing models' work (tokens.py), with their tokenizer (``serving.frontend.primary_model``)."""
+        return (
+            self.triton_model == "ensemble"
+            and self.frontend.primary_model == "tensorrt_llm"
+            and self.tokenizer_dir is not None
+            and self.repository is not None
+            and self.tokenizer_dir == self.repository / TOKENIZER_IN_REPO
+        )
+
+    @property
+    def primary_model(self) -> str:
+        """The Triton model the primary tier sends requests to."""
+        return "tensorrt_llm" if self.primary_ids else self.triton_model
 
 
 def config_from(source, *, triton_model: str = "ensemble") -> FrontDoorConfig:
@@ -86,6 +104,7 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         sessions=SessionsSpec(**serving.get("sessions", {})),
         jobs=JobsSpec(**serving.get("jobs", {})),
         triton_model=triton_model,
+        context_policy=str(serving.get("context_policy", "truncate_oldest")),
         max_batch_size=int(build.get("max_batch_size", 8)),
         max_seq_len=int(build.get("max_seq_len", 2048)),
         max_input_len=int(build.get("max_input_len", build.get("max_seq_len", 2048))),

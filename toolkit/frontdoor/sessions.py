@@ -39,9 +39,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .protocol import APIError, GenRequest, bad
+from .tokens import ChatTokens
 
 log = logging.getLogger("rtk.frontdoor")
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -284,28 +283,6 @@ def default_sqlite_path(repository: Path | None) -> Path:
 # -- the chat in token ids -------------------------------------------------------------------------------
 
 
-class ChatTokens:
-    """The repository's tokenizer and chat template, as the preprocessing model uses them."""
-
-    def __init__(self, tokenizer_dir: Path):
-        from ..triton.models.rtk_text import end_id_of, load_tokenizer, pad_id_of
-
-        self.tok = load_tokenizer(str(tokenizer_dir))
-        self.end_id, self.pad_id = end_id_of(self.tok), pad_id_of(self.tok)
-
-    def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
-        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def delta(self, preceding: list[int], new: list[int]) -> str:
-        from ..triton.models.rtk_text import PRECEDING_WINDOW, decode_delta
-
-        return decode_delta(self.tok, preceding[-PRECEDING_WINDOW:], new)
-
-
 @dataclass
 class Turn:
     """One request of a session: what is sent and what to store when it completes."""
@@ -471,74 +448,18 @@ class SessionStream:
         on_final=None,
         renew=None,
     ):
+        from .tokens import IdsText, ids_request
         from .triton import TritonStream
 
         self.manager, self.turn, self.req, self.store = manager, turn, req, store
         self.on_final, self.renew = on_final, renew  # async (turn, stored) ; async () -> still holds the lease
         self._renewed = time.monotonic()
-        self.generated: list[int] = []
         self.text: list[str] = []
-        self.reused_blocks: int | None = None
-        self.stream = TritonStream(backend, self._build(backend, req, turn.prompt_ids))
-
-    def _build(self, backend, req: GenRequest, ids: list[int]):
-        from tritonclient.grpc import service_pb2 as pb
-
-        msg = pb.ModelInferRequest(model_name=backend.model, id=req.id)
-
-        def add(name, datatype, arr):
-            arr = np.asarray(arr)
-            arr = arr.reshape(1, -1) if arr.ndim else arr.reshape(1, 1)
-            if not backend.batched:
-                arr = arr[0]
-            msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-            msg.raw_input_contents.append(arr.tobytes())
-
-        def optional(name, field_name, wanted):
-            if wanted and name not in backend.inputs:
-                raise bad(field_name, f"is not supported by this deployment's '{backend.model}' model; leave it unset")
-            return wanted
-
-        add("input_ids", "INT32", np.array(ids, dtype=np.int32))
-        add("input_lengths", "INT32", np.array(len(ids), dtype=np.int32))
-        add("request_output_len", "INT32", np.array(req.max_tokens, dtype=np.int32))
-        add("end_id", "INT32", np.array(self.manager.tokens.end_id, dtype=np.int32))
-        add("pad_id", "INT32", np.array(self.manager.tokens.pad_id, dtype=np.int32))
-        add("streaming", "BOOL", np.array(True))
-        for name in (
-            "exclude_input_in_output",
-            "return_num_input_tokens",
-            "return_num_output_tokens",
-            "return_perf_metrics",
-        ):
-            if name in backend.inputs:
-                add(name, "BOOL", np.array(True))
-        if req.temperature:
-            add("temperature", "FP32", np.array(req.temperature, dtype=np.float32))
-            if optional("runtime_top_p", "top_p", req.top_p < 1.0):
-                add("runtime_top_p", "FP32", np.array(req.top_p, dtype=np.float32))
-            if optional("runtime_top_k", "top_k", bool(req.top_k)):
-                add("runtime_top_k", "INT32", np.array(req.top_k, dtype=np.int32))
-            if req.seed is not None:
-                add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
-        if req.stop:
-            from ..triton.models.rtk_text import word_list
-
-            words = word_list(self.manager.tokens.tok, [req.stop])[0]
-            add("stop_words_list", "INT32", words[np.newaxis] if backend.batched else words)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(req, name)
-            if optional(name, name, v != 0.0):
-                add(name, "FP32", np.array(v, dtype=np.float32))
-        for name in ("output_ids", "sequence_length", "kv_cache_reused_blocks"):
-            if name in backend.outputs:
-                msg.outputs.add(name=name)
-        msg.parameters["triton_enable_empty_final_response"].bool_param = True
-        return msg
+        self.ids = IdsText(manager.tokens, turn.prompt_ids)
+        msg = ids_request(backend, req, turn.prompt_ids, manager.tokens, ("kv_cache_reused_blocks",))
+        self.stream = TritonStream(backend, msg, self.ids)
 
     async def next(self):
-        from .triton import Piece
-
         if self.renew is not None and time.monotonic() - self._renewed > TURN_LEASE_S / 3:
             self._renewed = time.monotonic()
             try:
@@ -546,64 +467,28 @@ class SessionStream:
                     self.store = False  # the lease lapsed and another turn has the session: this one is not stored
             except Exception as exc:  # noqa: BLE001 — counted by CountedStore; the answer still streams
                 log.warning("front door: renewing a session's turn lease failed: %r", exc)
-        resp = await self._raw()
-        r = resp.infer_response
-        index = {o.name: i for i, o in enumerate(r.outputs)}
-        raws = r.raw_output_contents
-        new: list[int] = []
-        if "output_ids" in index:
-            new = [int(t) for t in np.frombuffer(raws[index["output_ids"]], dtype=np.int32)]
-            if "sequence_length" in index:
-                new = new[: int(np.frombuffer(raws[index["sequence_length"]], dtype=np.int32)[0])]
-        if "kv_cache_reused_blocks" in index:
-            self.reused_blocks = int(np.frombuffer(raws[index["kv_cache_reused_blocks"]], dtype=np.int32)[0])
-        new = [t for t in new if t != self.manager.tokens.end_id]
-        text = self.manager.tokens.delta(self.turn.prompt_ids[-8:] + self.generated, new) if new else ""
-        self.generated += new
-        self.text.append(text)
-        p = r.parameters.get("triton_final_response")
-        piece = Piece(text, final=bool(p is not None and p.bool_param), prompt_tokens=len(self.turn.prompt_ids))
-        piece.completion_tokens = len(self.generated)
+        piece = await self.stream.next()
+        self.text.append(piece.text)
         if piece.final:
-            self.stream.close()
+            generated = self.ids.generated
             stats = {
                 "prompt_tokens": len(self.turn.prompt_ids),
                 "reused_ids": self.turn.reused_ids,
-                "completion_tokens": len(self.generated),
-                "kv_reused_blocks": self.reused_blocks,
+                "completion_tokens": len(generated),
+                "kv_reused_blocks": self.ids.reused_blocks,
                 "dropped_turns": self.turn.dropped,
             }
             reply = "".join(self.text)
             stored = False
             if self.store and await self.manager.allowed(reply):
                 try:
-                    await self.manager.commit(self.turn, self.generated, reply, stats)
+                    await self.manager.commit(self.turn, generated, reply, stats)
                     stored = True
                 except Exception as exc:  # noqa: BLE001 — the answer still reaches the client
                     log.warning("front door: storing turn %d of a session failed: %r", self.turn.session.turns + 1, exc)
             if self.on_final is not None:  # before the client sees the end: its next turn finds the session free
                 await self.on_final(self.turn, stored)
         return piece
-
-    async def _raw(self):
-        import grpc
-
-        from .triton import OVERLOAD, TritonRefused
-
-        s = self.stream
-        try:
-            resp = await s._it.__anext__()
-        except StopAsyncIteration:
-            s.finished = True
-            raise TritonRefused("the stream ended without a final response", overload=False) from None
-        except grpc.aio.AioRpcError as exc:
-            s.finished = True
-            overload = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            raise TritonRefused(f"{exc.code().name}: {exc.details()}", overload=overload) from None
-        if resp.error_message:
-            s.close()
-            raise TritonRefused(resp.error_message, overload=any(m in resp.error_message for m in OVERLOAD))
-        return resp
 
     @property
     def finished(self) -> bool:
@@ -663,6 +548,7 @@ class SessionService:
         self.admin_keys = read_secret(self.spec.admin_key) if self.spec.admin_key else []
         self.store = None
         self.manager: SessionManager | None = None
+        self.tokens: ChatTokens | None = None  # the front door's, when its primary path already loaded them
         self.backends: dict = {}  # gRPC address → the tensorrt_llm backend on that server
         self.backend = None  # the latest turn's (a summary is written there)
         self._opening = asyncio.Lock()
@@ -732,7 +618,7 @@ class SessionService:
                         param="session_id",
                         code="sessions_unavailable",
                     )
-                tokens = await asyncio.to_thread(ChatTokens, d)
+                tokens = self.tokens or await asyncio.to_thread(ChatTokens, d)
                 self.manager = SessionManager(
                     self.spec,
                     self.store,
@@ -778,7 +664,7 @@ class SessionService:
         """Hot reload: later turns go to the server at ``grpc_url``, with the rebuilt repository's tokenizer;
         returns the backends to close once the turns in flight on them have ended."""
         old = list(self.backends.values())
-        self.grpc_url, self.backends, self.backend, self.manager = grpc_url, {}, None, None
+        self.grpc_url, self.backends, self.backend, self.manager, self.tokens = grpc_url, {}, None, None, None
         return old
 
     # -- one turn at a time -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The primary tier: the repository's ``ensemble`` (or ``tensorrt_llm_bls``) over Triton's gRPC stream.
+"""The primary tier over Triton's gRPC stream: the repository's ``tensorrt_llm`` model (token ids, the text
+side done in the front door: tokens.py), its ``ensemble`` (or ``tensorrt_llm_bls``), or the llmapi model.
 
 Each request has a ``ModelStreamInfer`` call of its own on a shared ``grpc.aio`` channel, so a request
 can be cancelled on its own: cancelling the call makes Triton mark the request cancelled, and the cpu
@@ -28,6 +29,7 @@ from .protocol import APIError, GenRequest, bad
 GAUGE = re.compile(r"^(nv_trt_llm_(?:request|kv_cache_block)_metrics)\{([^}]*)\}\s+([0-9.eE+-]+)", re.MULTILINE)
 OVERLOAD = ("Exceeds maximum queue size", "Request timeout expired")
 LLMAPI_MARK = "sampling_param_max_tokens"  # an input only TensorRT-LLM's llmapi model declares
+IDS_MARK = "input_ids"  # the tensorrt_llm model's prompt: token ids
 
 
 @dataclass
@@ -181,7 +183,10 @@ class TritonBackend:
         self.inputs: set[str] = set()
         self.outputs: set[str] = set()
         self.batched = True
-        self.interface = "ensemble"  # or "llmapi": TensorRT-LLM's llmapi model (sampling_param_* inputs)
+        # "ensemble" (text in and out), "llmapi" (TensorRT-LLM's llmapi model: sampling_param_* inputs) or
+        # "tensorrt_llm" (token ids in and out: the front door tokenises with ``prompts``)
+        self.interface = "ensemble"
+        self.prompts = None  # tokens.PromptRules, for the tensorrt_llm interface
         self.ready = False
         self.ready_reason = "not checked yet"
         self.gauges = EngineGauges()
@@ -227,7 +232,13 @@ class TritonBackend:
                 self.inputs = {i["name"] for i in d.get("input", [])}
                 self.outputs = {o["name"] for o in d.get("output", [])}
                 self.batched = int(d.get("max_batch_size") or 0) > 0
-                self.interface = "llmapi" if LLMAPI_MARK in self.inputs else "ensemble"
+                self.interface = (
+                    "llmapi"
+                    if LLMAPI_MARK in self.inputs
+                    else "tensorrt_llm"
+                    if IDS_MARK in self.inputs
+                    else "ensemble"
+                )
         except grpc.aio.AioRpcError as exc:
             return self._not_ready(f"tritonserver at {self.grpc_url} does not answer: {exc.code().name}")
         self.ready, self.ready_reason = True, "ready"
@@ -274,9 +285,10 @@ class TritonBackend:
         batch = [1] if self.batched else []
 
         def add(name, datatype, value):
-            """A scalar (shape [1]) or a list (shape [1, n]), with the batch dimension when the model has one."""
+            """A scalar (shape [1]) or a list (shape [n]: the ensemble's ``stop_words`` has dims [-1]), with the batch
+            dimension when the model has one."""
             values = value if isinstance(value, list) else [value]
-            shape = [*batch, 1, len(values)] if isinstance(value, list) else [*batch, 1]
+            shape = [*batch, len(values)] if isinstance(value, list) else [*batch, 1]
             msg.inputs.add(name=name, datatype=datatype, shape=shape)
             msg.raw_input_contents.append(raw_tensor(datatype, values))
 
@@ -378,6 +390,20 @@ class TritonBackend:
         return msg
 
     def stream(self, req: GenRequest) -> TritonStream:
+        if self.interface == "tensorrt_llm":
+            from .tokens import IdsText, ids_request
+
+            if self.prompts is None:
+                raise APIError(
+                    503,
+                    f"the '{self.model}' model takes token ids and this front door has no tokenizer for it; "
+                    "serve the repository's ensemble (serving.frontend.primary_model: ensemble)",
+                    kind="server_error",
+                    code="unavailable",
+                )
+            ids = self.prompts.prompt_ids(req)
+            tokens = self.prompts.tokens
+            return TritonStream(self, ids_request(self, req, ids, tokens), IdsText(tokens, ids))
         return TritonStream(self, self.build(req))
 
 
@@ -416,8 +442,9 @@ class StreamPool:
 class TritonStream:
     """One request's responses; :meth:`cancel` ends it in Triton (and the engine frees its KV)."""
 
-    def __init__(self, backend: TritonBackend, msg):
+    def __init__(self, backend: TritonBackend, msg, ids_text=None):
         self.pool, self.msg = backend.pool, msg
+        self.ids_text = ids_text  # tokens.IdsText: responses carry token ids (the tensorrt_llm interface)
         # llmapi's text_output is the whole text so far (TensorRT-LLM's CompletionOutput.text; the model sends
         # it, not text_diff: NVIDIA/TensorRT-LLM tensorrt_llm/executor/result.py a678b91): the new text is
         # what follows the text already seen.
@@ -486,6 +513,13 @@ class TritonStream:
             raise TritonRefused(resp.error_message, overload=any(s in resp.error_message for s in OVERLOAD))
         r = resp.infer_response
         raws = r.raw_output_contents
+        if self.ids_text is not None:
+            ids = self.ids_text
+            text, logprobs = ids.text(r.outputs, raws)
+            piece = Piece(text, self._ended, ids.prompt_tokens, len(ids.generated), logprobs)
+            if piece.final:
+                self.close()
+            return piece
         piece = Piece("", final=self._ended)
         for i, o in enumerate(r.outputs):
             name = o.name
