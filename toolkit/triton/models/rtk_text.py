@@ -228,6 +228,16 @@ def _complete(text: str) -> str:
     return text.rstrip(REPLACEMENT)
 
 
+def _decode(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(ids, clean_up_tokenization_spaces=False)``.  For a fast tokenizer that is its
+    ``backend_tokenizer.decode`` (transformers ``tokenization_utils_tokenizers.py``, ``_decode``), called here
+    directly: ~4 µs for a few ids instead of ~12 through transformers' argument handling, on every token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 def decode_delta(tokenizer, preceding: Sequence[int], new: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     """The text ``new`` adds after ``preceding`` (see the module doc); needs no state across calls.
 
@@ -236,10 +246,9 @@ def decode_delta(tokenizer, preceding: Sequence[int], new: Sequence[int], *, ski
     """
     if len(new) == 0:
         return ""
-    kw = dict(skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
     preceding = [int(t) for t in preceding]
-    base = _complete(tokenizer.decode(preceding, **kw)) if preceding else ""
-    full = _complete(tokenizer.decode(preceding + [int(t) for t in new], **kw))
+    base = _complete(_decode(tokenizer, preceding, skip_special_tokens)) if preceding else ""
+    full = _complete(_decode(tokenizer, preceding + [int(t) for t in new], skip_special_tokens))
     if full.startswith(base):
         return full[len(base) :]
     # A tokenizer whose decoding of a prefix is not a prefix of the decoding (rare cleanup rules):
