@@ -393,3 +393,61 @@ def test_triton_request_tensors_match_tritonclients_numpy_serialisation(interfac
         assert raw == ref._raw_content, tensor.name
         seen.add(tensor.name)
     assert "text_input" in seen and ("stop" not in extra or {"stop_words", "sampling_param_stop"} & seen)
+
+
+def test_the_token_id_request_uses_tensorrt_llms_own_inputs(smollm2_tokenizer_dir):
+    """The primary path's request to ``tensorrt_llm`` (toolkit/frontdoor/tokens.py), with every feature set,
+    names only inputs and outputs of TensorRT-LLM's own model (its C++ backend's config, recorded in
+    tests/data/trtllm_1_2_1_triton_models.json) with their dtypes, and shapes of its dims plus the batch
+    dimension; the values are the request's."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from toolkit.frontdoor.tokens import ChatTokens, ids_request
+
+    cpp = json.loads((Path(__file__).parent / "data/trtllm_1_2_1_triton_models.json").read_text())["cpp"]
+    backend = TritonBackend("127.0.0.1:1", "tensorrt_llm")
+    backend.inputs, backend.outputs = set(cpp["inputs"]), set(cpp["outputs"])
+    tokens = ChatTokens(smollm2_tokenizer_dir)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 11,
+        "stop": ["\n\n", "END"],
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "logprobs": True,
+        "ignore_eos": True,
+        "max_tokens": 7,
+    }
+    req = parse_request("chat", body, served_model="m", max_seq_len=4096, default_max_tokens=16)
+    ids = [1, 2, 3, 4]
+    msg = ids_request(backend, req, ids, tokens, ("kv_cache_reused_blocks",))
+    dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+    got = {}
+    for tensor, raw in zip(msg.inputs, msg.raw_input_contents, strict=True):
+        upstream_type, dims = cpp["inputs"][tensor.name]
+        assert upstream_type == f"TYPE_{tensor.datatype}", tensor.name
+        assert len(tensor.shape) == len(dims) + 1 and tensor.shape[0] == 1, (tensor.name, tensor.shape, dims)
+        assert all(d == -1 or d == s for d, s in zip(dims, tensor.shape[1:], strict=True)), tensor.name
+        got[tensor.name] = np.frombuffer(raw, dtype=dtypes[tensor.datatype]).reshape(tuple(tensor.shape))
+    assert got["input_ids"].tolist() == [ids] and got["input_lengths"].tolist() == [[4]]
+    assert got["request_output_len"].tolist() == [[7]] and got["end_id"].tolist() == [[-1]]
+    assert got["pad_id"].tolist() == [[tokens.pad_id]] and got["seed"].tolist() == [[11]]
+    assert got["runtime_top_k"].tolist() == [[5]] and got["temperature"].item() == pytest.approx(0.7)
+    assert got["runtime_top_p"].item() == pytest.approx(0.9)
+    assert got["presence_penalty"].tolist() == [[0.5]] and got["frequency_penalty"].tolist() == [[0.25]]
+    words = got["stop_words_list"][0]
+    want = [tokens.encode("\n\n"), tokens.encode("END")]
+    assert words[0, : sum(map(len, want))].tolist() == want[0] + want[1]
+    assert words[1, :2].tolist() == [len(want[0]), len(want[0]) + len(want[1])]
+    for flag in ("streaming", "exclude_input_in_output", "return_log_probs", "return_perf_metrics"):
+        assert got[flag].tolist() == [[True]], flag
+    asked = {o.name for o in msg.outputs}
+    assert asked == {"output_ids", "sequence_length", "output_log_probs", "kv_cache_reused_blocks"}
+    assert asked <= set(cpp["outputs"])
