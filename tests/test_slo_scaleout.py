@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from triton_helpers import running_server, write_fake_llm
+from triton_helpers import processes_naming, running_server, write_fake_llm
 
 from toolkit.slo.metrics import Distribution
 from toolkit.slo.runner import merge_reports, run_slo
@@ -233,6 +233,8 @@ def test_a_replica_that_dies_mid_run_fails_only_its_requests_and_at_once(fast, t
         rep = run_slo(slo, [doomed.grpc_url, fast.grpc_url], balance="round_robin")
         took = time.monotonic() - t
         killer.join()
+    # The killed server's python stub outlives it until the server's clean-up kills its process group.
+    assert not processes_naming(repo), "a python stub of the killed server was left running"
     assert rep.summary.failed >= 1 and rep.summary.succeeded + rep.summary.failed == 120, rep.summary
     assert all("gRPC stream broke" in e for e in rep.summary.errors), rep.summary.errors
     assert took < 30, took  # nothing waited for the 60 s request timeout

@@ -309,3 +309,18 @@ def model_successes(http_url: str, model: str) -> int:
     with urllib.request.urlopen(f"{http_url}/v2/models/{model}/stats", timeout=10) as r:
         stats = json.loads(r.read())
     return sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])
+
+
+def processes_naming(path: Path) -> list[int]:
+    """The processes on this host whose command line names ``path`` (a repository's tritonserver and its
+    python stubs)."""
+    needle = str(Path(path).resolve()).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return found

@@ -475,6 +475,10 @@ class TritonServer(Endpoints):
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 code = proc.wait()
+        # Its python stubs are in its process group (start_new_session): one that outlived a server that was
+        # killed or crashed would linger with its shared memory, so whatever is left of the group goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
