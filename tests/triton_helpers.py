@@ -301,8 +301,8 @@ def running_server(repo: Path, *, ready_timeout_s: float = 60.0, attempts: int =
 
 def model_successes(http_url: str, model: str) -> int:
     """Requests ``model`` answered, from Triton's statistics extension (``/v2/models/NAME/stats``).  Its
-    ``nv_inference_request_success`` metric is not used: this tritonserver exports none for the cpu
-    ``tensorrt_llm`` model, a decoupled python model called over gRPC."""
+    ``nv_inference_request_success`` metric is not used: it read 0 here for requests sent straight to the cpu
+    ``tensorrt_llm`` model (a decoupled python model) over gRPC, while the statistics counted them."""
     import json
     import urllib.request
 
