@@ -3,6 +3,7 @@
 
     flock /tmp/rtk/cpu.lock python scripts/bench_filter.py [--requests 60] [--tokens 64] [--concurrency 1 8]
         [--paths frontdoor front+filter] [--client raw|httpx] [--metrics] [--compare-frontdoor DIR]
+        [--interface ensemble|tensorrt_llm]
 
 One tritonserver serves a paced decoupled model (tests/triton_helpers.py's fake LLM: first token after
 ``--ttft-ms``, then one every ``--itl-ms``, the text " tok1234" per token), so the engine's own time is
@@ -17,6 +18,13 @@ turns ``--rounds`` times:
   a 32-character hold-back window; nothing in the text matches, so the answer is unchanged;
 * ``frontdoor@DIR`` — with ``--compare-frontdoor DIR``: the front door of another tree (e.g. an earlier
   commit, ``git archive <commit> toolkit | tar -x -C DIR``), no filter, in the same run.
+
+``--interface tensorrt_llm`` serves the fake as ``tensorrt_llm`` (token ids in and out) and gives the front
+doors the embedded model's tokenizer, so they take their default path (tokenised and detokenised in the
+front door, docs/guard.md "The primary path"); the ``grpc`` path then runs the same tokenising and
+decoding in this process (``TritonBackend`` with the same ``PromptRules``), so both paths carry the text
+work and what differs is still the front door's HTTP side and its own code.  The default, ``ensemble``,
+serves the fake as a text-in, text-out ensemble.
 
 ``--metrics`` gives the front doors Triton's metrics URL, as ``rtk serve`` does, so they read the
 engine's gauges every 100 ms (the fake exports none, but the reads cost what they cost).
@@ -66,8 +74,11 @@ import sys, time, json
 sys.path.insert(0, {root!r})
 from toolkit.frontdoor import FrontDoorConfig, FrontDoorServer, create_app
 from toolkit.spec import FilterSpec
+from pathlib import Path
+repo = {repo!r}
 cfg = FrontDoorConfig(model_name="fake", filter=FilterSpec(**json.loads({flt!r})), max_seq_len=4096,
-                      default_max_tokens=16)
+                      default_max_tokens=16, repository=Path(repo) if repo else None,
+                      tokenizer_dir=Path(repo) / "preprocessing/tokenizer" if repo else None)
 cfg.sessions = cfg.sessions.model_copy(update={{"enabled": False}})
 cfg.jobs = cfg.jobs.model_copy(update={{"enabled": False}})
 fd = FrontDoorServer(create_app(cfg, {grpc!r}, metrics_url={metrics!r}), "127.0.0.1", {port})
@@ -89,14 +100,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_front_door(
-    grpc_url: str, flt: dict, metrics_url: str | None = None, root: Path = ROOT
+    grpc_url: str, flt: dict, metrics_url: str | None = None, root: Path = ROOT, repo: str | None = None
 ) -> tuple[subprocess.Popen, str]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = FRONT_DOOR.format(root=str(root), flt=json.dumps(flt), grpc=grpc_url, port=port, metrics=metrics_url)
+    code = FRONT_DOOR.format(
+        root=str(root), flt=json.dumps(flt), grpc=grpc_url, port=port, metrics=metrics_url, repo=repo
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if "ready" not in p.stdout.readline():
         raise SystemExit("the front door did not start")
@@ -223,25 +236,45 @@ async def run(args) -> int:
 
     words = [f"forbidden phrase {i}" for i in range(args.keywords)]
     with tempfile.TemporaryDirectory() as tmp:
-        write_fake_llm(Path(tmp), "ensemble", ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, max_batch_size=16)
-        with running_server(Path(tmp)) as triton:
-            return await measure(args, triton, words)
+        models, tokens = Path(tmp) / "models", None
+        fake = dict(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, max_batch_size=16)
+        write_fake_llm(models, args.interface, interface=args.interface, **fake)
+        if args.interface == "tensorrt_llm":
+            # The front doors' "repository": only the tokenizer where an emitted one keeps it.
+            from transformers import AutoTokenizer
+
+            from toolkit.fetch import builtin_gguf_path
+
+            tokens = Path(tmp) / "frontdoor"
+            gguf = builtin_gguf_path()
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tok.save_pretrained(tokens / "preprocessing/tokenizer")
+        with running_server(models) as triton:
+            return await measure(args, triton, words, tokens)
 
 
-async def measure(args, triton, words) -> int:
+async def measure(args, triton, words, tokens: Path | None) -> int:
     import httpx
 
     from toolkit.frontdoor.triton import TritonBackend
 
     grpc_url = triton.grpc_url
-    backend = TritonBackend(grpc_url, "ensemble")
+    backend = TritonBackend(grpc_url, args.interface)
     await backend.open()
+    if tokens is not None:
+        from toolkit.frontdoor.tokens import ChatTokens, PromptRules
+
+        chat = ChatTokens(tokens / "preprocessing/tokenizer")
+        backend.prompts = PromptRules(chat, max_input_len=2048, max_seq_len=4096, context_policy="truncate_oldest")
     filters = {"frontdoor": {}, "front+filter": {"keywords": words, "patterns": PATTERNS, "hold_back_chars": 32}}
     metrics = triton.metrics_url if args.metrics else None
-    doors = {name: start_front_door(grpc_url, flt, metrics) for name, flt in filters.items() if name in args.paths}
+    repo = str(tokens) if tokens is not None else None
+    doors = {
+        name: start_front_door(grpc_url, flt, metrics, repo=repo) for name, flt in filters.items() if name in args.paths
+    }
     if args.compare_frontdoor:
         other = Path(args.compare_frontdoor).resolve()
-        doors[f"frontdoor@{other.name}"] = start_front_door(grpc_url, {}, metrics, root=other)
+        doors[f"frontdoor@{other.name}"] = start_front_door(grpc_url, {}, metrics, root=other, repo=repo)
     client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64))
     raws = {name: RawHTTP(url, args.tokens) for name, (_, url) in doors.items()}
     paths = {"grpc": lambda: grpc_request(backend, args.tokens)}
@@ -310,7 +343,7 @@ async def measure(args, triton, words) -> int:
     print(
         f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
         f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32  "
-        f"HTTP client: {args.client}  metrics read: {'yes' if args.metrics else 'no'}"
+        f"HTTP client: {args.client}  metrics read: {'yes' if args.metrics else 'no'}  fake: {args.interface}"
     )
     print("front door CPU while idle, ms per s: " + ", ".join(f"{n} {v * 1e3:.1f}" for n, v in idle_cpu.items()))
     print(
@@ -347,6 +380,12 @@ def main(argv=None) -> int:
         help="HTTP client: raw (asyncio streams, least work per token, like the gRPC path's) or httpx",
     )
     ap.add_argument("--metrics", action="store_true", help="the front doors read Triton's metrics, as rtk serve's do")
+    ap.add_argument(
+        "--interface",
+        choices=["ensemble", "tensorrt_llm"],
+        default="ensemble",
+        help="the fake's interface: a text ensemble, or tensorrt_llm (token ids: the front door's default path)",
+    )
     ap.add_argument(
         "--compare-frontdoor",
         metavar="DIR",

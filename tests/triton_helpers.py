@@ -254,6 +254,7 @@ def write_fake_llm(
             ("request_output_len", "INT32", [1]),
             ("streaming", "BOOL", [1], True),
             ("end_id", "INT32", [1], True),
+            ("pad_id", "INT32", [1], True),
             ("return_perf_metrics", "BOOL", [1], True),
         ]
         outputs = [("output_ids", "INT32", [-1, -1]), ("sequence_length", "INT32", [-1])] + _STAMPS
