@@ -241,14 +241,10 @@ async def run(args) -> int:
         write_fake_llm(models, args.interface, interface=args.interface, **fake)
         if args.interface == "tensorrt_llm":
             # The front doors' "repository": only the tokenizer where an emitted one keeps it.
-            from transformers import AutoTokenizer
-
-            from toolkit.fetch import builtin_gguf_path
+            from toolkit.fetch import builtin_tokenizer
 
             tokens = Path(tmp) / "frontdoor"
-            gguf = builtin_gguf_path()
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            tok.save_pretrained(tokens / "preprocessing/tokenizer")
+            builtin_tokenizer().save_pretrained(tokens / "preprocessing/tokenizer")
         with running_server(models) as triton:
             return await measure(args, triton, words, tokens)
 

@@ -91,13 +91,10 @@ def with_kv_cache_scales(src: Path, dest: Path, kind: str, scales: tuple[float, 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The embedded model's tokenizer and chat template, read from the GGUF (≈4 s)."""
-    from transformers import AutoTokenizer
+    from toolkit.fetch import builtin_tokenizer
 
-    from toolkit.fetch import builtin_gguf_path
-
-    gguf = builtin_gguf_path()
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    builtin_tokenizer().save_pretrained(out)
     return out
 
 

@@ -148,13 +148,21 @@ def fetch(spec: Spec, output: Path | None = None, *, force: bool = False) -> Sta
     )
 
 
+def builtin_tokenizer():
+    """The embedded model's tokenizer and chat template, read from its GGUF (transformers; a few seconds)."""
+    from transformers import AutoTokenizer
+
+    gguf = builtin_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def _convert_builtin(dest: Path, dtype: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     quiet_libraries()
     gguf = builtin_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = builtin_tokenizer()
     # GgufConfig(dequantize=True) strips the gguf quantizer after loading; without it
     # save_pretrained refuses ("quantized with gguf and is not serializable").
     model = AutoModelForCausalLM.from_pretrained(

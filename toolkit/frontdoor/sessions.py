@@ -629,13 +629,15 @@ class SessionService:
                 )
             return self.manager
 
-    async def _open_engine(self, grpc_url: str) -> tuple[SessionManager, object]:
+    async def _open_engine(self, grpc_url: str, server=None) -> tuple[SessionManager, object]:
+        """The manager and the ``tensorrt_llm`` backend on ``grpc_url``: ``server`` itself when it is one (the
+        front door's primary path already talks to ``tensorrt_llm``), else one opened for sessions."""
         from .triton import TritonBackend
 
         manager = await self._manager()
         grpc_url = grpc_url.removeprefix("grpc://")
         async with self._opening:
-            backend = self.backends.get(grpc_url)
+            backend = server if server is not None and server.model == LLM_MODEL else self.backends.get(grpc_url)
             if backend is None:
                 backend = TritonBackend(grpc_url, LLM_MODEL)
                 await backend.open()
@@ -655,7 +657,7 @@ class SessionService:
     async def stream(self, req: GenRequest, request, server=None) -> SessionStream:
         """The turn's stream on the tritonserver of ``server`` (the front door's backend for the replica it
         chose; default: the one this service was made for)."""
-        manager, backend = await self._open_engine(server.grpc_url if server is not None else self.grpc_url)
+        manager, backend = await self._open_engine(server.grpc_url if server is not None else self.grpc_url, server)
         turn = await manager.begin(req, req.session_id, self.owner(request))
         renew = (lambda: self._renew(req.id)) if req.id in self._held else None
         return SessionStream(backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
