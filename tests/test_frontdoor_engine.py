@@ -258,3 +258,23 @@ def test_the_primary_path_answers_as_the_ensemble_does(served):
             got = [t["logprob"] for t in a["logprobs"]["content"]]
             want = [t["logprob"] for t in b["logprobs"]["content"]]
             assert len(got) == body["max_tokens"] and got == pytest.approx(want, abs=1e-6)
+
+
+def test_admission_counts_the_prompt_ids_the_primary_path_sends(served):
+    """On the default path the front door tokenises before admission, so the prediction counts the very ids it
+    sends (the chat template's own tokens included): a request refused for its deadline names as many prompt
+    tokens as the same request is billed when it is served."""
+    body = {
+        "model": served["model"],
+        "messages": [{"role": "user", "content": "Name three rivers of Europe, briefly."}],
+        "max_tokens": 4,
+    }
+    r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    billed = r.json()["usage"]["prompt_tokens"]
+    r = httpx.post(
+        served["fd"] + "/v1/chat/completions", json=body, headers={"x-rtk-ttft-deadline-ms": "0.001"}, timeout=60
+    )
+    assert r.status_code == 429 and r.headers["x-rtk-tier"] == "refused", r.text
+    counted = re.search(r"for (\d+) prompt tokens", r.json()["error"]["message"])
+    assert counted is not None and int(counted.group(1)) == billed, (r.json(), billed)

@@ -300,6 +300,27 @@ def test_chat_is_rendered_with_the_template_and_plain_text_is_not(tokenizer):
     assert rtk_text.parse_query("[1, 2] is a list") is None
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_encoding_through_the_backend_is_transformers_encoding(tokenizer, special):
+    """``rtk_text.encode`` calls the fast tokenizer's backend directly; it must give what transformers'
+    ``encode`` gives, special-token text, multi-byte text and an empty string included, and fall back to
+    transformers when truncation is set (which the backend call would not reset)."""
+    chat = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": MULTIBYTE}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    for text in (chat, MULTIBYTE, "  leading and trailing  ", "<|im_start|>user\n", "", "a" * 3000):
+        want = tokenizer.encode(text, add_special_tokens=special)
+        assert rtk_text.encode(tokenizer, text, add_special_tokens=special) == want, text[:40]
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    try:
+        got = rtk_text.encode(tokenizer, MULTIBYTE, add_special_tokens=special)
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+    assert got == tokenizer.encode(MULTIBYTE, add_special_tokens=special) and len(got) > 4
+
+
 def conversation(turns: int) -> list[dict]:
     msgs = [{"role": "system", "content": "You are terse."}]
     for i in range(turns):

@@ -253,13 +253,14 @@ class FrontDoor:
         return old, set(replica.estimator.inflight)
 
     def prompt_tokens(self, req: GenRequest) -> int:
-        """Prompt length for the prediction (the chat template's few tokens per message are estimated, unless
-        the front door rendered it)."""
+        """Prompt length for the prediction when the front door does not tokenise the prompt itself (the
+        ensemble and llmapi paths, session turns): the chat template's few tokens per message are estimated,
+        unless the front door rendered it."""
         if req.rendered is not None and self.tokenizer is not None:
             return len(self.tokenizer.encode(req.rendered, add_special_tokens=False).ids)
         texts = [req.prompt] if req.kind == "completion" else [m["content"] for m in req.messages]
-        if self.tokenizer is not None:
-            n = sum(len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False))
+        if self.tokenizer is not None:  # one by one: encode_batch wakes the tokenizer's thread pool, ~2x the CPU
+            n = sum(len(self.tokenizer.encode(t, add_special_tokens=False).ids) for t in texts)
         else:
             n = sum(len(t.encode()) for t in texts) // 4 + 1
         return n + (0 if req.kind == "completion" else 5 * len(texts) + 3)
@@ -433,7 +434,9 @@ class FrontDoor:
         router = self.router
         if not router.any_ready():
             return await self._unhealthy(req, body, left_s)
-        n_prompt = self.prompt_tokens(req)
+        # The primary path to tensorrt_llm tokenises here, once: the prediction counts the very ids that are sent.
+        ids = self.prompts.prompt_ids(req) if self.prompts is not None and not req.session_id else None
+        n_prompt = len(ids) if ids is not None else self.prompt_tokens(req)
         deadline_s = None if deadline_ms is None else deadline_ms / 1e3
         # More than one pass only over replicas: a replica that cannot be reached before the first token is
         # marked not ready and the request goes to the next best one.
@@ -452,14 +455,15 @@ class FrontDoor:
                     "predicted_late",
                     status=429,
                     retry_s=retry,
-                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} ({p.requests_ahead} "
-                    f"requests, {p.tokens_ahead} prompt tokens ahead), over the {deadline_ms:.0f} ms deadline; "
+                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} for {n_prompt} "
+                    f"prompt tokens ({p.requests_ahead} requests, {p.tokens_ahead} prompt tokens ahead), over the "
+                    f"{deadline_ms:.0f} ms deadline; "
                     "retry later",
                 )
             # Admitted.
             # An input the model lacks is a 400 here, before anything is sent.
             backend, est = replica.backend, replica.estimator
-            stream = await self.sessions.stream(req, request, backend) if req.session_id else backend.stream(req)
+            stream = await self.sessions.stream(req, request, backend) if req.session_id else backend.stream(req, ids)
             est.admit(req.id, n_prompt, req.max_tokens, p)
             replica.routed += 1
             try:

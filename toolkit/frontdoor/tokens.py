@@ -11,12 +11,13 @@ and one per request (``preprocessing``); docs/guard.md, "The primary path", has 
 
 from __future__ import annotations
 
+import sys
+from array import array
 from pathlib import Path
-
-import numpy as np
 
 from ..triton.models import rtk_text
 from .protocol import GenRequest, bad
+from .triton import raw_tensor
 
 
 class ChatTokens:
@@ -31,7 +32,7 @@ class ChatTokens:
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        return rtk_text.encode(self.tok, text, add_special_tokens=False)
 
     def delta(self, preceding: list[int], new: list[int]) -> str:
         return rtk_text.decode_delta(self.tok, preceding[-rtk_text.PRECEDING_WINDOW :], new)
@@ -45,14 +46,18 @@ class PromptRules:
         self.max_input_len, self.max_seq_len, self.context_policy = max_input_len, max_seq_len, context_policy
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
-        """The ids ``preprocessing`` would make of ``req``; a prompt that does not fit is refused with 400."""
+        """The ids ``preprocessing`` would make of ``req``; a prompt that does not fit is refused with 400.
+        The messages are the ones :func:`~.protocol.parse_request` checked (``preprocessing``'s rules, as
+        ``rtk_text.parse_query`` applies them), so they go to the chat template as they are."""
         from .triton import TritonRefused, classify_refusal
 
+        tok = self.tokens.tok
         try:
             window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, req.max_tokens)
-            ids, _ = rtk_text.encode_prompt(
-                self.tokens.tok, req.text_input(), window=window, policy=self.context_policy, add_special_tokens=True
-            )
+            if req.kind == "chat":
+                ids, _ = rtk_text.encode_chat(tok, req.messages, window=window, policy=self.context_policy)
+            else:  # a completion's prompt is plain text, whatever it looks like
+                ids = rtk_text.encode_plain(tok, req.text_input(), window=window, add_special_tokens=True)
         except rtk_text.PromptError as exc:  # the same 400 (and field) as when preprocessing refuses it
             raise classify_refusal(TritonRefused(str(exc), overload=False), req) from None
         return ids
@@ -67,54 +72,60 @@ def ids_request(backend, req: GenRequest, ids: list[int], tokens: ChatTokens, ou
 
     msg = pb.ModelInferRequest(model_name=backend.model, id=req.id)
 
-    def add(name, datatype, arr):
-        """One request's scalar, list or word list, with a batch dimension of 1 when the model has one."""
-        arr = np.asarray(arr)
-        arr = arr[np.newaxis] if arr.ndim >= 2 else arr.reshape(1, -1)
-        if not backend.batched:
-            arr = arr[0]
-        msg.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-        msg.raw_input_contents.append(arr.tobytes())
+    def add(name, datatype, value, shape=None):
+        """A scalar (shape [1]), a list (shape [n]) or a word list (``shape`` [2, n], ``value`` flat), with a
+        batch dimension of 1 when the model has one; packed with ``struct`` (:func:`~.triton.raw_tensor`)."""
+        values = value if isinstance(value, list) else [value]
+        shape = shape or [len(values)]
+        msg.inputs.add(name=name, datatype=datatype, shape=[1, *shape] if backend.batched else shape)
+        msg.raw_input_contents.append(raw_tensor(datatype, values))
 
     def optional(name, field_name, wanted):
         if wanted and name not in backend.inputs:
             raise bad(field_name, f"is not supported by this deployment's '{backend.model}' model; leave it unset")
         return wanted
 
-    i32 = lambda v: np.array(v, dtype=np.int32)  # noqa: E731
-    add("input_ids", "INT32", i32(ids))
-    add("input_lengths", "INT32", i32(len(ids)))
-    add("request_output_len", "INT32", i32(req.max_tokens))
-    add("end_id", "INT32", i32(-1 if req.ignore_eos else tokens.end_id))  # -1: no end token (TensorRT-LLM's rule)
-    add("pad_id", "INT32", i32(tokens.pad_id))
-    add("streaming", "BOOL", np.array(True))
+    add("input_ids", "INT32", list(ids))
+    add("input_lengths", "INT32", len(ids))
+    add("request_output_len", "INT32", req.max_tokens)
+    add("end_id", "INT32", -1 if req.ignore_eos else tokens.end_id)  # -1: no end token (TensorRT-LLM's rule)
+    add("pad_id", "INT32", tokens.pad_id)
+    add("streaming", "BOOL", True)
     if "exclude_input_in_output" in backend.inputs:
-        add("exclude_input_in_output", "BOOL", np.array(True))
+        add("exclude_input_in_output", "BOOL", True)
     if outputs and "return_perf_metrics" in backend.inputs:  # the kv_cache_* outputs come with the perf metrics
-        add("return_perf_metrics", "BOOL", np.array(True))
+        add("return_perf_metrics", "BOOL", True)
     if req.temperature:  # greedy is what the engine does when no sampling input is sent
-        add("temperature", "FP32", np.array(req.temperature, dtype=np.float32))
+        add("temperature", "FP32", req.temperature)
         if optional("runtime_top_p", "top_p", req.top_p < 1.0):
-            add("runtime_top_p", "FP32", np.array(req.top_p, dtype=np.float32))
+            add("runtime_top_p", "FP32", req.top_p)
         if optional("runtime_top_k", "top_k", bool(req.top_k)):
-            add("runtime_top_k", "INT32", i32(req.top_k))
+            add("runtime_top_k", "INT32", req.top_k)
         if optional("seed", "seed", req.seed is not None):
-            add("seed", "UINT64", np.array(req.seed, dtype=np.uint64))
+            add("seed", "UINT64", req.seed)
     if req.stop:
-        add("stop_words_list", "INT32", rtk_text.word_list(tokens.tok, [req.stop])[0])  # [2, N]
+        words = rtk_text.word_list(tokens.tok, [req.stop])[0]  # [2, N]
+        add("stop_words_list", "INT32", words.ravel().tolist(), list(words.shape))
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if optional(name, name, v != 0.0):
-            add(name, "FP32", np.array(v, dtype=np.float32))
+            add(name, "FP32", v)
     if req.logprobs:
         if not ("return_log_probs" in backend.inputs and "output_log_probs" in backend.outputs):
             raise bad("logprobs", "is not supported by this deployment (its model returns no log-probabilities)")
-        add("return_log_probs", "BOOL", np.array(True))
+        add("return_log_probs", "BOOL", True)
     for name in ("output_ids", "sequence_length", *outputs, *(("output_log_probs",) if req.logprobs else ())):
         if name in backend.outputs:
             msg.outputs.add(name=name)
     msg.parameters["triton_enable_empty_final_response"].bool_param = True
     return msg
+
+
+def _little(a: array) -> list:
+    """A tensor's raw contents (little-endian, as Triton sends them) as numbers."""
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
 
 
 class IdsText:
@@ -135,14 +146,15 @@ class IdsText:
         lengths = None
         logprobs = None
         for i, o in enumerate(outputs):
-            if o.name == "output_ids":
-                new = np.frombuffer(raws[i], dtype=np.int32).tolist()
-            elif o.name == "sequence_length":
-                lengths = int(np.frombuffer(raws[i], dtype=np.int32)[0])
-            elif o.name == "kv_cache_reused_blocks":
-                self.reused_blocks = int(np.frombuffer(raws[i], dtype=np.int32)[0])
-            elif o.name == "output_log_probs":
-                logprobs = np.frombuffer(raws[i], dtype=np.float32).tolist()
+            name = o.name
+            if name == "output_ids":
+                new = _little(array("i", raws[i]))
+            elif name == "sequence_length":
+                lengths = int.from_bytes(raws[i][:4], "little", signed=True)
+            elif name == "kv_cache_reused_blocks":
+                self.reused_blocks = int.from_bytes(raws[i][:4], "little", signed=True)
+            elif name == "output_log_probs":
+                logprobs = _little(array("f", raws[i]))
         if lengths is not None:
             new = new[:lengths]
         new = [t for t in new if t != self.tokens.end_id]

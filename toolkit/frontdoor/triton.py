@@ -389,7 +389,9 @@ class TritonBackend:
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
         return msg
 
-    def stream(self, req: GenRequest) -> TritonStream:
+    def stream(self, req: GenRequest, ids: list[int] | None = None) -> TritonStream:
+        """``req`` on its own gRPC call; ``ids``: its prompt's token ids when the caller already made them
+        (``prompts.prompt_ids``), for the ``tensorrt_llm`` interface."""
         if self.interface == "tensorrt_llm":
             from .tokens import IdsText, ids_request
 
@@ -401,7 +403,7 @@ class TritonBackend:
                     kind="server_error",
                     code="unavailable",
                 )
-            ids = self.prompts.prompt_ids(req)
+            ids = ids if ids is not None else self.prompts.prompt_ids(req)
             tokens = self.prompts.tokens
             return TritonStream(self, ids_request(self, req, ids, tokens), IdsText(tokens, ids))
         return TritonStream(self, self.build(req))

@@ -113,9 +113,25 @@ def parse_query(text: str) -> list[dict] | None:
     return data
 
 
+def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=...)``.  For a fast tokenizer with no truncation or padding set
+    that is its ``backend_tokenizer.encode`` (transformers 5.24 ``tokenization_utils_tokenizers.py``,
+    ``_encode_plus``: a batch of one through ``encode_batch`` after setting both off), called here directly:
+    ~50 µs less for a chat prompt, on every request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    ):
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
 def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
@@ -137,17 +153,28 @@ def encode_prompt(
     tokenizer, text: str, *, window: int, policy: str, add_special_tokens: bool = True
 ) -> tuple[list[int], int]:
     """Token ids for ``text`` (plain prompt or JSON chat) within ``window`` tokens, and the number of turns dropped."""
-    if not text or not text.strip():
-        raise PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
     messages = parse_query(text)
     if messages is None:
-        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        if len(ids) > window:
-            raise PromptError(
-                f"the prompt has {len(ids)} tokens, more than the {window} that fit the context window "
-                "(build.max_input_len, and max_seq_len minus max_tokens); shorten it or send it as chat messages"
-            )
-        return ids, 0
+        return encode_plain(tokenizer, text, window=window, add_special_tokens=add_special_tokens), 0
+    return encode_chat(tokenizer, messages, window=window, policy=policy)
+
+
+def encode_plain(tokenizer, text: str, *, window: int, add_special_tokens: bool = True) -> list[int]:
+    """Token ids for a plain prompt of at most ``window`` tokens."""
+    if not text or not text.strip():
+        raise PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
+    ids = encode(tokenizer, text, add_special_tokens=add_special_tokens)
+    if len(ids) > window:
+        raise PromptError(
+            f"the prompt has {len(ids)} tokens, more than the {window} that fit the context window "
+            "(build.max_input_len, and max_seq_len minus max_tokens); shorten it or send it as chat messages"
+        )
+    return ids
+
+
+def encode_chat(tokenizer, messages: list[dict], *, window: int, policy: str) -> tuple[list[int], int]:
+    """Token ids for checked chat ``messages`` (:func:`parse_query`'s rules) rendered with the chat template,
+    within ``window`` tokens by ``policy``, and the number of turns dropped."""
     ids = _render_chat(tokenizer, messages)
     dropped = 0
     if len(ids) > window and policy == "reject":
