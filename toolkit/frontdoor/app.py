@@ -142,9 +142,10 @@ class FrontDoor:
         import httpx
 
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
-        self._load_tokenizer()
         if self.config.primary_ids:
             self._use_prompts(await asyncio.to_thread(self._prompt_rules))
+        else:
+            self._load_tokenizer()
         for t in self.config.guard.fallbacks:
             if t.kind == "cache":
                 self.cache = make_cache(self.config.cache)
@@ -215,8 +216,10 @@ class FrontDoor:
         )
 
     def _use_prompts(self, prompts) -> None:
-        """Every replica's primary path, and the sessions, tokenise with ``prompts``."""
+        """Every replica's primary path, and the sessions, tokenise with ``prompts``; the estimate of other
+        prompts' lengths counts with the same tokenizer (its fast backend), not a second copy."""
         self.prompts = prompts
+        self.tokenizer = prompts.tokens.tok.backend_tokenizer
         self.sessions.tokens = prompts.tokens
         for r in self.replicas:
             r.backend.prompts = prompts
@@ -242,7 +245,8 @@ class FrontDoor:
             for name in ("max_batch_size", "max_seq_len", "max_input_len", "default_max_tokens", "tokenizer_dir"):
                 setattr(self.config, name, getattr(fresh, name))
             replica.estimator.max_batch = fresh.max_batch_size
-            await asyncio.to_thread(self._load_tokenizer)
+            if not self.config.primary_ids:
+                await asyncio.to_thread(self._load_tokenizer)
         prompts = await asyncio.to_thread(self._prompt_rules) if self.config.primary_ids else None
         # No await from here on: a request sees either the old backend or the new one, never half of each
         # (the filter's classifier asks some_backend(), so it follows).
