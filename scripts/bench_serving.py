@@ -19,7 +19,8 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
   ensemble``).  Both front doors' TTFT and ITL are also given as added ms against the two gRPC paths
   (``tensorrt_llm``: token ids, no text at all; ``ensemble``: text in and out), with the front door
   process's CPU time per request and per token (from /proc: on a shared host that CPU is taken from the
-  engine).
+  engine), and this process's own CPU per token on every path (the client's: tritonclient's gRPC stream
+  costs what any gRPC client of Triton costs per streamed message, the reference for the front door's).
   The client is a minimal HTTP/1.1 reader on a kept-alive socket (TCP_NODELAY), so that the client's
   own parsing costs about what tritonclient's does on the gRPC paths;
 * ``frontdoor@NAME`` — with ``--compare-frontdoor DIR``: the same front door started from another
@@ -442,14 +443,17 @@ def main(argv=None) -> int:
         results = {p: {c: Recorder() for c in args.concurrency} for p in paths}
         # The front door processes' CPU: while their path runs (busy), and while the others run (idle polling).
         cpu = {name: {c: [0.0, 0.0, 0.0, 0.0] for c in args.concurrency} for name in doors}  # busy s, t, idle s, t
+        # This process's CPU while each path ran: the client's (tritonclient's gRPC stream, or the HTTP reader).
+        client_cpu = {name: dict.fromkeys(args.concurrency, 0.0) for name in paths}
         for c in args.concurrency:
             per_round = max(c, args.requests // args.rounds)
             for r in range(args.rounds):  # interleaved, so drift of a shared host hits every path alike
                 for name, run in paths.items():
                     before = {d: cpu_seconds(p.pid) for d, (p, _) in doors.items()}
-                    t0 = time.perf_counter()
+                    t0, own0 = time.perf_counter(), cpu_seconds(os.getpid())
                     run(c, per_round, args.warmup if r == 0 else 0, results[name][c])
                     dt = time.perf_counter() - t0
+                    client_cpu[name][c] += cpu_seconds(os.getpid()) - own0
                     for d, (p, _) in doors.items():
                         used = cpu_seconds(p.pid) - before[d]
                         acc = cpu[d][c]
@@ -507,6 +511,19 @@ def main(argv=None) -> int:
                     f"{(statistics.median(f.itl) - statistics.median(e.itl)) * ms:+.3f} | "
                     f"{own / n_req * 1e3:.2f} | {own / n_tok * 1e6:.0f} |"
                 )
+    print(
+        "\nThis process's CPU per streamed token while each path ran (its client: tritonclient's gRPC stream, or"
+        " the HTTP reader of a front door), us; the first round's warm-up requests are in the CPU, not in the tokens"
+    )
+    print("| streams | " + " | ".join(p for p in paths if p != "engine") + " |")
+    print("|---|" + "---|" * sum(p != "engine" for p in paths))
+    for c in args.concurrency:
+        cells = []
+        for path in paths:
+            if path != "engine":
+                r = results[path][c]
+                cells.append(f"{client_cpu[path][c] / max(1, len(r.itl) + len(r.ttft)) * 1e6:.0f}")
+        print(f"| {c} | " + " | ".join(cells) + " |")
     print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
