@@ -451,3 +451,45 @@ def test_the_token_id_request_uses_tensorrt_llms_own_inputs(smollm2_tokenizer_di
     asked = {o.name for o in msg.outputs}
     assert asked == {"output_ids", "sequence_length", "output_log_probs", "kv_cache_reused_blocks"}
     assert asked <= set(cpp["outputs"])
+
+
+def test_the_primary_path_tokenises_chat_with_the_template_and_a_completion_prompt_as_plain_text(
+    smollm2_tokenizer_dir,
+):
+    """``PromptRules.prompt_ids``: a chat's checked messages go through the chat template (the ids
+    ``preprocessing`` makes of the same chat sent as JSON), and a completion's prompt is plain text even when
+    it looks like a JSON chat (what /v1/completions means; the ensemble's text interface cannot tell)."""
+    import json
+
+    from toolkit.frontdoor.tokens import ChatTokens, PromptRules
+    from toolkit.triton.models import rtk_text
+
+    tokens = ChatTokens(smollm2_tokenizer_dir)
+    rules = PromptRules(tokens, max_input_len=512, max_seq_len=1024, context_policy="reject")
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Capital of France?"}]
+    chat = parse_request(
+        "chat", {"model": "m", "messages": messages}, served_model="m", max_seq_len=1024, default_max_tokens=8
+    )
+    as_preprocessing = rtk_text.encode_prompt(tokens.tok, json.dumps(messages), window=504, policy="reject")[0]
+    assert rules.prompt_ids(chat) == as_preprocessing
+    assert tokens.tok.decode(as_preprocessing).endswith("<|im_start|>assistant\n")
+    looks_like_chat = json.dumps(messages)
+    completion = parse_request(
+        "completion",
+        {"model": "m", "prompt": looks_like_chat},
+        served_model="m",
+        max_seq_len=1024,
+        default_max_tokens=8,
+    )
+    assert rules.prompt_ids(completion) == tokens.tok.encode(looks_like_chat)
+    with pytest.raises(APIError) as err:  # over the window: the same 400 naming the field as preprocessing's
+        rules.prompt_ids(
+            parse_request(
+                "completion",
+                {"model": "m", "prompt": "word " * 600, "max_tokens": 8},
+                served_model="m",
+                max_seq_len=1024,
+                default_max_tokens=8,
+            )
+        )
+    assert err.value.status == 400 and err.value.param == "prompt"
