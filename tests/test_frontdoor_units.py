@@ -493,3 +493,28 @@ def test_the_primary_path_tokenises_chat_with_the_template_and_a_completion_prom
             )
         )
     assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_a_chat_the_template_refuses_is_a_400_naming_messages_on_every_path(smollm2_tokenizer_dir):
+    """Chat templates refuse some conversations with ``raise_exception`` (roles that must alternate, a system
+    message they do not take).  That is the request's fault: a 400 naming ``messages`` from the front door's
+    own tokenising (the primary path, sessions), and a refusal from ``preprocessing`` that the front door maps
+    to the same 400 (the ensemble path), not a failed model."""
+    from toolkit.frontdoor.tokens import ChatTokens, PromptRules
+    from toolkit.frontdoor.triton import TritonRefused, classify_refusal
+    from toolkit.triton.models import rtk_text
+
+    tokens = ChatTokens(smollm2_tokenizer_dir)
+    refusal = "Conversation roles must alternate user/assistant/user/assistant"
+    tokens.tok.chat_template = "{{ raise_exception('" + refusal + "') }}"
+    rules = PromptRules(tokens, max_input_len=512, max_seq_len=1024, context_policy="reject")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]}
+    req = parse_request("chat", body, served_model="m", max_seq_len=1024, default_max_tokens=8)
+    for call in (lambda: rules.prompt_ids(req), lambda: tokens.render(req.messages, generation_prompt=True)):
+        with pytest.raises(APIError) as err:
+            call()
+        assert err.value.status == 400 and err.value.param == "messages" and refusal in str(err.value)
+    with pytest.raises(rtk_text.PromptError) as err:  # what preprocessing answers, and how the front door maps it
+        rtk_text.encode_prompt(tokens.tok, req.text_input(), window=504, policy="reject")
+    mapped = classify_refusal(TritonRefused(str(err.value), overload=False), req)
+    assert mapped.status == 400 and mapped.param == "messages" and refusal in str(mapped)

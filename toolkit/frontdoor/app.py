@@ -384,7 +384,12 @@ class FrontDoor:
             self._load_chat_tokenizer()
         if not self.chat_tokenizer or not getattr(self.chat_tokenizer, "chat_template", None):
             raise bad("messages", "this deployment has no chat template; send a plain prompt to /v1/completions")
-        return self.chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from ..triton.models import rtk_text
+
+        try:
+            return rtk_text.render_chat(self.chat_tokenizer, messages)
+        except rtk_text.PromptError as exc:
+            raise bad("messages", str(exc)) from None
 
     async def _check_input(self, req: GenRequest) -> None:
         try:

@@ -28,8 +28,12 @@ class ChatTokens:
         self.end_id, self.pad_id = rtk_text.end_id_of(self.tok), rtk_text.pad_id_of(self.tok)
 
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        """The chat template's text; a conversation the template refuses is a 400 naming ``messages``."""
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return rtk_text.render_chat(self.tok, msgs, generation_prompt=generation_prompt)
+        except rtk_text.PromptError as exc:
+            raise bad("messages", str(exc)) from None
 
     def encode(self, text: str) -> list[int]:
         return rtk_text.encode(self.tok, text, add_special_tokens=False)

@@ -129,9 +129,20 @@ def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def render_chat(tokenizer, messages: list[dict], *, generation_prompt: bool = True) -> str:
+    """The chat as the model's chat template renders it.  A conversation the template refuses (its
+    ``raise_exception``: roles that must alternate, a system message it does not take) is the request's fault:
+    a :class:`PromptError` that names the chat messages, not a failed model."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as exc:
+        raise PromptError(f"the model's chat template refused these chat messages: {exc}") from None
+
+
 def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return encode(tokenizer, text, add_special_tokens=False)
+    return encode(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
 
 
 def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
