@@ -479,6 +479,7 @@ class TritonServer(Endpoints):
         # killed or crashed would linger with its shared memory, so whatever is left of the group goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        _wait_group_gone(proc.pid, 5.0)  # SIGKILL is not instant: none of the group is left on return
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -617,6 +618,33 @@ def _is_our_server(st: ServerState) -> bool:
     except OSError:
         return False
     return any(a.decode(errors="replace") == f"--model-repository={st.repository}" for a in cmdline)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (zombies, already dead, do not count)."""
+    members = []
+    if not os.path.isdir("/proc"):  # not Linux: nothing to wait on
+        return members
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if fields[0] != b"Z" and int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid):
+        if time.monotonic() >= deadline:
+            log.warning("processes of tritonserver's group %d are still there %.0f s after SIGKILL", pgid, timeout)
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> bool:
