@@ -384,12 +384,9 @@ class FrontDoor:
             self._load_chat_tokenizer()
         if not self.chat_tokenizer or not getattr(self.chat_tokenizer, "chat_template", None):
             raise bad("messages", "this deployment has no chat template; send a plain prompt to /v1/completions")
-        from ..triton.models import rtk_text
+        from .tokens import render_chat
 
-        try:
-            return rtk_text.render_chat(self.chat_tokenizer, messages)
-        except rtk_text.PromptError as exc:
-            raise bad("messages", str(exc)) from None
+        return render_chat(self.chat_tokenizer, messages)
 
     async def _check_input(self, req: GenRequest) -> None:
         try:

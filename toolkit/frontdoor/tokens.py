@@ -20,6 +20,15 @@ from .protocol import GenRequest, bad
 from .triton import raw_tensor
 
 
+def render_chat(tokenizer, messages: list[dict], *, generation_prompt: bool = True) -> str:
+    """``messages`` through ``tokenizer``'s chat template; a conversation the template refuses is a 400 naming
+    ``messages``."""
+    try:
+        return rtk_text.render_chat(tokenizer, messages, generation_prompt=generation_prompt)
+    except rtk_text.PromptError as exc:
+        raise bad("messages", str(exc)) from None
+
+
 class ChatTokens:
     """The repository's tokenizer and chat template, as the preprocessing model uses them."""
 
@@ -28,12 +37,8 @@ class ChatTokens:
         self.end_id, self.pad_id = rtk_text.end_id_of(self.tok), rtk_text.pad_id_of(self.tok)
 
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
-        """The chat template's text; a conversation the template refuses is a 400 naming ``messages``."""
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        try:
-            return rtk_text.render_chat(self.tok, msgs, generation_prompt=generation_prompt)
-        except rtk_text.PromptError as exc:
-            raise bad("messages", str(exc)) from None
+        return render_chat(self.tok, msgs, generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return rtk_text.encode(self.tok, text, add_special_tokens=False)
