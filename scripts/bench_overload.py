@@ -14,7 +14,9 @@ chat requests, every latency measured from the request's *scheduled* send time):
 3. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
 4. fallback: the primary held busy by long requests; requests with deadline D answered by a rule tier.
 
-Prints one table with the host's load average; a benchmark, not a test: run it under the shared CPU lock.
+Each phase also compares the admission's predicted TTFT (the ``x-rtk-predicted-ttft-ms`` header of every
+primary answer) with the TTFT measured here.  Prints one table with the host's load average; a benchmark,
+not a test: run it under the shared CPU lock.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Result:
     end: float | None = None
     tier: str = ""
     tokens: int = 0
+    predicted: float | None = None  # seconds: the admission's TTFT prediction (x-rtk-predicted-ttft-ms)
 
 
 def pct(xs, q):
@@ -73,6 +76,19 @@ def pct(xs, q):
         return float("nan")
     k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[k]
+
+
+def prediction_row(label: str, served: list[Result]) -> tuple[str, str]:
+    """How the admission's predictions compared with the TTFT the client measured (primary answers)."""
+    pairs = [(r.ttft, r.predicted) for r in served if r.ttft is not None and r.predicted]
+    if not pairs:
+        return (f"… {label}: measured / predicted TTFT", "no predictions (an older front door?)")
+    ratio = [m / p for m, p in pairs]
+    late = sum(m > p for m, p in pairs) / len(pairs)
+    return (
+        f"… {label}: measured / predicted TTFT p10 / p50 / p90 ({len(pairs)} answers)",
+        f"{pct(ratio, 10):.2f} / {pct(ratio, 50):.2f} / {pct(ratio, 90):.2f}; {late:.0%} later than predicted",
+    )
 
 
 def messages(i: int) -> list[dict]:
@@ -96,6 +112,8 @@ async def one(client, url, model, i, at, t0, *, max_tokens, deadline_ms=None, bo
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             res.status, res.tier = r.status_code, r.headers.get("x-rtk-tier", "")
+            if "x-rtk-predicted-ttft-ms" in r.headers:
+                res.predicted = float(r.headers["x-rtk-predicted-ttft-ms"]) / 1e3
             if r.status_code != 200:
                 await r.aread()
                 res.ttft = res.end = time.perf_counter() - start
@@ -219,6 +237,7 @@ def run_all(args, t, model, plain, cached, ruled):
     rows += [
         (f"capacity (closed loop, concurrency = max_batch_size {conc})", f"{capacity:.2f} req/s"),
         ("TTFT p50 / p99 at capacity", f"{ttft50 * 1e3:.0f} / {pct([r.ttft for r in ok if r.ttft], 99) * 1e3:.0f} ms"),
+        prediction_row("capacity", ok),
         ("deadline D", f"{deadline_ms:.0f} ms"),
     ]
     print(f"capacity {capacity:.2f} req/s, TTFT p50 {ttft50 * 1e3:.0f} ms, deadline {deadline_ms:.0f} ms", flush=True)
@@ -247,6 +266,7 @@ def run_all(args, t, model, plain, cached, ruled):
                 f"… {label}: goodput (first token within D)",
                 f"{len(good) / args.duration:.2f} req/s = {len(good) / args.duration / capacity:.0%} of capacity",
             ),
+            prediction_row(label, served),
         ]
         if shed:
             lat = [r.ttft for r in shed]

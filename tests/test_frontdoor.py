@@ -200,6 +200,7 @@ def test_chat_streams_with_usage_and_tier(plain):
     ):
         assert r.status_code == 200 and r.headers["x-rtk-tier"] == "primary"
         assert r.headers["content-type"].startswith("text/event-stream")
+        assert float(r.headers["x-rtk-predicted-ttft-ms"]) > 0  # what admission predicted
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
@@ -217,6 +218,7 @@ def test_completion_without_streaming(plain):
     assert body["object"] == "text_completion" and body["rtk_tier"] == "primary"
     assert body["choices"][0]["text"].split() == fake_answer("a b c", 3)  # a plain prompt is sent as is
     assert body["usage"]["completion_tokens"] == 3 and r.headers["x-rtk-tier"] == "primary"
+    assert float(r.headers["x-rtk-predicted-ttft-ms"]) > 0
 
 
 @pytest.mark.parametrize(

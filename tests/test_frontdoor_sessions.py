@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import time
@@ -508,6 +509,39 @@ def test_a_second_turn_while_one_runs_is_refused_with_409_and_counted(served, mo
         assert 'rtk_frontdoor_session_turns_total{result="stored"} 2' in metrics
         assert "rtk_frontdoor_sessions_active 0" in metrics  # every lease was released
         assert 'rtk_frontdoor_session_store_errors_total{op="get"} 0' in metrics
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_admission_counts_what_a_session_turn_prefills(served, monkeypatch):
+    """A session turn's prediction counts its prompt ids past the ones kept from the session (which the engine
+    finds in its prefix cache): a turn refused for its deadline names as many as the same turn, served, sent
+    and did not reuse."""
+    alice = {"Authorization": "Bearer key-alice"}
+    with front_door(served, monkeypatch) as fd:
+        turn(fd, served, "What is the capital of France?", sid="counted")
+        body = {
+            "model": served["model"],
+            "messages": [{"role": "user", "content": "And of Spain? Answer in one word."}],
+            "max_tokens": 8,
+            "session_id": "counted",
+        }
+        late = {**alice, "x-rtk-ttft-deadline-ms": "0.001"}
+        r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=late, timeout=60)
+        assert r.status_code == 429 and r.headers["x-rtk-tier"] == "refused", r.text
+        said = re.search(r"for (\d+) prompt tokens to prefill \((\d+) in all, (\d+) kept", r.json()["error"]["message"])
+        assert said is not None, r.json()
+        r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=alice, timeout=120)
+        assert r.status_code == 200, r.text
+        s = httpx.get(fd.url + "/v1/sessions/counted", headers=alice).json()
+        assert s["turns"] == 2  # the refused turn was not stored
+        sent = s["stats"][1]
+        assert sent["reused_ids"] > 0
+        assert [int(x) for x in said.groups()] == [
+            sent["prompt_tokens"] - sent["reused_ids"],
+            sent["prompt_tokens"],
+            sent["reused_ids"],
+        ]
 
 
 @pytest.mark.slow

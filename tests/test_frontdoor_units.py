@@ -110,6 +110,25 @@ def test_estimates_follow_the_measurements():
     assert e.prefill_s_per_token == pytest.approx((0.5 - 0.05) / 100, rel=0.05)
 
 
+def test_a_request_of_ours_that_just_ended_is_not_counted_again_from_the_engines_gauge():
+    """The engine's gauge is set every few tens of ms and read every 100 ms, so right after our request ends it
+    may still count it: a closed loop's next request must not see it as another client's request ahead."""
+    from toolkit.frontdoor.admission import GAUGE_LAG_S
+    from toolkit.frontdoor.triton import EngineGauges
+
+    e = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, mean_prompt=60)
+    e.admit("a", 40, 8, e.predict(40))
+    e.first_token("a")
+    e.finish("a")
+    stale = EngineGauges(active=1, max_batch=8, present=True, read_at=time.monotonic())  # read just after it ended
+    p = e.predict(40, stale)
+    assert (p.requests_ahead, p.tokens_ahead) == (0, 0)
+    other = EngineGauges(active=2, max_batch=8, present=True, read_at=time.monotonic())  # and one other client's
+    assert e.predict(40, other).requests_ahead == 1 and e.predict(40, other).tokens_ahead == int(e.mean_prompt)
+    e.ended[-1] -= 2 * GAUGE_LAG_S  # ended long before the read: the gauge's 1 is someone else's
+    assert e.predict(40, stale).requests_ahead == 1
+
+
 def test_gauges_are_summed_over_instances():
     text = """# TYPE nv_trt_llm_request_metrics gauge
 nv_trt_llm_request_metrics{instance="a",model="tensorrt_llm",request_type="active",version="1"} 3

@@ -7,7 +7,10 @@ batch is full, then for the prefill of the prompt tokens queued ahead of it and 
 
 * requests and prompt tokens ahead: the front door's own requests that have no first token yet,
   plus requests the engine reports beyond those (``nv_trt_llm_request_metrics``, other clients),
-  counted at the mean prompt length;
+  counted at the mean prompt length.  The gauge is read every ``metrics_poll_ms`` and the engine sets
+  it every few tens of ms (rtk's cpu model: ``cancellation_check_period_ms``; TensorRT-LLM's backend:
+  its stats period), so it may still count a request of ours that has just ended: ours that ended
+  within :data:`GAUGE_LAG_S` before the read count as ours, not as another client's;
 * slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the remaining
   output tokens of the running request that frees the needed slot, times the step time;
 * step time and prefill time per token: measured on the answered requests (exponentially weighted),
@@ -18,7 +21,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+# How long after a request ends the engine's gauge may still count it: the engine's update period (50 ms
+# for rtk's cpu model, 100 ms for TensorRT-LLM's stats) plus a margin.
+GAUGE_LAG_S = 0.25
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Estimator:
     samples: int = 0
     inflight: dict[str, InFlight] = field(default_factory=dict)
     mean_prompt: float = 64.0
+    ended: deque = field(default_factory=lambda: deque(maxlen=256))  # when our latest requests ended (monotonic)
 
     def predict(self, prompt_tokens: int, gauges=None) -> Prediction:
         waiting = [r for r in self.inflight.values() if r.first_at is None]
@@ -60,8 +69,10 @@ class Estimator:
         max_batch = self.max_batch
         if gauges is not None and gauges.present and time.monotonic() - gauges.read_at < 2.0:
             max_batch = gauges.max_batch or max_batch
-            # Requests the engine holds beyond ours (other clients, e.g. Triton's own endpoints).
-            extra = max(0, gauges.active - len(self.inflight))
+            # Requests the engine holds beyond ours (other clients, e.g. Triton's own endpoints); the gauge may
+            # still hold ours that ended just before it was read.
+            lagging = sum(1 for t in self.ended if t > gauges.read_at - GAUGE_LAG_S)
+            extra = max(0, gauges.active - len(self.inflight) - lagging)
             n_wait += extra
             tokens_ahead += int(extra * self.mean_prompt)
         slot_wait = 0.0
@@ -100,6 +111,8 @@ class Estimator:
 
     def finish(self, rid: str) -> None:
         r = self.inflight.pop(rid, None)
+        if r is not None:
+            self.ended.append(time.monotonic())
         if r is None or r.first_at is None or r.tokens < 3:
             return
         step = (time.monotonic() - r.first_at) / (r.tokens - 1)

@@ -60,6 +60,7 @@ from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 
 log = logging.getLogger("rtk.frontdoor")
 DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
+PREDICTED_HEADER = "x-rtk-predicted-ttft-ms"  # on the primary tier's answers: the admission's prediction
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -258,7 +259,7 @@ class FrontDoor:
 
     def prompt_tokens(self, req: GenRequest) -> int:
         """Prompt length for the prediction when the front door does not tokenise the prompt itself (the
-        ensemble and llmapi paths, session turns): the chat template's few tokens per message are estimated,
+        ensemble and llmapi paths): the chat template's few tokens per message are estimated,
         unless the front door rendered it."""
         if req.rendered is not None and self.tokenizer is not None:
             return len(self.tokenizer.encode(req.rendered, add_special_tokens=False).ids)
@@ -441,8 +442,20 @@ class FrontDoor:
         if not router.any_ready():
             return await self._unhealthy(req, body, left_s)
         # The primary path to tensorrt_llm tokenises here, once: the prediction counts the very ids that are sent.
-        ids = self.prompts.prompt_ids(req) if self.prompts is not None and not req.session_id else None
-        n_prompt = len(ids) if ids is not None else self.prompt_tokens(req)
+        # A session turn's ids are the stored conversation's and the new messages'; the engine finds the stored
+        # ones in its prefix cache, so the prediction counts the rest (what it prefills).
+        ids = turn = None
+        if req.session_id:
+            turn = await self.sessions.begin(req, request)
+            n_prompt = len(turn.prompt_ids) - turn.reused_ids
+            counted = (
+                f"{n_prompt} prompt tokens to prefill ({len(turn.prompt_ids)} in all, {turn.reused_ids} kept from "
+                "the session)"
+            )
+        else:
+            ids = self.prompts.prompt_ids(req) if self.prompts is not None else None
+            n_prompt = len(ids) if ids is not None else self.prompt_tokens(req)
+            counted = f"{n_prompt} prompt tokens"
         deadline_s = None if deadline_ms is None else deadline_ms / 1e3
         # More than one pass only over replicas: a replica that cannot be reached before the first token is
         # marked not ready and the request goes to the next best one.
@@ -461,22 +474,25 @@ class FrontDoor:
                     "predicted_late",
                     status=429,
                     retry_s=retry,
-                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} for {n_prompt} "
-                    f"prompt tokens ({p.requests_ahead} requests, {p.tokens_ahead} prompt tokens ahead), over the "
+                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} for {counted} "
+                    f"({p.requests_ahead} requests, {p.tokens_ahead} prompt tokens ahead), over the "
                     f"{deadline_ms:.0f} ms deadline; "
                     "retry later",
                 )
             # Admitted.
             # An input the model lacks is a 400 here, before anything is sent.
             backend, est = replica.backend, replica.estimator
-            stream = await self.sessions.stream(req, request, backend) if req.session_id else backend.stream(req, ids)
+            if turn is not None:
+                stream = await self.sessions.stream(req, request, backend, turn)
+            else:
+                stream = backend.stream(req, ids)
             est.admit(req.id, n_prompt, req.max_tokens, p)
             replica.routed += 1
             try:
                 first = await self._first(stream, left_s() if self.tiers or self.cache else None)
             except TimeoutError:
                 stream.cancel()
-                est.inflight.pop(req.id, None)
+                est.finish(req.id)  # it was in the engine: the gauge may count it a little longer
                 self.counters[("rtk_frontdoor_deadline_misses_total", ())] += 1
                 return await self._fallback(
                     req,
@@ -507,9 +523,9 @@ class FrontDoor:
                 raise classify_refusal(exc, req) from None
             except BaseException:
                 stream.cancel()
-                est.inflight.pop(req.id, None)
+                est.finish(req.id)
                 raise
-            return self._primary(req, stream, first, n_prompt, est)
+            return self._primary(req, stream, first, n_prompt, est, p.ttft_s)
         return await self._unhealthy(req, body, left_s)
 
     async def _unhealthy(self, req: GenRequest, body: dict, left_s) -> Response:
@@ -615,11 +631,13 @@ class FrontDoor:
 
         return _SSE(gen(), headers)
 
-    def _primary(self, req: GenRequest, stream: TritonStream, first, n_prompt: int, est: Estimator) -> Response:
+    def _primary(
+        self, req: GenRequest, stream: TritonStream, first, n_prompt: int, est: Estimator, predicted_s: float
+    ) -> Response:
         self._count(req, PRIMARY)
         est.first_token(req.id)
         state = {"text": [first.text], "piece": first, "done": first.final, "responses": int(bool(first.text))}
-        headers = {TIER_HEADER: PRIMARY}
+        headers = {TIER_HEADER: PRIMARY, PREDICTED_HEADER: f"{predicted_s * 1e3:.1f}"}
         flt = self._output_filter()
 
         async def raw() -> AsyncIterator[tuple[str, list[float]]]:

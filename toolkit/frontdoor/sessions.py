@@ -654,11 +654,18 @@ class SessionService:
         self.backend = backend
         return manager, backend
 
-    async def stream(self, req: GenRequest, request, server=None) -> SessionStream:
+    async def begin(self, req: GenRequest, request) -> Turn:
+        """The turn's prompt ids (the stored conversation's, then the new messages'), made before admission so
+        that the prediction counts what the engine will prefill."""
+        manager = await self._manager()
+        return await manager.begin(req, req.session_id, self.owner(request))
+
+    async def stream(self, req: GenRequest, request, server=None, turn: Turn | None = None) -> SessionStream:
         """The turn's stream on the tritonserver of ``server`` (the front door's backend for the replica it
-        chose; default: the one this service was made for)."""
+        chose; default: the one this service was made for); ``turn``: from :meth:`begin`, else begun here."""
         manager, backend = await self._open_engine(server.grpc_url if server is not None else self.grpc_url, server)
-        turn = await manager.begin(req, req.session_id, self.owner(request))
+        if turn is None:
+            turn = await manager.begin(req, req.session_id, self.owner(request))
         renew = (lambda: self._renew(req.id)) if req.id in self._held else None
         return SessionStream(backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
 
