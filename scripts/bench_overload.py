@@ -1,6 +1,6 @@
 """Overload through the front door: capacity, then 1.5x capacity with and without deadline-aware admission.
 
-    .venv/bin/python scripts/bench_overload.py SPEC|REPOSITORY [--duration 60] [--load 1.5] [--deadline-ms D]
+    .venv/bin/python scripts/bench_overload.py SPEC|REPOSITORY [--duration 60] [--load 1.5 | --rate R] [--deadline-ms D]
 
 Starts tritonserver on the repository (free ports) and the front door as its own process
 (``python -m toolkit.frontdoor``), then, with this process as the client (asyncio + httpx, streamed
@@ -8,7 +8,9 @@ chat requests, every latency measured from the request's *scheduled* send time):
 
 1. capacity: closed loop at ``build.max_batch_size`` concurrency; capacity = answers per second.
    The deadline D defaults to 2x the TTFT p50 measured there.
-2. the same Poisson schedule at ``load`` x capacity for ``duration`` seconds, twice: without a deadline
+2. the same Poisson schedule at ``load`` x capacity (or ``--rate`` requests/s: the closed-loop capacity
+   varies by 25 % between runs on a shared host, so runs compared take one rate) for ``duration``
+   seconds, twice: without a deadline
    (the peer: every request queues) and with D as each request's deadline (``x-rtk-ttft-deadline-ms``).
    Goodput counts answers whose first token came within D.
 3. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
@@ -187,6 +189,12 @@ def main() -> int:
     ap.add_argument("source")
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--load", type=float, default=1.5, help="offered rate as a multiple of the measured capacity")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="offered rate in requests/s instead of --load x capacity (the same load for runs compared)",
+    )
     ap.add_argument("--deadline-ms", type=float, default=None, help="default: 2x the TTFT p50 at capacity")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--capacity-requests", type=int, default=48)
@@ -242,7 +250,7 @@ def run_all(args, t, model, plain, cached, ruled):
     ]
     print(f"capacity {capacity:.2f} req/s, TTFT p50 {ttft50 * 1e3:.0f} ms, deadline {deadline_ms:.0f} ms", flush=True)
 
-    rate = args.load * capacity
+    rate = args.rate or args.load * capacity
     rng = random.Random(args.seed)
     times, at = [], 0.0
     while at < args.duration:
@@ -257,7 +265,7 @@ def run_all(args, t, model, plain, cached, ruled):
         good = [x for x in ttfts if x * 1e3 <= deadline_ms]
         rows += [
             (
-                f"{args.load:g}x capacity, {label}: offered",
+                f"{rate / capacity:.2g}x capacity, {label}: offered",
                 f"{len(res)} requests in {args.duration:.0f} s ({rate:.2f}/s)",
             ),
             (f"… {label}: served / shed / failed", f"{len(served)} / {len(shed)} / {len(other)}"),

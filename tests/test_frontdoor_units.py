@@ -102,6 +102,39 @@ def test_prediction_grows_with_the_work_ahead_and_waits_for_a_slot():
     assert full.slot_wait_s == pytest.approx(50 * e.step_s)
 
 
+def test_a_chunked_prompt_beside_decoding_requests_takes_the_steps_their_rows_leave_it():
+    """With chunked prompts an engine step holds ``max_num_tokens`` tokens, one per decoding request: a prompt
+    arriving beside 7 of them gets 24 - 7 = 17 tokens a step, so 42 tokens take 3 steps (and half of the one
+    running), however cheap the learned per-token prefill makes them look."""
+    kw = dict(max_batch=8, step_s=0.04, prefill_s_per_token=0.0005, alpha=0.0)  # alpha 0: nothing learned here
+    chunked, whole = Estimator(**kw, step_tokens=24), Estimator(**kw)
+    idle = 0.04 + 42 * 0.0005
+    assert chunked.predict(42).ttft_s == pytest.approx(idle)  # nobody decodes: the prompt runs whole
+    for e in (chunked, whole):
+        for i in range(7):
+            e.admit(str(i), 40, 32, e.predict(40))
+            e.first_token(str(i))
+    assert chunked.predict(42).ttft_s == pytest.approx(3.5 * 0.04)
+    assert whole.predict(42).ttft_s == pytest.approx(idle)  # without chunking: the per-token model alone
+    assert chunked.predict(4).ttft_s == pytest.approx(max(idle - 38 * 0.0005, 1.5 * 0.04))  # one step
+
+
+def test_the_step_budget_comes_from_the_spec_only_when_prompts_are_chunked(tmp_path):
+    from toolkit.frontdoor import create_app
+    from toolkit.frontdoor.config import config_from
+    from toolkit.spec import spec_from_dict
+
+    def spec(**build):
+        return spec_from_dict({"name": "p", "build": build, "serving": {"repository": str(tmp_path / "repo")}})
+
+    cfg = config_from(spec(max_num_tokens=24))
+    assert cfg.step_tokens == 24
+    app = create_app(cfg, "grpc://127.0.0.1:1")
+    assert app.state.frontdoor.replicas[0].estimator.step_tokens == 24
+    whole = spec(max_num_tokens=2048, enable_chunked_context=False)
+    assert config_from(whole).step_tokens is None
+
+
 def test_estimates_follow_the_measurements():
     e = Estimator(max_batch=8, step_s=0.05, prefill_s_per_token=0.002, alpha=1.0)
     e.admit("a", 100, 10, e.predict(100))

@@ -93,7 +93,9 @@ class FrontDoor:
         urls = replica_urls(triton_grpc_url, metrics_url)
         self.replicas = [
             Replica(
-                str(i), TritonBackend(grpc, config.primary_model, metrics), Estimator(max_batch=config.max_batch_size)
+                str(i),
+                TritonBackend(grpc, config.primary_model, metrics),
+                Estimator(max_batch=config.max_batch_size, step_tokens=config.step_tokens),
             )
             for i, (grpc, metrics) in enumerate(urls)
         ]

@@ -26,6 +26,8 @@ class FrontDoorConfig:
     max_batch_size: int = 8
     max_seq_len: int = 2048
     max_input_len: int = 2048
+    # Tokens an engine step takes (decode rows + a prompt chunk) when prompts are chunked; None: not chunked
+    step_tokens: int | None = None
     default_max_tokens: int = 128
     tokenizer_dir: Path | None = None
     repository: Path | None = None  # sessions' SQLite file goes beside its state file
@@ -108,6 +110,9 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         max_batch_size=int(build.get("max_batch_size", 8)),
         max_seq_len=int(build.get("max_seq_len", 2048)),
         max_input_len=int(build.get("max_input_len", build.get("max_seq_len", 2048))),
+        step_tokens=int(build["max_num_tokens"])
+        if build.get("enable_chunked_context", True) and build.get("max_num_tokens")
+        else None,
         default_max_tokens=int(serving.get("default_max_tokens", 128)),
         tokenizer_dir=_tokenizer_dir(repo),
         repository=repo,
