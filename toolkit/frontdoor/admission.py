@@ -82,7 +82,11 @@ class Estimator:
             max_batch = gauges.max_batch or max_batch
             # Requests the engine holds beyond ours (other clients, e.g. Triton's own endpoints); the gauge may
             # still hold ours that ended just before it was read.
-            lagging = sum(1 for t in self.ended if t > gauges.read_at - GAUGE_LAG_S)
+            lagging, since = 0, gauges.read_at - GAUGE_LAG_S
+            for t in reversed(self.ended):  # newest first: only the last few ended after ``since``
+                if t <= since:
+                    break
+                lagging += 1
             extra = max(0, gauges.active - len(self.inflight) - lagging)
             n_wait += extra
             tokens_ahead += int(extra * self.mean_prompt)
