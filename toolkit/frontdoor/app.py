@@ -485,7 +485,7 @@ class FrontDoor:
             # An input the model lacks is a 400 here, before anything is sent.
             backend, est = replica.backend, replica.estimator
             if turn is not None:
-                stream = await self.sessions.stream(req, request, backend, turn)
+                stream = await self.sessions.stream(req, turn, backend)
             else:
                 stream = backend.stream(req, ids)
             est.admit(req.id, n_prompt, req.max_tokens, p)

@@ -660,12 +660,10 @@ class SessionService:
         manager = await self._manager()
         return await manager.begin(req, req.session_id, self.owner(request))
 
-    async def stream(self, req: GenRequest, request, server=None, turn: Turn | None = None) -> SessionStream:
-        """The turn's stream on the tritonserver of ``server`` (the front door's backend for the replica it
-        chose; default: the one this service was made for); ``turn``: from :meth:`begin`, else begun here."""
+    async def stream(self, req: GenRequest, turn: Turn, server=None) -> SessionStream:
+        """The stream of ``turn`` (from :meth:`begin`) on the tritonserver of ``server`` (the front door's
+        backend for the replica it chose; default: the one this service was made for)."""
         manager, backend = await self._open_engine(server.grpc_url if server is not None else self.grpc_url, server)
-        if turn is None:
-            turn = await manager.begin(req, req.session_id, self.owner(request))
         renew = (lambda: self._renew(req.id)) if req.id in self._held else None
         return SessionStream(backend, manager, turn, req, on_final=self._turn_ended(req.id), renew=renew)
 
