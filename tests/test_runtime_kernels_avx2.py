@@ -540,3 +540,44 @@ def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_pat
     kv = with_kv_cache_scales(tiny_llama_dir, tmp_path / "kv-fp8", "FP8", (0.02, 0.01))
     assert Engine(kv, EngineConfig(**FUSED_BASE)).model.fused is None
     assert Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.fused is None
+
+
+def test_float32_int8_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_llama_dir):
+    """W8A8 rows stand alone, so a step's prompt rows go through the fused layers too (forward_rows): steps
+    mixing decode rows with prompt chunks (from position 0, after cached positions, several attention units)
+    give torch's operators' logits bit for bit, and the tokens of a request alone."""
+    from conftest import spec_for
+    from test_runtime_fused_decode import prompt, tokens_beside_a_long_prompt
+
+    from toolkit.quantize import quantize
+    from toolkit.runtime.model import build_plan
+
+    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+    quantization = {"format": "int8_sq", "max_perplexity_increase": 100.0, **calib}
+    spec = spec_for("tiny-int8-rows", tiny_llama_dir, quantization=quantization)
+    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    fused = Engine(hf, EngineConfig(**FUSED_BASE))
+    assert fused.model.fused.takes_prompt_rows
+    operators = Engine(hf, EngineConfig(**FUSED_BASE, fused_decode=False))
+    tpb, unit = FUSED_BASE["tokens_per_block"], 8
+    a, b, c = prompt(21, 1), prompt(46, 2), prompt(12, 3)
+    tables = [list(range(i * 40, (i + 1) * 40)) for i in range(3)]
+    steps = [  # (table, cached, ids, is_prompt): decode rows first, then prompt chunks
+        [(0, 0, a, True), (1, 0, b[:16], True)],  # two prompts from position 0 (their own K/V)
+        [(0, 21, [7], False), (1, 16, b[16:46], True), (2, 0, c, True)],  # 30 rows after 16 cached: 4 units
+        [(0, 22, [9], False), (1, 46, [11], False), (2, 12, [13], False)],  # decode rows alone
+    ]
+    got = []
+    for engine in (fused, operators):
+        logits = []
+        with torch.inference_mode():
+            for step in steps:
+                work = [(tables[t], cached, len(ids), is_prompt) for t, cached, ids, is_prompt in step]
+                ids = torch.tensor([i for _, _, row_ids, _ in step for i in row_ids])
+                logits.append(engine.model.forward(ids, build_plan(work, tpb, unit), engine.pool))
+        got.append(logits)
+    for i, (x, y) in enumerate(zip(*got, strict=True)):
+        assert torch.equal(x, y), f"step {i}: max difference {(x - y).abs().max().item()}"
+    ids = prompt(9, 5)
+    alone = Engine(hf, EngineConfig(**FUSED_BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
+    assert tokens_beside_a_long_prompt(Engine(hf, EngineConfig(**FUSED_BASE)), ids) == alone

@@ -258,6 +258,8 @@ class DecodeLayers:
     called from C++ (no Python between them).  Each row attends alone, as decode batching "exact".
     """
 
+    takes_prompt_rows = False  # a step's prompt rows go through torch's operators
+
     def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, cos, sin):
         self._layers = torch.classes.rtk_kernels.DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], cos, sin

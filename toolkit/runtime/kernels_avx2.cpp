@@ -637,13 +637,100 @@ struct DecodeLayers : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor write_slots, at::Tensor ctx_slots,
                      at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end,
                      c10::optional<at::Tensor> padded_slots, c10::optional<at::Tensor> padded_mask) {
-    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
-    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2, "rtk_avx2.DecodeLayers: h is [rows, hidden] float32");
-    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == KVH &&
-                    k_pool.size(3) == D && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
-                "rtk_avx2.DecodeLayers: float32 K/V pools [layers, slots, kv_heads, head_dim]");
+    const int64_t m = h.size(0);
+    check_pools(h, k_pool, v_pool);
     check_decode_plan("rtk_avx2.DecodeLayers", m, positions, write_slots, ctx_slots, ctx_bounds, k_pool, begin, end,
                       static_cast<int64_t>(layers.size()), cos.size(0), padded_slots, padded_mask);
+    return run(h, m, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, {});
+  }
+
+  // A step with prompt rows: rows [0, num_decode) decode as forward's rows do; rows from num_decode on are
+  // prompt chunks, chunks [C, 3] = (first row, rows, positions already cached) in row order, each reading
+  // its keys from chunk_slots[c] (the cached positions and its own, in order) or, where that is empty,
+  // from its own rows (a chunk at position 0).  Their attention is model.py's: one torch SDPA call per
+  // unit of query rows, units [U, 3] = (chunk, first query row, end) with unit_masks[u] [rows, cached +
+  // end] bool.  Only where every projection is W8A8, whose rows depend on themselves alone: then every
+  // row's numbers are the operator path's (model.Transformer._layers), decode rows' and prompt rows' alike.
+  at::Tensor forward_rows(at::Tensor h, int64_t num_decode, at::Tensor positions, at::Tensor write_slots,
+                          at::Tensor ctx_slots, at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool,
+                          int64_t begin, int64_t end, at::Tensor chunks, std::vector<at::Tensor> chunk_slots,
+                          at::Tensor units, std::vector<at::Tensor> unit_masks) {
+    const char* who = "rtk_avx2.DecodeLayers.forward_rows";
+    const int64_t m = h.size(0), B = num_decode;
+    check_pools(h, k_pool, v_pool);
+    for (const Layer32& layer : layers)
+      for (const Projection32& p : layer.proj)
+        TORCH_CHECK(p.w8a8_path, who, ": prompt rows need W8A8 projections (their rows stand alone)");
+    positions = positions.contiguous();
+    write_slots = write_slots.contiguous();
+    TORCH_CHECK(0 <= B && B <= m && positions.numel() == m && write_slots.numel() == m &&
+                    positions.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong,
+                who, ": int64 positions and write_slots [rows], num_decode <= rows");
+    check_decode_plan(who, B, positions.narrow(0, 0, B), write_slots.narrow(0, 0, B), ctx_slots, ctx_bounds, k_pool,
+                      begin, end, static_cast<int64_t>(layers.size()), cos.size(0), {}, {});
+    const int64_t slots = k_pool.size(1);
+    const auto* pos = positions.data_ptr<int64_t>();
+    const auto* ws = write_slots.data_ptr<int64_t>();
+    for (int64_t r = B; r < m; ++r)
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && ws[r] >= 0 && ws[r] < slots, who,
+                  ": a position or slot is out of range");
+    chunks = chunks.contiguous();
+    units = units.contiguous();
+    TORCH_CHECK(chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 3 &&
+                    units.scalar_type() == at::kLong && units.dim() == 2 && units.size(1) == 3 &&
+                    static_cast<int64_t>(chunk_slots.size()) == chunks.size(0) &&
+                    static_cast<int64_t>(unit_masks.size()) == units.size(0),
+                who, ": chunks [C, 3] and units [U, 3] int64, a slots tensor per chunk and a mask per unit");
+    const auto* ch = chunks.data_ptr<int64_t>();
+    int64_t next_row = B;
+    for (int64_t c = 0; c < chunks.size(0); ++c) {
+      const int64_t start = ch[3 * c], len = ch[3 * c + 1], cached = ch[3 * c + 2];
+      TORCH_CHECK(start == next_row && len > 0 && cached >= 0, who, ": chunks must cover the prompt rows in order");
+      next_row = start + len;
+      const at::Tensor& cs = chunk_slots[c];
+      TORCH_CHECK(cs.numel() == 0 ? cached == 0 : (cs.scalar_type() == at::kLong && cs.numel() == cached + len),
+                  who, ": a chunk reads cached + rows slots, or its own rows from position 0");
+      if (cs.numel()) {
+        const at::Tensor cc = cs.contiguous();
+        const auto* sp = cc.data_ptr<int64_t>();
+        for (int64_t j = 0; j < cc.numel(); ++j) TORCH_CHECK(sp[j] >= 0 && sp[j] < slots, who, ": slot out of range");
+      }
+    }
+    TORCH_CHECK(next_row == m, who, ": chunks must cover the prompt rows in order");
+    const auto* un = units.data_ptr<int64_t>();
+    for (int64_t u = 0; u < units.size(0); ++u) {
+      const int64_t c = un[3 * u], a = un[3 * u + 1], b = un[3 * u + 2];
+      TORCH_CHECK(0 <= c && c < chunks.size(0) && 0 <= a && a < b && b <= ch[3 * c + 1], who, ": unit out of range");
+      const at::Tensor& mask = unit_masks[u];
+      TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == b - a &&
+                      mask.size(1) == ch[3 * c + 2] + b,
+                  who, ": a unit's mask is [rows, cached + end] bool");
+    }
+    Prompts prompts{B, chunks, units, chunk_slots, unit_masks};
+    return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, prompts);
+  }
+
+ private:
+  struct Prompts {
+    int64_t num_decode = 0;
+    at::Tensor chunks, units;
+    std::vector<at::Tensor> chunk_slots, unit_masks;
+  };
+
+  void check_pools(const at::Tensor& h, const at::Tensor& k_pool, const at::Tensor& v_pool) const {
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2, "rtk_avx2.DecodeLayers: h is [rows, hidden] float32");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
+                    k_pool.size(2) == kv_heads && k_pool.size(3) == head_dim && k_pool.scalar_type() == at::kFloat &&
+                    v_pool.scalar_type() == at::kFloat,
+                "rtk_avx2.DecodeLayers: float32 K/V pools [layers, slots, kv_heads, head_dim]");
+  }
+
+  // The layers over all rows of h; decode rows [0, B) attend through decode_attention, prompt rows (if
+  // any) by chunk and unit through torch's SDPA, as model.Transformer._layers calls it.
+  at::Tensor run(at::Tensor h, int64_t B, const at::Tensor& positions, const at::Tensor& write_slots,
+                 const at::Tensor& ctx_slots, const at::Tensor& ctx_bounds, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool, int64_t begin, int64_t end, const Prompts& prompts) {
+    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
     const int64_t slots = k_pool.size(1);
     const auto* pos = positions.data_ptr<int64_t>();
     const auto* ws = write_slots.data_ptr<int64_t>();
@@ -653,6 +740,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     const float* cos_t = cos.data_ptr<float>();
     const float* sin_t = sin.data_ptr<float>();
     const int64_t row = KVH * D, layer_floats = slots * row;
+    const bool gqa = KVH != H;
     for (int64_t li = begin; li < end; ++li) {
       const Layer32& layer = layers[li];
       auto qkv = layer.proj[0](rms_norm(h, layer.input_norm)).contiguous();  // [m, (H + 2 KVH) D]
@@ -680,10 +768,12 @@ struct DecodeLayers : torch::CustomClassHolder {
         std::memcpy(kp + ws[r] * row, dst + (r * (H + KVH) + H) * D, row * sizeof(float));
         std::memcpy(vp + ws[r] * row, src + r * width + (H + KVH) * D, row * sizeof(float));
       }
-      // every row over its own context in the pool (batched or not: the padded plan is checked, not read)
+      // every decode row over its own context in the pool (batched or not: the padded plan is checked, not read)
       auto attn = at::empty({m, H * D}, at::kFloat);
-      decode_attention_rows(dst, (H + KVH) * D, D, kp, vp, cs, cb, m, H, KVH, D, static_cast<float>(scale),
-                            attn.data_ptr<float>());
+      if (B > 0)
+        decode_attention_rows(dst, (H + KVH) * D, D, kp, vp, cs, cb, B, H, KVH, D, static_cast<float>(scale),
+                              attn.data_ptr<float>());
+      if (B < m) prompt_attention(qk, qkv, k_pool[li], v_pool[li], prompts, gqa, attn);
       add_into(h, layer.proj[1](attn).contiguous());
       auto gu = layer.proj[2](rms_norm(h, layer.post_norm)).contiguous();
       const int64_t inter = gu.size(1) / 2;
@@ -696,6 +786,37 @@ struct DecodeLayers : torch::CustomClassHolder {
     }
     return h;
   }
+
+  // Prompt rows' attention with the views and SDPA calls of model.Transformer._layers: q the rotated q
+  // heads, a chunk's keys its own rotated k heads and v (from the qkv rows) or the pool's at its slots.
+  void prompt_attention(const at::Tensor& qk, const at::Tensor& qkv, const at::Tensor& k_layer,
+                        const at::Tensor& v_layer, const Prompts& p, bool gqa, at::Tensor& attn) const {
+    const int64_t H = heads, KVH = kv_heads, D = head_dim, m = qk.size(0);
+    const at::Tensor q = qk.narrow(1, 0, H), k = qk.narrow(1, H, KVH);
+    const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({m, KVH, D});
+    const auto* ch = p.chunks.data_ptr<int64_t>();
+    const auto* un = p.units.data_ptr<int64_t>();
+    int64_t u = 0;
+    for (int64_t c = 0; c < p.chunks.size(0); ++c) {
+      const int64_t start = ch[3 * c], len = ch[3 * c + 1], cached = ch[3 * c + 2];
+      at::Tensor kc, vc;
+      if (p.chunk_slots[c].numel() == 0) {
+        kc = k.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+        vc = v.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+      } else {
+        kc = k_layer.index_select(0, p.chunk_slots[c]).transpose(0, 1).unsqueeze(0);
+        vc = v_layer.index_select(0, p.chunk_slots[c]).transpose(0, 1).unsqueeze(0);
+      }
+      const at::Tensor qc = q.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+      for (; u < p.units.size(0) && un[3 * u] == c; ++u) {
+        const int64_t a = un[3 * u + 1], b = un[3 * u + 2], keys = cached + b;
+        const at::Tensor o = at::scaled_dot_product_attention(
+            qc.narrow(2, a, b - a), kc.narrow(2, 0, keys), vc.narrow(2, 0, keys), p.unit_masks[u], 0.0, false, scale,
+            gqa);
+        attn.narrow(0, start + a, b - a).copy_(o[0].transpose(0, 1).reshape({b - a, H * D}));
+      }
+    }
+  }
 };
 
 }  // namespace
@@ -705,7 +826,8 @@ TORCH_LIBRARY(rtk_avx2, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
-      .def("forward", &DecodeLayers::forward);
+      .def("forward", &DecodeLayers::forward)
+      .def("forward_rows", &DecodeLayers::forward_rows);
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
   m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None) "
         "-> Tensor",

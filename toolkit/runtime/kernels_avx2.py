@@ -226,12 +226,14 @@ class DecodeLayers:
         self._layers = torch.classes.rtk_avx2.DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), cos, sin
         )
+        self.takes_prompt_rows = True  # every projection W8A8 so far (forward_rows)
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
         self._layers.add_layer(input_norm, post_norm)
 
     def add_projection(self, proj) -> None:
         """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down)."""
+        self.takes_prompt_rows = self.takes_prompt_rows and proj.w8a8 is not None
         if proj.w8a8 is not None:
             w = proj.w8a8
             if w.blockwise:
@@ -253,4 +255,33 @@ class DecodeLayers:
         """As ``kernels.DecodeLayers.forward``, for float32 ``h`` and a float32 ``pool``."""
         return self._layers.forward(
             h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end, padded, mask
+        )
+
+    def forward_rows(self, h, plan, pool, begin: int, end: int) -> torch.Tensor:
+        """Every row of a step with prompt rows (a ``model.StepPlan``) through layers ``[begin, end)`` in one call,
+        where every projection is W8A8 (:attr:`takes_prompt_rows`): decode rows as :meth:`forward`'s, prompt
+        rows with the SDPA calls of the operator path (``model.Transformer._layers``), so with its bits."""
+        B = plan.num_decode
+        empty = torch.empty(0, dtype=torch.int64)
+        ctx = plan.decode_slots if B else empty
+        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B else empty.view(0, 2)
+        chunks = torch.tensor([(c.start, c.length, c.cached) for c in plan.prefills], dtype=torch.int64).view(-1, 3)
+        slots = [empty if c.slots is None else c.slots for c in plan.prefills]
+        units = [(i, a, b) for i, c in enumerate(plan.prefills) for a, b, _ in c.units]
+        masks = [mask for c in plan.prefills for _, _, mask in c.units]
+        return self._layers.forward_rows(
+            h,
+            B,
+            plan.positions,
+            plan.write_slots,
+            ctx,
+            bounds,
+            pool.k,
+            pool.v,
+            begin,
+            end,
+            chunks,
+            slots,
+            torch.tensor(units, dtype=torch.int64).view(-1, 3),
+            masks,
         )

@@ -873,7 +873,10 @@ class Transformer:
         """Logits (float32) for ``plan.logit_rows`` (all rows when None) of the flat token batch."""
         h = F.embedding(input_ids, self.embed)
         B = plan.num_decode
-        if self.fused is not None and 0 < B <= GEMV_MAX_ROWS:
+        if plan.prefills and self.fused is not None and self.fused.takes_prompt_rows:
+            # every projection W8A8 (a row's result its own): decode and prompt rows through one call
+            h = self.fused.forward_rows(h, plan, pool, 0, len(self.layers))
+        elif self.fused is not None and 0 < B <= GEMV_MAX_ROWS:
             # decode rows through rtk's fused layers, prompt rows (if any) through torch's operators
             bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64)
             positions, slots, ctx = plan.positions[:B], plan.write_slots[:B], plan.decode_slots
