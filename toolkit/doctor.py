@@ -265,9 +265,10 @@ def _cpu_engine(host: HostInfo) -> Check:
             "warn",
             "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
             need,
-            "for speed here, quantize with `quantization.format: int8_sq`: its projections run as integer products "
-            "(prompts prefill ~2x faster than FP8 or bf16 on this path; docs/engine.md, 'CPUs without native bf16'); "
-            "the example's SLO objectives were set on an AVX512-BF16 host",
+            "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`): "
+            "its projections run as integer products and whole steps through rtk's fused layers, which meets the "
+            "example's SLO gate on a quiet 2-core AVX2 host (docs/engine.md, 'Prompt rows through the fused layers'); "
+            "the example's FP8 export was measured on an AVX512-BF16 host",
         )
     return Check(
         "CPU engine",
