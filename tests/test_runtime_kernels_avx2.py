@@ -578,6 +578,13 @@ def test_float32_int8_steps_with_prompt_rows_give_the_operators_bits(tmp_path, t
         got.append(logits)
     for i, (x, y) in enumerate(zip(*got, strict=True)):
         assert torch.equal(x, y), f"step {i}: max difference {(x - y).abs().max().item()}"
+    # a plan whose attention units leave prompt rows out is refused, not half computed
+    work = [(tables[1], 16, 30, True)]
+    plan = build_plan(work, tpb, unit)
+    plan.prefills[0].units = plan.prefills[0].units[:-1]
+    h = torch.zeros(30, fused.model_config.hidden_size)
+    with pytest.raises(RuntimeError, match="units must cover each chunk's rows in order"):
+        fused.model.fused.forward_rows(h, plan, fused.pool, 0, 1)
     ids = prompt(9, 5)
     alone = Engine(hf, EngineConfig(**FUSED_BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
     assert tokens_beside_a_long_prompt(Engine(hf, EngineConfig(**FUSED_BASE)), ids) == alone

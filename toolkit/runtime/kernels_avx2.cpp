@@ -698,21 +698,27 @@ struct DecodeLayers : torch::CustomClassHolder {
     }
     TORCH_CHECK(next_row == m, who, ": chunks must cover the prompt rows in order");
     const auto* un = units.data_ptr<int64_t>();
+    TORCH_CHECK(units.size(0) == 0 || chunks.size(0) > 0, who, ": units need their chunks");
+    int64_t chunk = 0, row = 0;  // units cover each chunk's rows in order, chunk after chunk
     for (int64_t u = 0; u < units.size(0); ++u) {
       const int64_t c = un[3 * u], a = un[3 * u + 1], b = un[3 * u + 2];
-      TORCH_CHECK(0 <= c && c < chunks.size(0) && 0 <= a && a < b && b <= ch[3 * c + 1], who, ": unit out of range");
+      if (c == chunk + 1 && row == ch[3 * chunk + 1]) chunk = c, row = 0;
+      TORCH_CHECK(c == chunk && a == row && a < b && b <= ch[3 * c + 1], who,
+                  ": units must cover each chunk's rows in order");
+      row = b;
       const at::Tensor& mask = unit_masks[u];
       TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == b - a &&
                       mask.size(1) == ch[3 * c + 2] + b,
                   who, ": a unit's mask is [rows, cached + end] bool");
     }
-    Prompts prompts{B, chunks, units, chunk_slots, unit_masks};
+    TORCH_CHECK(chunks.size(0) == 0 || (chunk == chunks.size(0) - 1 && row == ch[3 * chunk + 1]), who,
+                ": units must cover each chunk's rows in order");
+    Prompts prompts{chunks, units, chunk_slots, unit_masks};
     return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, prompts);
   }
 
  private:
   struct Prompts {
-    int64_t num_decode = 0;
     at::Tensor chunks, units;
     std::vector<at::Tensor> chunk_slots, unit_masks;
   };
