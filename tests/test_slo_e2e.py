@@ -24,14 +24,20 @@ def test_rtk_slo_gates_the_embedded_model_on_the_cpu_target(tmp_path, smollm2_fp
     from toolkit.targets import build
     from toolkit.triton.emit import emit
 
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, front_door = free_ports(4)  # none of them a running server's
     repo = tmp_path / "repo"
     spec = spec_for(
         "slo-e2e",
         smollm2_fp8_dir,
         quantization={"format": "fp8"},
         build={"target": "cpu", "max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 256},
-        serving={"repository": str(repo), "http_port": http, "grpc_port": grpc, "metrics_port": metrics},
+        serving={
+            "repository": str(repo),
+            "http_port": http,
+            "grpc_port": grpc,
+            "metrics_port": metrics,
+            "frontend": {"port": front_door},
+        },
     )
     engine = build(spec, smollm2_fp8_dir, tmp_path / "engine")
     emit(spec, engine.path, repo, tokenizer_dir=smollm2_fp8_dir / "hf")
