@@ -542,30 +542,41 @@ def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_pat
     assert Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.fused is None
 
 
-def test_float32_int8_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_llama_dir):
-    """W8A8 rows stand alone, so a step's prompt rows go through the fused layers too (forward_rows): steps
-    mixing decode rows with prompt chunks (from position 0, after cached positions, several attention units)
-    give torch's operators' logits bit for bit, and the tokens of a request alone."""
+@pytest.mark.parametrize("fmt", ["int8_sq", "fp8", "none"])
+def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_llama_dir, fmt):
+    """A step's prompt rows go through the fused layers too (forward_rows): W8A8 projections take every row
+    (a row's result is its own), GEMV ones (bf16 weights, FP8 codes) their decode rows while MKL takes the
+    prompt rows, as model.Projection splits them.  Steps mixing decode rows with prompt chunks (from
+    position 0, after cached positions, several attention units) give torch's operators' logits bit for
+    bit, and the tokens of a request alone."""
     from conftest import spec_for
     from test_runtime_fused_decode import prompt, tokens_beside_a_long_prompt
 
     from toolkit.quantize import quantize
     from toolkit.runtime.model import build_plan
 
-    calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
-    quantization = {"format": "int8_sq", "max_perplexity_increase": 100.0, **calib}
-    spec = spec_for("tiny-int8-rows", tiny_llama_dir, quantization=quantization)
-    hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    hf = tiny_llama_dir
+    if fmt != "none":
+        calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+        quantization = {"format": fmt, "max_perplexity_increase": 100.0, **calib}
+        spec = spec_for(f"tiny-{fmt}-rows", tiny_llama_dir, quantization=quantization)
+        hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     fused = Engine(hf, EngineConfig(**FUSED_BASE))
     assert fused.model.fused.takes_prompt_rows
+    kernels = {g.parts[0].kernel for layer in fused.model.layers for g in (layer.qkv, layer.o, layer.gate_up)}
+    assert kernels == ({"rtk-avx2-w8a8"} if fmt == "int8_sq" else {f"rtk-avx2-{'fp8' if fmt == 'fp8' else 'bf16'}"})
     operators = Engine(hf, EngineConfig(**FUSED_BASE, fused_decode=False))
     tpb, unit = FUSED_BASE["tokens_per_block"], 8
-    a, b, c = prompt(21, 1), prompt(46, 2), prompt(12, 3)
-    tables = [list(range(i * 40, (i + 1) * 40)) for i in range(3)]
+    a, b, c, d = prompt(21, 1), prompt(46, 2), prompt(12, 3), prompt(8, 4)
+    tables = [list(range(i * 40, (i + 1) * 40)) for i in range(4)]
     steps = [  # (table, cached, ids, is_prompt): decode rows first, then prompt chunks
         [(0, 0, a, True), (1, 0, b[:16], True)],  # two prompts from position 0 (their own K/V)
         [(0, 21, [7], False), (1, 16, b[16:46], True), (2, 0, c, True)],  # 30 rows after 16 cached: 4 units
         [(0, 22, [9], False), (1, 46, [11], False), (2, 12, [13], False)],  # decode rows alone
+        # few prompt rows, from position 0 and after cached ones: fewer than MKL's row-invariant count
+        # (Projection.min_rows, 12 on the AVX2 host), so padded with zero rows as Projection pads them
+        [(0, 23, [5], False), (3, 0, d[:5], True)],
+        [(0, 24, [6], False), (1, 47, [8], False), (3, 5, d[5:], True)],
     ]
     got = []
     for engine in (fused, operators):

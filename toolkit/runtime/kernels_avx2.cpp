@@ -547,16 +547,41 @@ struct Projection32 {
   c10::optional<at::Tensor> bias, pre_quant_scale;
   int64_t act_kind = 0;                 // the gemv input's quantize-dequantize: 0 none, 1 fp8, 2 int8
   c10::optional<at::Tensor> act_scale;  // 0-dim float32
+  // gemv only: the float32 weights [N, K] that prompt rows multiply through at::linear (MKL), as
+  // model.Projection does, padded with zero rows to pad_rows when fewer (its _padded); none: decode rows only
+  c10::optional<at::Tensor> dense;
+  int64_t pad_rows = 1;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
+  bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
+
+  // model.Projection's input: times the pre-quant scale, then the activation's quantize-dequantize
+  at::Tensor input(const at::Tensor& x) const {
     at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
     if (act_kind == 1) {
       in = at::div(in, *act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat).mul(*act_scale);
     } else if (act_kind == 2) {
       in = at::div(in, *act_scale).round().clamp(-128, 127).mul(*act_scale);
     }
-    return gemv(in, weights, kind, scales, bias);
+    return in;
+  }
+
+  // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own);
+  // gemv takes the decode rows and at::linear the prompt rows, as model.Projection splits them.
+  at::Tensor rows(const at::Tensor& x, int64_t B) const {
+    if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
+    const at::Tensor in = input(x);
+    const int64_t m = in.size(0);
+    if (B == m) return gemv(in, weights, kind, scales, bias);
+    TORCH_CHECK(dense.has_value(), "rtk_avx2.DecodeLayers: prompt rows need the projection's float32 weights");
+    at::Tensor prompt = in.narrow(0, B, m - B);
+    at::Tensor y;
+    if (m - B < pad_rows) {
+      prompt = at::cat({prompt, at::zeros({pad_rows - (m - B), in.size(1)}, in.options())});
+      y = at::linear(prompt, *dense, bias).narrow(0, 0, m - B);
+    } else {
+      y = at::linear(prompt, *dense, bias);
+    }
+    return B == 0 ? y : at::cat({gemv(in.narrow(0, 0, B), weights, kind, scales, bias), y});
   }
 };
 
@@ -617,12 +642,16 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
-                      int64_t act_kind, c10::optional<at::Tensor> act_scale) {
+                      int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
+                      int64_t pad_rows) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
-    layers.back().proj.push_back(
-        {w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind, act_scale});
+    TORCH_CHECK(!dense.has_value() || (!w8a8_path && dense->scalar_type() == at::kFloat && dense->dim() == 2),
+                "rtk_avx2.DecodeLayers: a gemv projection's prompt weights are [N, K] float32");
+    TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
+    layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
+                                  act_scale, dense, pad_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -649,8 +678,10 @@ struct DecodeLayers : torch::CustomClassHolder {
   // its keys from chunk_slots[c] (the cached positions and its own, in order) or, where that is empty,
   // from its own rows (a chunk at position 0).  Their attention is model.py's: one torch SDPA call per
   // unit of query rows, units [U, 3] = (chunk, first query row, end) with unit_masks[u] [rows, cached +
-  // end] bool.  Only where every projection is W8A8, whose rows depend on themselves alone: then every
-  // row's numbers are the operator path's (model.Transformer._layers), decode rows' and prompt rows' alike.
+  // end] bool.  Each projection takes every row through its W8A8 kernel (a row's result is its own) or
+  // its decode rows through gemv and its prompt rows through at::linear over its float32 weights, as
+  // model.Projection splits a call: so every row's numbers are the operator path's
+  // (model.Transformer._layers), decode rows' and prompt rows' alike.
   at::Tensor forward_rows(at::Tensor h, int64_t num_decode, at::Tensor positions, at::Tensor write_slots,
                           at::Tensor ctx_slots, at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool,
                           int64_t begin, int64_t end, at::Tensor chunks, std::vector<at::Tensor> chunk_slots,
@@ -660,7 +691,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     check_pools(h, k_pool, v_pool);
     for (const Layer32& layer : layers)
       for (const Projection32& p : layer.proj)
-        TORCH_CHECK(p.w8a8_path, who, ": prompt rows need W8A8 projections (their rows stand alone)");
+        TORCH_CHECK(p.takes_prompt_rows(), who, ": prompt rows need W8A8 projections or the float32 weights");
     positions = positions.contiguous();
     write_slots = write_slots.contiguous();
     TORCH_CHECK(0 <= B && B <= m && positions.numel() == m && write_slots.numel() == m &&
@@ -749,7 +780,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     const bool gqa = KVH != H;
     for (int64_t li = begin; li < end; ++li) {
       const Layer32& layer = layers[li];
-      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm)).contiguous();  // [m, (H + 2 KVH) D]
+      auto qkv = layer.proj[0].rows(rms_norm(h, layer.input_norm), B).contiguous();  // [m, (H + 2 KVH) D]
       const float* src = qkv.data_ptr<float>();
       const int64_t width = (H + 2 * KVH) * D;
       // RoPE on the q and k heads as model.py: x * cos + x[swap] * signed sin, three float32 roundings
@@ -780,15 +811,15 @@ struct DecodeLayers : torch::CustomClassHolder {
         decode_attention_rows(dst, (H + KVH) * D, D, kp, vp, cs, cb, B, H, KVH, D, static_cast<float>(scale),
                               attn.data_ptr<float>());
       if (B < m) prompt_attention(qk, qkv, k_pool[li], v_pool[li], prompts, gqa, attn);
-      add_into(h, layer.proj[1](attn).contiguous());
-      auto gu = layer.proj[2](rms_norm(h, layer.post_norm)).contiguous();
+      add_into(h, layer.proj[1].rows(attn, B).contiguous());
+      auto gu = layer.proj[2].rows(rms_norm(h, layer.post_norm), B).contiguous();
       const int64_t inter = gu.size(1) / 2;
       auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the product
       float* ac = act.data_ptr<float>();
       const float* up = gu.data_ptr<float>() + inter;
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < inter; ++i) ac[r * inter + i] = ac[r * inter + i] * up[r * 2 * inter + i];
-      add_into(h, layer.proj[3](act).contiguous());
+      add_into(h, layer.proj[3].rows(act, B).contiguous());
     }
     return h;
   }

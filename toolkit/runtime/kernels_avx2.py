@@ -226,27 +226,42 @@ class DecodeLayers:
         self._layers = torch.classes.rtk_avx2.DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), cos, sin
         )
-        self.takes_prompt_rows = True  # every projection W8A8 so far (forward_rows)
+        self.takes_prompt_rows = True  # every projection takes prompt rows so far (forward_rows)
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
         self._layers.add_layer(input_norm, post_norm)
 
-    def add_projection(self, proj) -> None:
-        """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down)."""
-        self.takes_prompt_rows = self.takes_prompt_rows and proj.w8a8 is not None
+    def add_projection(self, proj, prompt_rows: bool = True) -> None:
+        """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down).
+
+        ``prompt_rows``: a GEMV projection also takes prompt rows, through MKL over its float32 weights as
+        ``Projection`` does when its rows are batch-invariant (the engine's default); W8A8 always does."""
         if proj.w8a8 is not None:
             w = proj.w8a8
             if w.blockwise:
                 raise ValueError("rtk_avx2.DecodeLayers takes INT8-SQ projections, not blockwise (W8A16) ones")
             self._layers.add_projection(
-                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None
+                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None, None, 1
             )
             return
         g = proj.fp32_gemv
         act = None if proj.act_scale is None else proj.act_scale.to(torch.float32).reshape(())
         act_kind = kernels.ACT_KINDS[proj.act_kind]  # the same codes as rtk's AVX512 kernels
+        dense = proj.weight if prompt_rows and proj.weight is not None and proj.weight.dtype == torch.float32 else None
+        self.takes_prompt_rows = self.takes_prompt_rows and dense is not None
+        pad_rows = proj.min_rows if proj.single_rows else 1  # Projection._padded's zero rows
         self._layers.add_projection(
-            False, g.weights, KINDS[g.kind], g.scales, 0.0, proj.bias, proj.pre_quant_scale, act_kind, act
+            False,
+            g.weights,
+            KINDS[g.kind],
+            g.scales,
+            0.0,
+            proj.bias,
+            proj.pre_quant_scale,
+            act_kind,
+            act,
+            dense,
+            pad_rows,
         )
 
     def forward(
@@ -259,8 +274,9 @@ class DecodeLayers:
 
     def forward_rows(self, h, plan, pool, begin: int, end: int) -> torch.Tensor:
         """Every row of a step with prompt rows (a ``model.StepPlan``) through layers ``[begin, end)`` in one call,
-        where every projection is W8A8 (:attr:`takes_prompt_rows`): decode rows as :meth:`forward`'s, prompt
-        rows with the SDPA calls of the operator path (``model.Transformer._layers``), so with its bits."""
+        where every projection takes them (:attr:`takes_prompt_rows`): decode rows as :meth:`forward`'s, prompt
+        rows through each projection as ``model.Projection`` takes them (W8A8, else MKL over the float32
+        weights) and the SDPA calls of the operator path (``model.Transformer._layers``), so with its bits."""
         B = plan.num_decode
         empty = torch.empty(0, dtype=torch.int64)
         ctx = plan.decode_slots if B else empty

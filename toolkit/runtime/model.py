@@ -819,7 +819,7 @@ class Transformer:
         for layer in self.layers:
             fused.add_layer(layer.input_norm, layer.post_norm)
             for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                fused.add_projection(g.parts[0])
+                fused.add_projection(g.parts[0], prompt_rows=self.batch_invariant)
         return fused
 
     @staticmethod
@@ -874,7 +874,7 @@ class Transformer:
         h = F.embedding(input_ids, self.embed)
         B = plan.num_decode
         if plan.prefills and self.fused is not None and self.fused.takes_prompt_rows:
-            # every projection W8A8 (a row's result its own): decode and prompt rows through one call
+            # a float32 engine's fused layers take prompt rows as Projection does: decode and prompt rows in one call
             h = self.fused.forward_rows(h, plan, pool, 0, len(self.layers))
         elif self.fused is not None and 0 < B <= GEMV_MAX_ROWS:
             # decode rows through rtk's fused layers, prompt rows (if any) through torch's operators
