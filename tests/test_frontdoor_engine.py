@@ -276,5 +276,45 @@ def test_admission_counts_the_prompt_ids_the_primary_path_sends(served):
         served["fd"] + "/v1/chat/completions", json=body, headers={"x-rtk-ttft-deadline-ms": "0.001"}, timeout=60
     )
     assert r.status_code == 429 and r.headers["x-rtk-tier"] == "refused", r.text
-    counted = re.search(r"for (\d+) prompt tokens", r.json()["error"]["message"])
-    assert counted is not None and int(counted.group(1)) == billed, (r.json(), billed)
+    # The same prompt again: its leading full blocks are in the engine's prefix cache, and the message says so.
+    pattern = r"for (\d+) prompt tokens(?: to prefill \((\d+) in all, (\d+) in the engine's prefix cache\))?"
+    counted = re.search(pattern, r.json()["error"]["message"])
+    assert counted is not None and int(counted.group(2) or counted.group(1)) == billed, (r.json(), billed)
+
+
+def test_admission_counts_out_the_prefix_the_engine_has_cached(served, tiny_llama_dir):
+    """A prompt that shares its system prompt with one served before is predicted for what the engine prefills:
+    the refusal names the prompt's tokens in all, those in the engine's prefix cache (the full 16-token blocks
+    the two prompts share) and the rest."""
+    from transformers import AutoTokenizer
+
+    system = "You answer questions about the rivers, mountains and cities of Europe in one short sentence."
+
+    def messages(question):
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+    first = {"model": served["model"], "messages": messages("Name a long river."), "max_tokens": 2}
+    r = httpx.post(served["fd"] + "/v1/chat/completions", json=first, timeout=60)
+    assert r.status_code == 200, r.text
+    second = {**first, "messages": messages("Which mountain is the highest?")}
+    r = httpx.post(
+        served["fd"] + "/v1/chat/completions", json=second, headers={"x-rtk-ttft-deadline-ms": "0.001"}, timeout=60
+    )
+    assert r.status_code == 429, r.text
+    message = r.json()["error"]["message"]
+    pattern = r"for (\d+) prompt tokens to prefill \((\d+) in all, (\d+) in the engine's prefix cache\)"
+    found = re.search(pattern, message)
+    assert found is not None, message
+    to_prefill, total, cached = map(int, found.groups())
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir, trust_remote_code=False)
+
+    def ids(body):
+        text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    a, b = ids(first), ids(second)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    tpb = BUILD["tokens_per_block"]
+    assert total == len(b) and cached == min(shared // tpb, (len(b) - 1) // tpb) * tpb > 0
+    assert to_prefill == total - cached

@@ -135,6 +135,68 @@ def test_the_step_budget_comes_from_the_spec_only_when_prompts_are_chunked(tmp_p
     assert config_from(whole).step_tokens is None
 
 
+def test_the_prefix_cache_comes_from_the_spec_where_the_engine_reuses_blocks(tmp_path):
+    from toolkit.frontdoor import create_app
+    from toolkit.frontdoor.config import config_from
+    from toolkit.spec import spec_from_dict
+
+    def spec(**build):
+        return spec_from_dict({"name": "p", "build": build, "serving": {"repository": str(tmp_path / "repo")}})
+
+    cfg = config_from(spec(max_batch_size=4, max_input_len=128, max_seq_len=256, tokens_per_block=16))
+    assert cfg.prefix_cache == (16, 4 * 16)  # the cpu engine's default pool: max_batch_size full sequences
+    estimator = create_app(cfg, "grpc://127.0.0.1:1").state.frontdoor.replicas[0].estimator
+    assert (estimator.prefix.tpb, estimator.prefix.capacity) == (16, 64)
+    assert config_from(spec(tokens_per_block=16, kv_cache_blocks=200)).prefix_cache == (16, 200)
+    assert config_from(spec(enable_kv_cache_reuse=False)).prefix_cache is None
+
+
+def test_the_prefix_cache_counts_the_leading_full_blocks_it_holds_and_forgets_the_oldest():
+    from toolkit.frontdoor.admission import PrefixCache
+
+    cache = PrefixCache(tokens_per_block=4, capacity=5)
+    system = list(range(100, 108))  # two full blocks
+    cache.add(system + [1, 2, 3])  # its two full blocks; the partial third is not kept
+    assert cache.cached_tokens(system + [7, 8, 9, 10, 11]) == 8
+    assert cache.cached_tokens(system) == 4  # the last token must run: only (len - 1) // 4 blocks count
+    assert cache.cached_tokens([100, 101, 102, 999] + system[4:] + [5]) == 0  # a block differs: the chain breaks
+    assert cache.cached_tokens(system[4:] + system[:4] + [1]) == 0  # same tokens, other place: another key
+    cache.add(list(range(200, 212)))  # three more blocks: 5 held, none evicted yet
+    assert cache.cached_tokens(system + [1]) == 8
+    cache.add(list(range(300, 304)))  # a sixth: the least recently used (the system prompt's first) goes
+    assert cache.cached_tokens(system + [1]) == 0 and cache.cached_tokens(list(range(200, 213))) == 12
+
+
+def test_the_prefix_cache_counts_what_the_cpu_engine_reuses(tiny_llama_dir):
+    """Against the real engine's block reuse (kv_cache.BlockManager through the scheduler): prompts sharing
+    system prompts of several lengths, each sent once the one before it has finished; the front door's count
+    of cached tokens equals the engine's reused blocks times the block size, for every prompt."""
+    import random
+
+    from toolkit.frontdoor.admission import PrefixCache
+    from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
+
+    tpb = 16
+    engine = Engine(
+        tiny_llama_dir,
+        EngineConfig(max_batch_size=2, max_seq_len=256, max_input_len=200, tokens_per_block=tpb, max_num_tokens=256),
+    )
+    mirror = PrefixCache(tpb, engine.blocks.num_blocks)
+    rng = random.Random(0)
+    systems = [[rng.randrange(100, 1000) for _ in range(n)] for n in (15, 16, 40, 47, 64)]
+    counted, reused = [], []
+    for _ in range(24):
+        ids = rng.choice(systems) + [rng.randrange(100, 1000) for _ in range(rng.randrange(1, 40))]
+        counted.append(mirror.cached_tokens(ids))
+        rid = engine.add_request(GenerationRequest(ids, 3, end_id=-1))
+        engine.step()
+        reused.append(engine.request_stats(rid)["reused_blocks"] * tpb)
+        mirror.add(ids)
+        while engine.has_work():
+            engine.step()
+    assert counted == reused and sum(reused) > 0
+
+
 def test_estimates_follow_the_measurements():
     e = Estimator(max_batch=8, step_s=0.05, prefill_s_per_token=0.002, alpha=1.0)
     e.admit("a", 100, 10, e.predict(100))

@@ -25,14 +25,20 @@ docs/guard.md, "How well the prediction holds".)
 * slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the remaining
   output tokens of the running request that frees the needed slot, times the step time;
 * step time and prefill time per token: measured on the answered requests (exponentially weighted),
-  starting from conservative defaults until the first answers arrive.
+  starting from conservative defaults until the first answers arrive;
+* own prompt tokens: those the engine will prefill.  A session turn's stored ids are in the engine's
+  prefix cache (app.py counts them out); for other requests sent as ids, :class:`PrefixCache` mirrors
+  the engine's block reuse (kv_cache.py, after TensorRT-LLM's kvCacheManager.cpp: full blocks of
+  ``tokens_per_block`` tokens, keyed by their tokens chained with the block before, the least recently
+  used evicted when the pool is full), so a prompt that shares a system prompt with recent ones counts
+  only what follows the shared full blocks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 # How long after a request ends the engine's gauge may still count it: the engine's update period (50 ms
@@ -57,6 +63,46 @@ class Prediction:
     requests_ahead: int
     tokens_ahead: int
     slot_wait_s: float
+    prompt_tokens: int = 0  # the request's own tokens to prefill (its prompt less the cached prefix)
+    cached_tokens: int = 0  # its prompt tokens predicted to be in the engine's prefix cache
+
+
+class PrefixCache:
+    """The engine's prefix cache as the front door can see it: the full prompt blocks of the requests it sent.
+
+    ``capacity``: the engine's pool in blocks.  The engine also keeps blocks of generated tokens and of other
+    clients' requests, which this does not see; it can then count fewer cached tokens than the engine has
+    (a later first token than predicted is not what it errs towards: a request whose blocks were evicted
+    meanwhile is the one case it counts too many)."""
+
+    def __init__(self, tokens_per_block: int, capacity: int):
+        self.tpb, self.capacity = tokens_per_block, capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()  # least recently used first
+
+    def _chain(self, ids: list[int], blocks: int) -> list[int]:
+        keys, parent, t = [], 0, self.tpb
+        for i in range(blocks):
+            parent = hash((parent, tuple(ids[i * t : (i + 1) * t])))
+            keys.append(parent)
+        return keys
+
+    def cached_tokens(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` the engine will take from its cache: the leading full blocks it holds, short of
+        the last token (which must run to give logits: the engine's ``(len - 1) // tokens_per_block``)."""
+        n = 0
+        for key in self._chain(ids, (len(ids) - 1) // self.tpb):
+            if key not in self._keys:
+                break
+            n += 1
+        return n * self.tpb
+
+    def add(self, ids: list[int]) -> None:
+        """``ids`` were sent: their full blocks are (or will be, once prefilled) in the engine's cache."""
+        for key in self._chain(ids, len(ids) // self.tpb):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
 
 
 @dataclass
@@ -72,8 +118,12 @@ class Estimator:
     mean_prompt: float = 64.0
     step_tokens: int | None = None  # the engine's max_num_tokens with chunked prompts; None: whole prompts
     ended: deque = field(default_factory=lambda: deque(maxlen=256))  # when our latest requests ended (monotonic)
+    prefix: PrefixCache | None = None  # the engine's block reuse, where it reuses blocks
 
-    def predict(self, prompt_tokens: int, gauges=None) -> Prediction:
+    def predict(self, prompt_tokens: int, gauges=None, ids: list[int] | None = None) -> Prediction:
+        """``ids``: the prompt as sent, where known: its prefix in the engine's cache is not counted."""
+        cached = self.prefix.cached_tokens(ids) if ids is not None and self.prefix is not None else 0
+        prompt_tokens -= cached
         waiting = [r for r in self.inflight.values() if r.first_at is None]
         running = [r for r in self.inflight.values() if r.first_at is not None]
         tokens_ahead = sum(r.prompt_tokens for r in waiting)
@@ -107,12 +157,16 @@ class Estimator:
             per_step = max(1, self.step_tokens - min(n_run, max_batch - 1))
             steps = math.ceil((tokens_ahead + prompt_tokens) / per_step)
             ttft = max(ttft, (steps + 0.5) * self.step_s)
-        return Prediction(ttft, n_wait, tokens_ahead, slot_wait)
+        return Prediction(ttft, n_wait, tokens_ahead, slot_wait, prompt_tokens, cached)
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def admit(self, rid: str, prompt_tokens: int, max_tokens: int, p: Prediction) -> None:
+    def admit(self, rid: str, prompt_tokens: int, max_tokens: int, p: Prediction, ids: list[int] | None = None) -> None:
+        """The request was sent with prediction ``p``; ``prompt_tokens``: those the engine prefills
+        (``p.prompt_tokens``), ``ids``: the prompt as sent, where known (its blocks join the cache)."""
         self.inflight[rid] = InFlight(prompt_tokens, max_tokens, time.monotonic(), p.tokens_ahead, p.slot_wait_s)
         self.mean_prompt += 0.05 * (prompt_tokens - self.mean_prompt)
+        if ids is not None and self.prefix is not None:
+            self.prefix.add(ids)
 
     def first_token(self, rid: str) -> None:
         r = self.inflight.get(rid)

@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from ..slo.outcome import PRIMARY_TIER as PRIMARY
 from ..slo.outcome import TIER_FIELD, TIER_HEADER
-from .admission import Estimator
+from .admission import Estimator, PrefixCache
 from .config import FrontDoorConfig, config_from
 from .filter import Rules, TritonClassifier, check_request, filtered
 from .jobs import JobService
@@ -95,7 +95,11 @@ class FrontDoor:
             Replica(
                 str(i),
                 TritonBackend(grpc, config.primary_model, metrics),
-                Estimator(max_batch=config.max_batch_size, step_tokens=config.step_tokens),
+                Estimator(
+                    max_batch=config.max_batch_size,
+                    step_tokens=config.step_tokens,
+                    prefix=PrefixCache(*config.prefix_cache) if config.prefix_cache else None,
+                ),
             )
             for i, (grpc, metrics) in enumerate(urls)
         ]
@@ -445,7 +449,8 @@ class FrontDoor:
             return await self._unhealthy(req, body, left_s)
         # The primary path to tensorrt_llm tokenises here, once: the prediction counts the very ids that are sent.
         # A session turn's ids are the stored conversation's and the new messages'; the engine finds the stored
-        # ones in its prefix cache, so the prediction counts the rest (what it prefills).
+        # ones in its prefix cache, so the prediction counts the rest (what it prefills).  Other prompts sent as
+        # ids count out the leading blocks the engine's cache holds by the front door's mirror of it.
         ids = turn = None
         if req.session_id:
             turn = await self.sessions.begin(req, request)
@@ -462,10 +467,15 @@ class FrontDoor:
         # More than one pass only over replicas: a replica that cannot be reached before the first token is
         # marked not ready and the request goes to the next best one.
         for _ in self.replicas:
-            picked = router.pick(n_prompt, deadline_s)
+            picked = router.pick(n_prompt, deadline_s, ids)
             if picked is None:  # every ready replica failed under this request
                 break
             replica, p = picked
+            if p.cached_tokens:
+                counted = (
+                    f"{p.prompt_tokens} prompt tokens to prefill ({n_prompt} in all, {p.cached_tokens} in the "
+                    "engine's prefix cache)"
+                )
             if deadline_ms is not None and p.ttft_s * 1e3 > deadline_ms:
                 retry = math.ceil(p.ttft_s - deadline_ms / 1e3)
                 where = "" if router.single is not None else f" on the best of {router.ready_count()} ready replicas"
@@ -488,7 +498,7 @@ class FrontDoor:
                 stream = await self.sessions.stream(req, turn, backend)
             else:
                 stream = backend.stream(req, ids)
-            est.admit(req.id, n_prompt, req.max_tokens, p)
+            est.admit(req.id, p.prompt_tokens, req.max_tokens, p, ids if turn is None else turn.prompt_ids)
             replica.routed += 1
             try:
                 first = await self._first(stream, left_s() if self.tiers or self.cache else None)

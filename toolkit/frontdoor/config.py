@@ -29,6 +29,8 @@ class FrontDoorConfig:
     # Tokens an engine step takes (decode rows + a prompt chunk) when prompts are chunked; None: not chunked
     step_tokens: int | None = None
     default_max_tokens: int = 128
+    # The engine's prefix cache, where it reuses KV blocks: (tokens per block, pool blocks); None: no reuse
+    prefix_cache: tuple[int, int] | None = None
     tokenizer_dir: Path | None = None
     repository: Path | None = None  # sessions' SQLite file goes beside its state file
 
@@ -114,6 +116,20 @@ def _make(name: str, serving: dict, build: dict, repo: Path, triton_model: str) 
         if build.get("enable_chunked_context", True) and build.get("max_num_tokens")
         else None,
         default_max_tokens=int(serving.get("default_max_tokens", 128)),
+        prefix_cache=_prefix_cache(build),
         tokenizer_dir=_tokenizer_dir(repo),
         repository=repo,
     )
+
+
+def _prefix_cache(build: dict) -> tuple[int, int] | None:
+    """(tokens per block, pool blocks) of an engine that reuses KV blocks.  The pool: ``kv_cache_blocks``, else
+    what the cpu engine takes by default (``max_batch_size`` sequences of ``max_seq_len``); a GPU engine sizes its
+    pool from free memory, usually larger, so the mirror forgets sooner than the engine does."""
+    if not build.get("enable_kv_cache_reuse", True):
+        return None
+    tpb = int(build.get("tokens_per_block", 32))
+    blocks = build.get("kv_cache_blocks") or int(build.get("max_batch_size", 8)) * -(
+        -int(build.get("max_seq_len", 2048)) // tpb
+    )
+    return tpb, int(blocks)

@@ -69,19 +69,23 @@ class Router:
     def ready_count(self) -> int:
         return sum(1 for r in self.replicas if r.backend.ready)
 
-    def pick(self, prompt_tokens: int, deadline_s: float | None = None) -> tuple[Replica, Prediction] | None:
+    def pick(
+        self, prompt_tokens: int, deadline_s: float | None = None, ids: list[int] | None = None
+    ) -> tuple[Replica, Prediction] | None:
         """The ready replica with the lowest predicted TTFT and its prediction; None when none is ready.
 
-        Ties (within :data:`TIE_FRACTION` + :data:`TIE_S` of the lowest, and never past ``deadline_s`` when
-        the lowest meets it) go round robin."""
+        ``ids``: the prompt as sent, where known: each replica counts what its own prefix cache holds, so a
+        prompt that shares a prefix with recent ones leans towards the replica that has it.  Ties (within
+        :data:`TIE_FRACTION` + :data:`TIE_S` of the lowest, and never past ``deadline_s`` when the lowest
+        meets it) go round robin."""
         single = self.single
         if single is not None:
             if not single.backend.ready:
                 return None
-            return single, single.estimator.predict(prompt_tokens, single.backend.gauges)
+            return single, single.estimator.predict(prompt_tokens, single.backend.gauges, ids)
         replicas = self.replicas
         predictions = [
-            r.estimator.predict(prompt_tokens, r.backend.gauges) if r.backend.ready else None for r in replicas
+            r.estimator.predict(prompt_tokens, r.backend.gauges, ids) if r.backend.ready else None for r in replicas
         ]
         best = min((p.ttft_s for p in predictions if p is not None), default=None)
         if best is None:
