@@ -71,9 +71,9 @@ class PrefixCache:
     """The engine's prefix cache as the front door can see it: the full prompt blocks of the requests it sent.
 
     ``capacity``: the engine's pool in blocks.  The engine also keeps blocks of generated tokens and of other
-    clients' requests, which this does not see; it can then count fewer cached tokens than the engine has
-    (a later first token than predicted is not what it errs towards: a request whose blocks were evicted
-    meanwhile is the one case it counts too many)."""
+    clients' requests, which this does not see: then it counts fewer cached tokens than the engine holds, and
+    the prediction errs late, as it did without the mirror.  It counts too many only where the engine evicted
+    blocks that the mirror still holds."""
 
     def __init__(self, tokens_per_block: int, capacity: int):
         self.tpb, self.capacity = tokens_per_block, capacity

@@ -14,9 +14,9 @@ thread and queued back here; the wait for the next due time is a timed wait on t
 
 In a closed loop the next *new* session of every slot is built ahead too (``_Run.spares``), and the
 transport's reader sends it itself, the moment it reads the final response that frees the slot
-(``_Run.relay``): no hand-off to this thread, whose wake-up on a host busy with the server under
-test took 1.3 ms at the median and 5-9 ms at p99 (the client's send lag).  A session's next turn
-depends on the reply, so it still goes from this thread.
+(``_Run.relay``): no hand-off to this thread, whose wake-up on a 2-core host busy with the server
+under test took 0.65-1.3 ms at the median and up to 14 ms at p99 (the client's send lag; docs/slo.md).
+A session's next turn depends on the reply, so it still goes from this thread.
 """
 
 from __future__ import annotations
