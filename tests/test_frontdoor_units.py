@@ -195,6 +195,7 @@ def test_the_prefix_cache_counts_what_the_cpu_engine_reuses(tiny_llama_dir):
         while engine.has_work():
             engine.step()
     assert counted == reused and sum(reused) > 0
+    assert engine.blocks.evicted_total > 0  # the 32-block pool evicted on the way: the LRUs agree too
 
 
 def test_estimates_follow_the_measurements():
