@@ -93,10 +93,10 @@ def test_prediction_grows_with_the_work_ahead_and_waits_for_a_slot():
     e = Estimator(max_batch=2, step_s=0.02, prefill_s_per_token=0.001)
     idle = e.predict(100)
     assert idle.ttft_s == pytest.approx(0.02 + 0.1)
-    e.admit("a", 400, 50, e.predict(400))  # waiting for its first token: its prompt is ahead
+    e.admit("a", 50, e.predict(400))  # waiting for its first token: its prompt is ahead
     assert e.predict(100).tokens_ahead == 400 and e.predict(100).ttft_s > idle.ttft_s
     e.first_token("a")
-    e.admit("b", 10, 50, e.predict(10))
+    e.admit("b", 50, e.predict(10))
     e.first_token("b")
     full = e.predict(100)  # both slots decode: wait for the one with the fewest tokens left
     assert full.slot_wait_s == pytest.approx(50 * e.step_s)
@@ -112,7 +112,7 @@ def test_a_chunked_prompt_beside_decoding_requests_takes_the_steps_their_rows_le
     assert chunked.predict(42).ttft_s == pytest.approx(idle)  # nobody decodes: the prompt runs whole
     for e in (chunked, whole):
         for i in range(7):
-            e.admit(str(i), 40, 32, e.predict(40))
+            e.admit(str(i), 32, e.predict(40))
             e.first_token(str(i))
     assert chunked.predict(42).ttft_s == pytest.approx(3.5 * 0.04)
     assert whole.predict(42).ttft_s == pytest.approx(idle)  # without chunking: the per-token model alone
@@ -200,7 +200,7 @@ def test_the_prefix_cache_counts_what_the_cpu_engine_reuses(tiny_llama_dir):
 
 def test_estimates_follow_the_measurements():
     e = Estimator(max_batch=8, step_s=0.05, prefill_s_per_token=0.002, alpha=1.0)
-    e.admit("a", 100, 10, e.predict(100))
+    e.admit("a", 10, e.predict(100))
     e.inflight["a"].arrival -= 0.5  # the first token came 0.5 s after arrival
     e.first_token("a")
     assert e.prefill_s_per_token == pytest.approx((0.5 - 0.05) / 100, rel=0.05)
@@ -213,7 +213,7 @@ def test_a_request_of_ours_that_just_ended_is_not_counted_again_from_the_engines
     from toolkit.frontdoor.triton import EngineGauges
 
     e = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, mean_prompt=60)
-    e.admit("a", 40, 8, e.predict(40))
+    e.admit("a", 8, e.predict(40))
     e.first_token("a")
     e.finish("a")
     stale = EngineGauges(active=1, max_batch=8, present=True, read_at=time.monotonic())  # read just after it ended

@@ -160,9 +160,10 @@ class Estimator:
         return Prediction(ttft, n_wait, tokens_ahead, slot_wait, prompt_tokens, cached)
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def admit(self, rid: str, prompt_tokens: int, max_tokens: int, p: Prediction, ids: list[int] | None = None) -> None:
-        """The request was sent with prediction ``p``; ``prompt_tokens``: those the engine prefills
-        (``p.prompt_tokens``), ``ids``: the prompt as sent, where known (its blocks join the cache)."""
+    def admit(self, rid: str, max_tokens: int, p: Prediction, ids: list[int] | None = None) -> None:
+        """The request was sent with prediction ``p`` (its prompt tokens: ``p.prompt_tokens``, those the engine
+        prefills); ``ids``: the prompt as sent, where known (its blocks join the cache)."""
+        prompt_tokens = p.prompt_tokens
         self.inflight[rid] = InFlight(prompt_tokens, max_tokens, time.monotonic(), p.tokens_ahead, p.slot_wait_s)
         self.mean_prompt += 0.05 * (prompt_tokens - self.mean_prompt)
         if ids is not None and self.prefix is not None:

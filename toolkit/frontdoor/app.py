@@ -498,7 +498,7 @@ class FrontDoor:
                 stream = await self.sessions.stream(req, turn, backend)
             else:
                 stream = backend.stream(req, ids)
-            est.admit(req.id, p.prompt_tokens, req.max_tokens, p, ids if turn is None else turn.prompt_ids)
+            est.admit(req.id, req.max_tokens, p, ids if turn is None else turn.prompt_ids)
             replica.routed += 1
             try:
                 first = await self._first(stream, left_s() if self.tiers or self.cache else None)
