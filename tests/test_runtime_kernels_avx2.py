@@ -418,6 +418,59 @@ def test_decode_attention_refuses_what_it_cannot_read():
         call(q[:, :8], k_pool, v_pool, slots, bounds, 0.125)
 
 
+def float32_inputs(scale: float) -> torch.Tensor:
+    """[64, 576] float32 over 2^-24..2^12 times ``scale``, with every tie of e4m3's rounding (both signs),
+    values past its range, signed zeros and a NaN."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 576, generator=g) * torch.exp2(torch.randint(-24, 12, (64, 576), generator=g).float())
+    x *= scale
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite value >= 0
+    mids = (e4m3[1:] + e4m3[:-1]) / 2  # exact in float32: ties for the rounding
+    x[0, : mids.numel()] = mids * scale
+    x[1, : mids.numel()] = -mids * scale
+    x[2, :5] = torch.tensor([1e4, -1e4, 0.0, -0.0, float("nan")])
+    x[3, :4] = torch.tensor([0.5, 1.5, -2.5, 126.5]) * scale  # int8's round half to even (up to float32 rounding)
+    return x
+
+
+@pytest.mark.parametrize("act", [None, "fp8", "int8"])
+@pytest.mark.parametrize("pre_quant", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.0173, 3.7])
+def test_quantize_input_gives_torchs_bits(act, pre_quant, scale):
+    """The one-pass input quantization equals checkpoint.fake_quant (torch's operators) bit for bit, signed
+    zeros and NaN included, whatever rows share its call."""
+    x = float32_inputs(scale)
+    g = torch.Generator().manual_seed(2)
+    pqs = torch.rand(576, generator=g) + 0.5 if pre_quant else None
+    s = torch.tensor(scale, dtype=torch.float32)
+    want = x if pqs is None else x * pqs
+    if act is not None:
+        want = fake_quant(want, act, s)
+    got = kernels_avx2.quantize_input(x, pqs, act, float(s))
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 1  # NaN's bits are not compared
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+    one = torch.cat([kernels_avx2.quantize_input(x[i : i + 1], pqs, act, float(s)) for i in range(4)])
+    assert torch.equal(one.nan_to_num(0.0).view(torch.int32), got[:4].nan_to_num(0.0).view(torch.int32))
+
+
+def test_a_float32_projection_checks_the_input_quantization_kernel_at_load(monkeypatch):
+    """A float32 projection quantizes its input with rtk's kernel only where it gives torch's bits."""
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(
+        weight=torch.randn(128, 576, generator=g),
+        pre_quant_scale=torch.rand(576, generator=g) + 0.5,
+        act_quant=ActQuant("fp8", torch.tensor(0.02)),
+    )
+    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True)
+    assert proj.fused_input
+    x = float32_inputs(0.02)[4:8]
+    want = fake_quant(x * lin.pre_quant_scale, "fp8", torch.tensor(0.02))
+    assert torch.equal(proj._quantize_input(x).view(torch.int32), want.view(torch.int32))
+    real = kernels_avx2.quantize_input
+    monkeypatch.setattr(kernels_avx2, "quantize_input", lambda x, *a: real(x, *a) * 1.01)  # a kernel that drifted
+    assert not Projection([lin], torch.float32, pack=False, gemv_kernel=True).fused_input
+
+
 @pytest.mark.parametrize("rows, k", [(1, 576), (7, 576), (60, 576), (3, 64), (5, 1536)])
 def test_rms_norm_gives_torchs_bits(rows, k):
     """The prompt rows' RMSNorm in one call: ``weight * F.rms_norm(x)`` bit for bit, rows of magnitudes 1e-3 to
@@ -514,9 +567,11 @@ def test_float32_fused_decode_with_one_kv_head_and_biases(tmp_path, smollm2_toke
     fused_matches_operators(path, "one KV head, q/k/v biases")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8_sq"])
-def test_float32_fused_decode_on_real_exports(tmp_path, tiny_llama_dir, fmt):
-    """FP8 (the GEMV over e4m3 codes after the input's FP8 quantize-dequantize) and INT8-SQ (W8A8)."""
+@pytest.mark.parametrize("fmt,drifted", [("fp8", False), ("fp8", True), ("int8_sq", False)])
+def test_float32_fused_decode_on_real_exports(tmp_path, tiny_llama_dir, fmt, drifted, monkeypatch):
+    """FP8 (the GEMV over e4m3 codes after the input's FP8 quantize-dequantize) and INT8-SQ (W8A8).  Where
+    rtk's input quantization is off torch's bits (``drifted``: checked at load), both paths quantize through
+    torch's operators."""
     from conftest import spec_for
 
     from toolkit.quantize import quantize
@@ -525,7 +580,11 @@ def test_float32_fused_decode_on_real_exports(tmp_path, tiny_llama_dir, fmt):
     quantization = {"format": fmt, "max_perplexity_increase": 100.0, **calib}
     spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization=quantization)
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
-    fused_matches_operators(hf, fmt)
+    if drifted:
+        real = kernels_avx2.quantize_input
+        monkeypatch.setattr(kernels_avx2, "quantize_input", lambda x, *a: real(x, *a) * 1.01)
+        assert not any(p.fused_input for p in Engine(hf, EngineConfig(**FUSED_BASE)).model.layers[0].qkv.parts)
+    fused_matches_operators(hf, fmt + (", torch's input quantization" if drifted else ""))
 
 
 def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_path, tiny_llama_dir):

@@ -145,6 +145,73 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weights, int64_t kind, co
   return y;
 }
 
+// -- A projection's input quantization (quantize_input) ---------------------------------------------
+//
+// What model.Projection does to a float32 input before its matmul (checkpoint.Linear / fake_quant): x *
+// pre_quant_scale, then the activation's quantize-dequantize, fp8 e4m3 (x / s clamped to +-448, rounded to
+// nearest even by c10's conversion, times s) or int8 (x / s rounded half to even, clamped to [-128, 127],
+// times s), in one pass instead of up to six ATen operators.  Each step is the IEEE float32 operation
+// torch performs, in the same order, so the result is torch's bits (checked per projection at load:
+// model.Projection._fused_input_agrees); a NaN stays NaN, as through torch's clamp.
+
+// float32 (|q| <= 448) -> the float32 value of its float8_e4m3fn rounding (nearest even): 3 mantissa bits
+// for normal values (>= 2^-6), multiples of 2^-9 below (e4m3's subnormals); kernels.cpp's round_to_e4m3
+inline __m256 round_to_e4m3(__m256 q) {
+  const __m256i u = _mm256_castps_si256(q);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFFF))),
+                                          _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 a = _mm256_castsi256_ps(_mm256_andnot_si256(sign, u));
+  const __m256 big = _mm256_set1_ps(16384.0f);  // ulp 2^-9 just above it
+  const __m256i sub = _mm256_or_si256(sign, _mm256_castps_si256(_mm256_sub_ps(_mm256_add_ps(a, big), big)));
+  const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), small);
+}
+
+constexpr int64_t kActNone = 0, kActFp8 = 1, kActInt8 = 2;  // kernels.ACT_KINDS
+
+inline __m256 quantize8(__m256 v, const float* pqs, int64_t act_kind, __m256 s) {
+  if (pqs != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(pqs));
+  if (act_kind == kActFp8) {
+    // max(lo, q) / min(hi, q) return q when it is NaN (the second operand), as torch's clamp keeps it
+    const __m256 q = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), _mm256_div_ps(v, s)));
+    v = _mm256_mul_ps(round_to_e4m3(q), s);
+  } else if (act_kind == kActInt8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-128.0f), q));
+    v = _mm256_mul_ps(q, s);
+  }
+  return v;
+}
+
+// x [M, K] float32 (K a multiple of 8); pre_quant_scale [K] float32 or None; act_kind kActNone / kActFp8 /
+// kActInt8 with its scale
+at::Tensor quantize_input(const at::Tensor& x, const c10::optional<at::Tensor>& pre_quant_scale, int64_t act_kind,
+                          double act_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 8 == 0,
+              "rtk_avx2.quantize_input: x is [M, K] float32, K a multiple of 8");
+  TORCH_CHECK(act_kind >= kActNone && act_kind <= kActInt8, "rtk_avx2.quantize_input: act_kind is 0, 1 or 2");
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor pq;
+  if (pre_quant_scale.has_value()) {
+    pq = pre_quant_scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(pq.numel() == k, "rtk_avx2.quantize_input: pre_quant_scale has in_features values");
+  }
+  at::Tensor y = at::empty_like(xc);
+  const float* xs = xc.data_ptr<float>();
+  const float* ps = pq.defined() ? pq.data_ptr<float>() : nullptr;
+  float* ys = y.data_ptr<float>();
+  const __m256 s = _mm256_set1_ps(static_cast<float>(act_scale));
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < k; c += 8)
+        _mm256_storeu_ps(ys + r * k + c, quantize8(_mm256_loadu_ps(xs + r * k + c), ps ? ps + c : nullptr, act_kind, s));
+  });
+  return y;
+}
+
 // -- W8A8 (INT8 SmoothQuant exports): integer products ---------------------------------------------
 //
 // The export quantizes each projection's input per tensor, q = clamp(round(x / s), -128, 127) (round
@@ -546,7 +613,8 @@ struct Projection32 {
   double w8a8_scale = 0.0;              // w8a8's input scale
   c10::optional<at::Tensor> bias, pre_quant_scale;
   int64_t act_kind = 0;                 // the gemv input's quantize-dequantize: 0 none, 1 fp8, 2 int8
-  c10::optional<at::Tensor> act_scale;  // 0-dim float32
+  double act_scale = 1.0;              // its scale (a float32 value)
+  bool torch_input = false;             // quantize the input through ATen's operators, not quantize_input
   // gemv only: the float32 weights [N, K] that prompt rows multiply through at::linear (MKL), as
   // model.Projection does, padded with zero rows to pad_rows when fewer (its _padded); none: decode rows only
   c10::optional<at::Tensor> dense;
@@ -556,12 +624,12 @@ struct Projection32 {
 
   // model.Projection's input: times the pre-quant scale, then the activation's quantize-dequantize
   at::Tensor input(const at::Tensor& x) const {
+    if (!pre_quant_scale.has_value() && act_kind == kActNone) return x;
+    if (!torch_input) return quantize_input(x, pre_quant_scale, act_kind, act_scale);
     at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
-    if (act_kind == 1) {
-      in = at::div(in, *act_scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat).mul(*act_scale);
-    } else if (act_kind == 2) {
-      in = at::div(in, *act_scale).round().clamp(-128, 127).mul(*act_scale);
-    }
+    const at::Tensor s = at::scalar_tensor(act_scale, at::kFloat);
+    if (act_kind == kActFp8) return at::div(in, s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat).mul(s);
+    if (act_kind == kActInt8) return at::div(in, s).round().clamp(-128, 127).mul(s);
     return in;
   }
 
@@ -643,7 +711,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
-                      int64_t pad_rows) {
+                      int64_t pad_rows, bool torch_input) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -651,7 +719,8 @@ struct DecodeLayers : torch::CustomClassHolder {
                 "rtk_avx2.DecodeLayers: a gemv projection's prompt weights are [N, K] float32");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
-                                  act_scale, dense, pad_rows});
+                                  act_scale.has_value() ? act_scale->item<double>() : 1.0, torch_input, dense,
+                                  pad_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -871,6 +940,7 @@ TORCH_LIBRARY(rtk_avx2, m) {
         &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
+  m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",
         &decode_attention);

@@ -51,6 +51,12 @@ def available() -> bool:
     return kernels.build_and_load("rtk_avx2", SOURCE, FLAGS)
 
 
+def quantize_input(x: torch.Tensor, pre_quant_scale: torch.Tensor | None, act_kind: str | None, act_scale: float):
+    """``fake_quant(x * pre_quant_scale, act_kind, act_scale)`` for float32 ``x`` (either step optional), in one
+    pass with torch's bits."""
+    return torch.ops.rtk_avx2.quantize_input(x, pre_quant_scale, kernels.ACT_KINDS[act_kind], act_scale)
+
+
 @dataclass
 class Fp32Weight:
     """A projection's weights as stored, for :meth:`__call__`: ``x [rows, K]`` float32 -> ``[rows, N]``."""
@@ -241,7 +247,7 @@ class DecodeLayers:
             if w.blockwise:
                 raise ValueError("rtk_avx2.DecodeLayers takes INT8-SQ projections, not blockwise (W8A16) ones")
             self._layers.add_projection(
-                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None, None, 1
+                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None, None, 1, False
             )
             return
         g = proj.fp32_gemv
@@ -262,6 +268,7 @@ class DecodeLayers:
             act,
             dense,
             pad_rows,
+            not proj.fused_input,  # quantize_input off torch's bits for it (checked at load): ATen's operators
         )
 
     def forward(

@@ -168,7 +168,7 @@ class Projection:
         self.packed = None
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
-        self.fused_input = gemv_kernel and dtype == torch.bfloat16 and self.act_kind in (None, "fp8", "int8")
+        self.fused_input = gemv_kernel and self.act_kind in (None, "fp8", "int8")
         self.weight = weight
         self.int8 = self.int4 = self.int_max_rows = None
         if pack:
@@ -190,7 +190,7 @@ class Projection:
         # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
         # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
-        self.fused_input = self.fused_input and kernels.available() and self._fused_input_agrees()
+        self.fused_input = self.fused_input and self._fused_input_agrees()
         if usable:
             self.quant = self._pack_codes(linears, weight, bias)
             if self.codes_max_rows < GEMV_MAX_ROWS:
@@ -294,18 +294,29 @@ class Projection:
             return None
         return packed
 
+    def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """rtk's one-pass input quantization (bf16: ``kernels``; float32: ``kernels_avx2``)."""
+        fn = kernels.quantize_input if self.dtype == torch.bfloat16 else kernels_avx2.quantize_input
+        return fn(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
+
     def _fused_input_agrees(self) -> bool:
-        """True when ``kernels.quantize_input`` gives torch's bits for this projection's input quantization."""
+        """True when rtk's input quantization kernel runs here and gives torch's bits for this projection's."""
+        if self.dtype == torch.bfloat16:
+            if not kernels.available():
+                return False
+        elif self.dtype != torch.float32 or self.in_features % 8 or not kernels_avx2.available():
+            return False
         if self.pre_quant_scale is None and self.act_kind is None:
             return True
         g = torch.Generator().manual_seed(0)
         x = torch.randn(8, self.in_features, generator=g) * torch.exp2(torch.randint(-12, 12, (8, 1), generator=g))
-        x = x.to(torch.bfloat16)
+        x = x.to(self.dtype)
         want = x if self.pre_quant_scale is None else x * self.pre_quant_scale
         if self.act_kind is not None:
             want = fake_quant(want, self.act_kind, self.act_scale)
-        got = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
-        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        got = self._quantize_input(x)
+        bits = torch.int16 if self.dtype == torch.bfloat16 else torch.int32
+        if not torch.equal(got.view(bits), want.view(bits)):
             log.info("rtk's input quantization differs from torch's for %s; torch computes it", self.act_kind)
             return False
         return True
@@ -384,7 +395,7 @@ class Projection:
         if self.w8a8 is not None:  # integer products: a row's result is its own, so every row goes through
             return self.w8a8(x, self.bias, self.pre_quant_scale)
         if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
-            x = kernels.quantize_input(x, self.pre_quant_scale, self.act_kind, self.act_scale_value)
+            x = self._quantize_input(x)
         else:
             if self.pre_quant_scale is not None:
                 x = x * self.pre_quant_scale
