@@ -167,6 +167,21 @@ def test_the_prefix_cache_counts_the_leading_full_blocks_it_holds_and_forgets_th
     assert cache.cached_tokens(system + [1]) == 0 and cache.cached_tokens(list(range(200, 213))) == 12
 
 
+def test_the_prefix_cache_hashes_a_request_once_and_never_reuses_a_changed_prompts_chain(monkeypatch):
+    from toolkit.frontdoor import admission
+
+    cache = admission.PrefixCache(tokens_per_block=4, capacity=16)
+    cache.add(list(range(12)))
+    ids = list(range(8)) + [50, 51, 52, 53, 54]  # 3 full blocks, the first two held
+    hashed = []
+    monkeypatch.setattr(admission, "hash", lambda v: hashed.append(v) or hash(v), raising=False)
+    assert cache.cached_tokens(ids) == 8  # the prediction
+    cache.add(ids)  # the admission: the same list, its blocks are not hashed again
+    assert len(hashed) == 3
+    ids.append(55)  # a changed prompt (here: longer) is hashed anew
+    assert cache.cached_tokens(ids) == 12 and len(hashed) == 6
+
+
 def test_the_prefix_cache_counts_what_the_cpu_engine_reuses(tiny_llama_dir):
     """Against the real engine's block reuse (kv_cache.BlockManager through the scheduler): prompts sharing
     system prompts of several lengths, each sent once the one before it has finished; the front door's count

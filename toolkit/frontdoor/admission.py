@@ -78,19 +78,26 @@ class PrefixCache:
     def __init__(self, tokens_per_block: int, capacity: int):
         self.tpb, self.capacity = tokens_per_block, capacity
         self._keys: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._last: tuple[list[int], int, list[int]] | None = None  # the last prompt's chain, for admit after predict
 
-    def _chain(self, ids: list[int], blocks: int) -> list[int]:
+    def _chain(self, ids: list[int]) -> list[int]:
+        """The keys of ``ids``'s full blocks, each chained with the one before; a request's prediction and its
+        admission ask for the same list, which is hashed once."""
+        last = self._last
+        if last is not None and last[0] is ids and last[1] == len(ids):
+            return last[2]
         keys, parent, t = [], 0, self.tpb
-        for i in range(blocks):
+        for i in range(len(ids) // t):
             parent = hash((parent, tuple(ids[i * t : (i + 1) * t])))
             keys.append(parent)
+        self._last = (ids, len(ids), keys)
         return keys
 
     def cached_tokens(self, ids: list[int]) -> int:
         """Tokens of ``ids`` the engine will take from its cache: the leading full blocks it holds, short of
         the last token (which must run to give logits: the engine's ``(len - 1) // tokens_per_block``)."""
         n = 0
-        for key in self._chain(ids, (len(ids) - 1) // self.tpb):
+        for key in self._chain(ids)[: (len(ids) - 1) // self.tpb]:
             if key not in self._keys:
                 break
             n += 1
@@ -98,7 +105,7 @@ class PrefixCache:
 
     def add(self, ids: list[int]) -> None:
         """``ids`` were sent: their full blocks are (or will be, once prefilled) in the engine's cache."""
-        for key in self._chain(ids, len(ids) // self.tpb):
+        for key in self._chain(ids):
             self._keys[key] = None
             self._keys.move_to_end(key)
         while len(self._keys) > self.capacity:
