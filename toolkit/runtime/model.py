@@ -16,7 +16,8 @@ formats already dequantized) and are prepared once for speed:
 
 Activation quantization (FP8 / INT8 ``input_scale``) and AWQ / SmoothQuant ``pre_quant_scale``
 are emulated exactly as :class:`~toolkit.runtime.checkpoint.Linear` does, in the compute dtype
-(in one pass by ``kernels.quantize_input`` where rtk's kernels run).
+(in one pass by ``kernels.quantize_input``, or ``kernels_avx2.quantize_input`` on a float32 engine, where
+rtk's kernels run and give torch's bits).
 
 One forward runs a *flat* batch of tokens from many sequences (TensorRT-LLM's packed,
 "remove input padding" layout): generation rows first, then prompt chunks.  Linear layers see all
