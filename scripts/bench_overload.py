@@ -245,6 +245,10 @@ def run_all(args, t, model, plain, cached, ruled):
     rows += [
         (f"capacity (closed loop, concurrency = max_batch_size {conc})", f"{capacity:.2f} req/s"),
         ("TTFT p50 / p99 at capacity", f"{ttft50 * 1e3:.0f} / {pct([r.ttft for r in ok if r.ttft], 99) * 1e3:.0f} ms"),
+        (
+            f"answer length at capacity, content chunks p10 / p50 / p90 (max_tokens {args.output_tokens})",
+            " / ".join(f"{pct([r.tokens for r in ok], q):.0f}" for q in (10, 50, 90)),
+        ),
         prediction_row("capacity", ok),
         ("deadline D", f"{deadline_ms:.0f} ms"),
     ]

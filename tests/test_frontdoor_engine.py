@@ -8,6 +8,7 @@ window is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import threading
@@ -50,7 +51,7 @@ def served(tmp_path_factory, tiny_llama_dir):
     with running_server(repo, ready_timeout_s=300) as triton:
         app = create_app(repo, triton.grpc_url, metrics_url=triton.metrics_url)
         with FrontDoorServer(app, "127.0.0.1", _port()) as fd:
-            yield {"fd": fd.url, "triton": triton, "model": spec.name, "repo": repo}
+            yield {"fd": fd.url, "triton": triton, "model": spec.name, "repo": repo, "app": app}
 
 
 def _port() -> int:
@@ -89,6 +90,8 @@ def test_the_answer_is_tritons_answer(served):
 
 def test_a_client_that_leaves_frees_its_kv_blocks(served):
     metrics = served["triton"].metrics_url
+    lengths = served["app"].state.frontdoor.estimator.lengths
+    samples = len(lengths)
     body = {
         "model": served["model"],
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -105,6 +108,24 @@ def test_a_client_that_leaves_frees_its_kv_blocks(served):
         assert time.monotonic() < deadline, "the engine kept the KV blocks of a request whose client left"
         time.sleep(0.1)
     assert _gauge(metrics, "nv_trt_llm_request_metrics", "active") == 0
+    assert len(lengths) == samples  # an answer cut short by its client says nothing of how long answers run
+
+
+def test_answers_that_ran_to_their_end_are_the_admissions_samples_of_answer_length(served):
+    """Admission predicts when a running request frees its batch slot from how long recent answers ran: one that
+    stopped (here at a stop string) counts its tokens, one cut at its max_tokens counts as running on."""
+    lengths = served["app"].state.frontdoor.estimator.lengths
+    body = {"model": served["model"], "temperature": 0, "ignore_eos": True, "prompt": "The quick brown fox"}
+    cut = httpx.post(served["fd"] + "/v1/completions", json={**body, "max_tokens": 16}, timeout=60).json()
+    text = cut["choices"][0]["text"]
+    assert cut["choices"][0]["finish_reason"] == "length" and lengths[-1] == math.inf
+    # The same answer, stopped by a word of its middle (stop words match as tokens): it ends before its 16 tokens.
+    samples = len(lengths)
+    stop = " " + text.split()[3]
+    stopped = httpx.post(served["fd"] + "/v1/completions", json={**body, "max_tokens": 16, "stop": [stop]}, timeout=60)
+    got = stopped.json()
+    assert got["choices"][0]["finish_reason"] == "stop" and got["usage"]["completion_tokens"] < 16, (text, got)
+    assert list(lengths)[samples:] == [got["usage"]["completion_tokens"]]
 
 
 def test_tritons_queue_full_is_429_never_400(served):

@@ -102,6 +102,47 @@ def test_prediction_grows_with_the_work_ahead_and_waits_for_a_slot():
     assert full.slot_wait_s == pytest.approx(50 * e.step_s)
 
 
+def test_the_slot_wait_follows_how_long_answers_run():
+    """Until MIN_LENGTH_SAMPLES answers have ended, a running request holds its slot for its max_tokens; after,
+    for the median length of the answers that outlived its tokens so far (those cut at their max_tokens count
+    as running on), never past its max_tokens."""
+    from toolkit.frontdoor.admission import MIN_LENGTH_SAMPLES
+
+    def estimator(ended: list[tuple[int, bool]]) -> Estimator:
+        e = Estimator(max_batch=2, step_s=0.01, prefill_s_per_token=0.0, alpha=0.0)
+        for i, (n, stopped) in enumerate(ended):
+            e.admit(f"old{i}", 100, e.predict(1))
+            e.finish(f"old{i}", n, stopped=stopped)
+        for rid, seen in (("a", 5), ("b", 30)):  # both slots decode, with 5 and 30 tokens out of 100
+            e.admit(rid, 100, e.predict(1))
+            e.first_token(rid)
+            e.token(rid, seen)
+        return e
+
+    few = [(20, True)] * (MIN_LENGTH_SAMPLES - 1)
+    assert estimator(few).predict(1).slot_wait_s == pytest.approx((100 - 30) * 0.01)
+    # Answers end at 20 or 40 tokens, three in four at 20: "a" (5 seen) is predicted to end at 20, the median of
+    # all; "b" (30 seen) at 40, the median of those that outlived 30.  The sooner slot is b's, 10 tokens away.
+    e = estimator([(20, True)] * 3 * MIN_LENGTH_SAMPLES + [(40, True)] * MIN_LENGTH_SAMPLES)
+    assert e.tokens_left(e.inflight["a"]) == 20 - 5 and e.tokens_left(e.inflight["b"]) == 40 - 30
+    assert e.predict(1).slot_wait_s == pytest.approx((40 - 30) * 0.01)
+    e = estimator([(20, True), (40, True)] * MIN_LENGTH_SAMPLES)  # half at 40: the median of all is 40
+    assert e.tokens_left(e.inflight["a"]) == 40 - 5
+    # Every answer cut at its max_tokens: nothing is known about where they would end, so max_tokens stands.
+    cut = estimator([(100, False)] * 2 * MIN_LENGTH_SAMPLES)
+    assert cut.predict(1).slot_wait_s == pytest.approx((100 - 30) * 0.01)
+    # A request longer than every answer seen runs to its max_tokens.
+    short = estimator([(4, True)] * 2 * MIN_LENGTH_SAMPLES)
+    assert short.predict(1).slot_wait_s == pytest.approx((100 - 30) * 0.01)
+    # Cancelled answers are not samples; the window keeps the latest ones, in step with its sorted copy.
+    e = estimator([(20, True)] * 300)
+    e.finish("a")
+    assert len(e.lengths) == 256 and e._lengths_sorted == sorted(e.lengths)
+    for i in range(256):
+        e._add_length(50 + i % 7)
+    assert e._lengths_sorted == sorted(e.lengths) and min(e.lengths) == 50
+
+
 def test_a_chunked_prompt_beside_decoding_requests_takes_the_steps_their_rows_leave_it():
     """With chunked prompts an engine step holds ``max_num_tokens`` tokens, one per decoding request: a prompt
     arriving beside 7 of them gets 24 - 7 = 17 tokens a step, so 42 tokens take 3 steps (and half of the one

@@ -23,7 +23,11 @@ docs/guard.md, "How well the prediction holds".)
   its stats period), so it may still count a request of ours that has just ended: ours that ended
   within :data:`GAUGE_LAG_S` before the read count as ours, not as another client's;
 * slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the remaining
-  output tokens of the running request that frees the needed slot, times the step time;
+  output tokens of the running request that frees the needed slot, times the step time.  A request's
+  remaining tokens are its ``max_tokens`` less those seen until :data:`MIN_LENGTH_SAMPLES` answers have
+  ended; then the median length of the recent answers that outlived its tokens so far (an answer cut
+  at its ``max_tokens`` counts as running on), capped at its ``max_tokens``: answers that end at their
+  end of sequence free their slots early;
 * step time and prefill time per token: measured on the answered requests (exponentially weighted),
   starting from conservative defaults until the first answers arrive;
 * own prompt tokens: those the engine will prefill.  A session turn's stored ids are in the engine's
@@ -38,12 +42,15 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right, insort
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 # How long after a request ends the engine's gauge may still count it: the engine's update period (50 ms
 # for rtk's cpu model, 100 ms for TensorRT-LLM's stats) plus a margin.
 GAUGE_LAG_S = 0.25
+# Answers that must have ended before their lengths stand for the running ones' (until then: max_tokens).
+MIN_LENGTH_SAMPLES = 16
 
 
 @dataclass
@@ -126,6 +133,21 @@ class Estimator:
     step_tokens: int | None = None  # the engine's max_num_tokens with chunked prompts; None: whole prompts
     ended: deque = field(default_factory=lambda: deque(maxlen=256))  # when our latest requests ended (monotonic)
     prefix: PrefixCache | None = None  # the engine's block reuse, where it reuses blocks
+    # The latest answers' output tokens in the order they ended, and the same sorted (inf: cut at max_tokens).
+    lengths: deque = field(default_factory=lambda: deque(maxlen=256), init=False, repr=False)
+    _lengths_sorted: list = field(default_factory=list, init=False, repr=False)
+
+    def tokens_left(self, r: InFlight) -> int:
+        """``r``'s predicted remaining output tokens (the module's docstring, "slot wait")."""
+        cap_left = max(1, r.max_tokens - r.tokens)
+        lengths = self._lengths_sorted
+        if len(lengths) < MIN_LENGTH_SAMPLES:
+            return cap_left
+        i = bisect_right(lengths, r.tokens)
+        if i == len(lengths):  # longer than every answer seen
+            return cap_left
+        median = lengths[i + (len(lengths) - i) // 2]
+        return cap_left if median >= r.max_tokens else max(1, int(median) - r.tokens)
 
     def predict(self, prompt_tokens: int, gauges=None, ids: list[int] | None = None) -> Prediction:
         """``ids``: the prompt as sent, where known: its prefix in the engine's cache is not counted."""
@@ -151,12 +173,12 @@ class Estimator:
         slot_wait = 0.0
         need = n_run + n_wait + 1 - max_batch
         if need > 0:
-            remaining = sorted(max(1, r.max_tokens - r.tokens) for r in running)
+            remaining = sorted(self.tokens_left(r) for r in running)
             if need <= len(remaining):
                 slot_wait = remaining[need - 1] * self.step_s
             else:  # more queued than running: each batch-full of waiters runs to its end first
                 rounds = math.ceil((need - len(remaining)) / max(1, max_batch))
-                longest = max([*remaining, *(r.max_tokens for r in waiting)] or [1])
+                longest = max([*remaining, *(self.tokens_left(r) for r in waiting)] or [1])
                 slot_wait = (remaining[-1] if remaining else 0) * self.step_s + rounds * longest * self.step_s
         ttft = slot_wait + self.step_s + (tokens_ahead + prompt_tokens) * self.prefill_s_per_token
         if self.step_tokens and slot_wait == 0.0 and n_run > 0:
@@ -192,11 +214,23 @@ class Estimator:
         if r is not None:
             r.tokens += n
 
-    def finish(self, rid: str) -> None:
+    def finish(self, rid: str, output_tokens: int | None = None, stopped: bool = False) -> None:
+        """``rid`` ended; ``output_tokens``: what it produced, when it ran to its end (None: cancelled or cut off,
+        not a sample of the answers' lengths); ``stopped``: it ended before its ``max_tokens`` (end of sequence or
+        a stop string)."""
         r = self.inflight.pop(rid, None)
         if r is not None:
             self.ended.append(time.monotonic())
+        if output_tokens is not None:
+            self._add_length(output_tokens if stopped else math.inf)
         if r is None or r.first_at is None or r.tokens < 3:
             return
         step = (time.monotonic() - r.first_at) / (r.tokens - 1)
         self.step_s += self.alpha * (step - self.step_s)
+
+    def _add_length(self, n: float) -> None:
+        if len(self.lengths) == self.lengths.maxlen:
+            old = self.lengths[0]
+            del self._lengths_sorted[bisect_right(self._lengths_sorted, old) - 1]
+        self.lengths.append(n)
+        insort(self._lengths_sorted, n)

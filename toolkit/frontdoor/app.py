@@ -695,11 +695,13 @@ class FrontDoor:
             if not state["done"]:
                 stream.cancel()
                 self.counters[("rtk_frontdoor_cancelled_total", ())] += int(cancelled)
-            est.finish(req.id)
             n_out = piece.completion_tokens if piece.completion_tokens is not None else state["responses"]
             reason = "length" if n_out >= req.max_tokens else "stop"
             if piece.finish_reason in ("stop", "length"):
                 reason = piece.finish_reason  # the model's own word (llmapi)
+            # An answer that ran to its end is a sample of how long answers run (admission's slot wait).
+            ran_out = state["done"] and not cancelled
+            est.finish(req.id, n_out if ran_out else None, stopped=reason == "stop")
             u = usage(piece.prompt_tokens if piece.prompt_tokens is not None else n_prompt, n_out)
             if flt is not None and flt.hit:
                 state["done"], reason = True, "content_filter"  # the Triton request was cancelled above
