@@ -469,6 +469,12 @@ def test_a_float32_projection_checks_the_input_quantization_kernel_at_load(monke
     real = kernels_avx2.quantize_input
     monkeypatch.setattr(kernels_avx2, "quantize_input", lambda x, *a: real(x, *a) * 1.01)  # a kernel that drifted
     assert not Projection([lin], torch.float32, pack=False, gemv_kernel=True).fused_input
+    # A W8A8 projection's kernel quantizes its own input: no check at load (it took ~0.1 ms per projection).
+    checked = []
+    monkeypatch.setattr(Projection, "_fused_input_agrees", lambda self: checked.append(self) or True)
+    w8a8 = Projection([w8a8_linear(64, 576, g)], torch.float32, pack=False, gemv_kernel=True)
+    assert w8a8.w8a8 is not None and not w8a8.fused_input and checked == []
+    assert Projection([lin], torch.float32, pack=False, gemv_kernel=True).fused_input and len(checked) == 1
 
 
 @pytest.mark.parametrize("rows, k", [(1, 576), (7, 576), (60, 576), (3, 64), (5, 1536)])

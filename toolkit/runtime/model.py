@@ -191,7 +191,6 @@ class Projection:
         # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
         # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
-        self.fused_input = self.fused_input and self._fused_input_agrees()
         if usable:
             self.quant = self._pack_codes(linears, weight, bias)
             if self.codes_max_rows < GEMV_MAX_ROWS:
@@ -220,6 +219,9 @@ class Projection:
                 self.w8a8 = self._pack_w8a8(linears, weight, bias)
             if self.w8a8 is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
+        # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the W8A8 kernel
+        # quantizes its own input and never calls it
+        self.fused_input = self.fused_input and self.w8a8 is None and self._fused_input_agrees()
         # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
         # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
         # call.  False lets one-row prompt calls through them too (to measure their numerics over a prompt,
