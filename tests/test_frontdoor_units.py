@@ -143,6 +143,33 @@ def test_the_slot_wait_follows_how_long_answers_run():
     assert e._lengths_sorted == sorted(e.lengths) and min(e.lengths) == 50
 
 
+def test_requests_waiting_ahead_take_the_slots_in_turn_each_for_its_length():
+    """Two slots decode with 10 and 30 tokens left; three requests wait ahead (max_tokens 5, 50, 5).  The first
+    takes the slot free at 10 and frees it at 15, the second takes that one until 65, the third the one free at
+    30 until 35: a new request starts at step 35 (the batch-by-batch count it replaced said 30 + 50)."""
+    e = Estimator(max_batch=2, step_s=0.01, prefill_s_per_token=0.0, alpha=0.0)
+    for rid, left in (("a", 10), ("b", 30)):
+        e.admit(rid, 40, e.predict(1))
+        e.first_token(rid)
+        e.token(rid, 40 - left)
+    for i, n in enumerate((5, 50, 5)):
+        e.admit(f"w{i}", n, e.predict(1))
+    p = e.predict(1)
+    assert p.requests_ahead == 3 and p.slot_wait_s == pytest.approx(35 * 0.01)
+    e.finish("w2")  # with two waiting: 10 -> 15 -> 65 and 30 (b's slot) is the new request's
+    assert e.predict(1).slot_wait_s == pytest.approx(30 * 0.01)
+
+    class Gauges:  # the engine holds a request of another client beyond ours: it waits ahead, its length unknown
+        present, max_batch, active = True, 2, 6  # our 4, w2 (just ended: the gauge may still count it) and one
+
+        def __init__(self):
+            self.read_at = time.monotonic()
+
+    # It takes the slot free at 10 for max_tokens (the longest of ours, 50) until 60; w0 the one free at 30 until
+    # 35; w1 that one until 85: the new request starts at 60.
+    assert e.predict(1, Gauges()).slot_wait_s == pytest.approx(60 * 0.01)
+
+
 def test_a_chunked_prompt_beside_decoding_requests_takes_the_steps_their_rows_leave_it():
     """With chunked prompts an engine step holds ``max_num_tokens`` tokens, one per decoding request: a prompt
     arriving beside 7 of them gets 24 - 7 = 17 tokens a step, so 42 tokens take 3 steps (and half of the one

@@ -22,8 +22,9 @@ docs/guard.md, "How well the prediction holds".)
   it every few tens of ms (rtk's cpu model: ``cancellation_check_period_ms``; TensorRT-LLM's backend:
   its stats period), so it may still count a request of ours that has just ended: ours that ended
   within :data:`GAUGE_LAG_S` before the read count as ours, not as another client's;
-* slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the remaining
-  output tokens of the running request that frees the needed slot, times the step time.  A request's
+* slot wait: when running + waiting + 1 exceed the batch (``request_type="max"``), the steps until a slot
+  is free for it, times the step time: the running requests free their slots as they end, and the
+  requests waiting ahead take them in turn, each for its predicted length.  A request's
   remaining tokens are its ``max_tokens`` less those seen until :data:`MIN_LENGTH_SAMPLES` answers have
   ended; then the median length of the recent answers that outlived its tokens so far (an answer cut
   at its ``max_tokens`` counts as running on), capped at its ``max_tokens``: answers that end at their
@@ -40,6 +41,8 @@ docs/guard.md, "How well the prediction holds".)
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
 from bisect import bisect_right, insort
@@ -149,6 +152,20 @@ class Estimator:
         median = lengths[i + (len(lengths) - i) // 2]
         return cap_left if median >= r.max_tokens else max(1, int(median) - r.tokens)
 
+    def _slot_steps(self, running: list[InFlight], waiting: list[InFlight], others: int, max_batch: int) -> int:
+        """Steps until a new request gets a batch slot: the slots free as the running requests end; the requests
+        waiting ahead take them first, in turn (other clients' before ours, then ours in arrival order), each
+        holding its slot for its predicted length."""
+        free = [0] * max(0, max_batch - len(running)) + [self.tokens_left(r) for r in running]
+        heapq.heapify(free)
+        if not free:
+            return 0
+        cap = max((r.max_tokens for r in self.inflight.values()), default=1)
+        typical = self.tokens_left(InFlight(0, cap, 0.0))  # another client's request, its length unknown
+        for length in itertools.chain(itertools.repeat(typical, others), (self.tokens_left(r) for r in waiting)):
+            heapq.heappush(free, heapq.heappop(free) + length)
+        return free[0]
+
     def predict(self, prompt_tokens: int, gauges=None, ids: list[int] | None = None) -> Prediction:
         """``ids``: the prompt as sent, where known: its prefix in the engine's cache is not counted."""
         cached = self.prefix.cached_tokens(ids) if ids is not None and self.prefix is not None else 0
@@ -171,15 +188,8 @@ class Estimator:
             n_wait += extra
             tokens_ahead += int(extra * self.mean_prompt)
         slot_wait = 0.0
-        need = n_run + n_wait + 1 - max_batch
-        if need > 0:
-            remaining = sorted(self.tokens_left(r) for r in running)
-            if need <= len(remaining):
-                slot_wait = remaining[need - 1] * self.step_s
-            else:  # more queued than running: each batch-full of waiters runs to its end first
-                rounds = math.ceil((need - len(remaining)) / max(1, max_batch))
-                longest = max([*remaining, *(self.tokens_left(r) for r in waiting)] or [1])
-                slot_wait = (remaining[-1] if remaining else 0) * self.step_s + rounds * longest * self.step_s
+        if n_run + n_wait + 1 > max_batch:
+            slot_wait = self._slot_steps(running, waiting, n_wait - len(waiting), max_batch) * self.step_s
         ttft = slot_wait + self.step_s + (tokens_ahead + prompt_tokens) * self.prefill_s_per_token
         if self.step_tokens and slot_wait == 0.0 and n_run > 0:
             # Chunked beside the decoding requests: the steps it takes, whatever a step's prompt tokens cost.
