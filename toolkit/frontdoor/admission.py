@@ -160,9 +160,11 @@ class Estimator:
         heapq.heapify(free)
         if not free:
             return 0
-        cap = max((r.max_tokens for r in self.inflight.values()), default=1)
-        typical = self.tokens_left(InFlight(0, cap, 0.0))  # another client's request, its length unknown
-        for length in itertools.chain(itertools.repeat(typical, others), (self.tokens_left(r) for r in waiting)):
+        lengths = (self.tokens_left(r) for r in waiting)
+        if others:  # another client's request, its length unknown: one of ours with the largest max_tokens
+            cap = max((r.max_tokens for r in self.inflight.values()), default=1)
+            lengths = itertools.chain(itertools.repeat(self.tokens_left(InFlight(0, cap, 0.0)), others), lengths)
+        for length in lengths:
             heapq.heappush(free, heapq.heappop(free) + length)
         return free[0]
 
@@ -174,7 +176,7 @@ class Estimator:
         running = [r for r in self.inflight.values() if r.first_at is not None]
         tokens_ahead = sum(r.prompt_tokens for r in waiting)
         n_wait, n_run = len(waiting), len(running)
-        max_batch = self.max_batch
+        max_batch, extra = self.max_batch, 0
         if gauges is not None and gauges.present and time.monotonic() - gauges.read_at < 2.0:
             max_batch = gauges.max_batch or max_batch
             # Requests the engine holds beyond ours (other clients, e.g. Triton's own endpoints); the gauge may
@@ -189,7 +191,7 @@ class Estimator:
             tokens_ahead += int(extra * self.mean_prompt)
         slot_wait = 0.0
         if n_run + n_wait + 1 > max_batch:
-            slot_wait = self._slot_steps(running, waiting, n_wait - len(waiting), max_batch) * self.step_s
+            slot_wait = self._slot_steps(running, waiting, extra, max_batch) * self.step_s
         ttft = slot_wait + self.step_s + (tokens_ahead + prompt_tokens) * self.prefill_s_per_token
         if self.step_tokens and slot_wait == 0.0 and n_run > 0:
             # Chunked beside the decoding requests: the steps it takes, whatever a step's prompt tokens cost.

@@ -169,7 +169,6 @@ class Projection:
         self.packed = None
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
-        self.fused_input = gemv_kernel and self.act_kind in (None, "fp8", "int8")
         self.weight = weight
         self.int8 = self.int4 = self.int_max_rows = None
         if pack:
@@ -221,7 +220,9 @@ class Projection:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the W8A8 kernel
         # quantizes its own input and never calls it
-        self.fused_input = self.fused_input and self.w8a8 is None and self._fused_input_agrees()
+        self.fused_input = (
+            gemv_kernel and self.act_kind in (None, "fp8", "int8") and self.w8a8 is None and self._fused_input_agrees()
+        )
         # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
         # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
         # call.  False lets one-row prompt calls through them too (to measure their numerics over a prompt,
