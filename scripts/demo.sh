@@ -6,7 +6,9 @@
 # (AVX512-BF16). A CPU without it (AVX2 only) computes in float32, where the FP8 build misses the
 # example's gate; there the example is built as INT8-SQ with its LM head quantized, whose products
 # are integer and which meets the gate on a quiet 2-core AVX2 host (docs/engine.md, "Prompt rows
-# through the fused layers"; `rtk doctor --target cpu` says which path a host gets).
+# through the fused layers"; `rtk doctor --target cpu` says which path a host gets), with its down
+# projections W8A16: with their inputs quantized too, SmolLM2 answers "France" for the capital of
+# France (docs/engine.md, "INT8-SQ's down projections as W8A16").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RTK=.venv/bin/rtk
@@ -15,8 +17,9 @@ ARGS=()
 if [ $# -gt 0 ]; then
   SPEC=$1
 elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
-  echo "this CPU has no native bf16 (AVX2 only): building the example as INT8-SQ with its LM head quantized"
-  ARGS=(--set quantization.format=int8_sq --set quantization.quantize_lm_head=true)
+  echo "this CPU has no native bf16 (AVX2 only): building the example as INT8-SQ (LM head and down projections W8A16)"
+  ARGS=(--set quantization.format=int8_sq --set quantization.quantize_lm_head=true
+        --set 'quantization.weight_only_modules=[down_proj]')
 fi
 $RTK build "$SPEC" "${ARGS[@]}"
 $RTK serve "$SPEC" "${ARGS[@]}" --detach

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from toolkit.artifacts import read_manifest
 from toolkit.cli import cli
-from toolkit.errors import QualityGateError
+from toolkit.errors import QualityGateError, UsageError
 from toolkit.quality import reference_model
 from toolkit.quantize import calibrate, export_hf, load_model, quantize
 from toolkit.runtime.checkpoint import load_checkpoint, unpack_fp4_cols, unpack_int4_rows
@@ -338,3 +338,63 @@ def test_quantize_lm_head_exports_a_weight_only_int8_head_and_leaves_the_tied_em
     # the gated numbers include the quantized head: read back, they are ModelOpt's own in-memory model's
     assert q["quantized_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=2e-3)
     assert q["trtllm_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=2e-2)
+
+
+def test_weight_only_modules_export_w8a16_layers_among_int8_sq_ones(tmp_path, tiny_llama_dir):
+    """``quantization.weight_only_modules: [down_proj]`` under int8_sq: ModelOpt leaves those layers' inputs
+    unquantized and unsmoothed (W8A16: int8 codes, a scale per output channel), every other linear stays
+    W8A8_SQ, and both exports say MIXED_PRECISION; rtk's loaders read the mix from either, the float32
+    engine computes it (its dense path as the export does, its AVX2 kernels within the inputs' quantization), and the
+    trt-engine target accepts the checkpoint for this spec and refuses it for plain int8_sq."""
+    from toolkit.runtime.checkpoint import load_trtllm_checkpoint
+    from toolkit.runtime.engine import Engine, EngineConfig
+    from toolkit.targets import trt_engine
+
+    spec = spec_for(
+        "tiny-int8-wo",
+        tiny_llama_dir,
+        quantization={"format": "int8_sq", "weight_only_modules": ["down_proj"], **FAST_CALIB},
+        build={"target": "trt-engine"},
+    )
+    out = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "q").path
+    hq = json.loads((out / "hf" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "MIXED_PRECISION"
+    algos = {name.rsplit(".", 1)[-1]: q["quant_algo"] for name, q in hq["quantized_layers"].items()}
+    assert algos.pop("down_proj") == "W8A16"
+    assert set(algos.values()) == {"W8A8_SQ_PER_CHANNEL"} and "lm_head" not in algos
+    hf = tensors(out / "hf")
+    assert hf["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    unquantized_inputs = ("input_scale", "pre_quant_scale")
+    assert not [k for k in hf if ".down_proj." in k and k.rsplit(".", 1)[-1] in unquantized_inputs]
+    assert "model.layers.0.mlp.up_proj.input_scale" in hf
+    trt_cfg = json.loads((out / "trtllm" / "config.json").read_text())
+    assert trt_cfg["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    hf_ckpt, trt_ckpt = load_checkpoint(out / "hf"), load_trtllm_checkpoint(out / "trtllm", out / "hf")
+    for layer, trt_layer in zip(hf_ckpt.layers, trt_ckpt.layers, strict=True):
+        down = layer["down_proj"]
+        assert down.codes.codes.dtype == torch.int8 and down.codes.scale.dim() == 1
+        assert torch.equal(down.weight, down.codes.codes.float() * down.codes.scale[:, None])
+        assert torch.equal(trt_layer["down_proj"].weight, down.weight)
+        for lin in (down, trt_layer["down_proj"]):
+            assert lin.act_quant is None and lin.pre_quant_scale is None
+        for lin in (layer["up_proj"], layer["q_proj"], trt_layer["up_proj"]):
+            assert lin.act_quant.kind == "int8"
+    trt_engine.check_checkpoint(spec, trt_cfg, out / "trtllm")
+    plain = spec_for("tiny-int8", tiny_llama_dir, quantization={"format": "int8_sq"}, build={"target": "trt-engine"})
+    with pytest.raises(UsageError, match="quantized as MIXED_PRECISION but quantization.format is 'int8_sq'"):
+        trt_engine.check_checkpoint(plain, trt_cfg, out / "trtllm")
+    # the engine's dense path is the export's arithmetic; rtk's AVX2 kernels run the W8A16 layers as blockwise
+    # integer products (their inputs quantized per block of 32: a stated difference, docs/engine.md)
+    cfg = dict(max_batch_size=2, max_input_len=64, max_seq_len=128, tokens_per_block=16, dtype="float32")
+    fast = Engine(out / "hf", EngineConfig(**cfg, max_num_tokens=64))
+    dense = Engine(out / "hf", EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
+    assert {layer.down.parts[0].kernel for layer in fast.model.layers} == {"rtk-avx2-w8a8-blockwise"}
+    ids = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = dense.prompt_logits(ids)
+    with torch.inference_mode():
+        ref = reference_model(load_checkpoint(out / "hf"))(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(want, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    got = fast.prompt_logits(ids)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max() and not torch.equal(got, want)
+    q = json.loads((out / "quality.json").read_text())
+    assert q["quantized_ppl"] == pytest.approx(q["fake_quant_ppl"], rel=2e-3)

@@ -293,8 +293,6 @@ def test_a_weight_only_int8_head_takes_the_blockwise_kernel_where_asked_and_stay
         assert torch.equal(got[2:], head(x[2:], singles=4))
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     assert not torch.equal(got, ref)  # it is not the float product: a different kernel, said so
-    with pytest.raises(ValueError, match="not blockwise"):
-        kernels_avx2.DecodeLayers(1, 1, 64, 1e-5, 0.125, torch.ones(4, 64), torch.ones(4, 64)).add_projection(head)
 
 
 def test_float32_engine_on_an_int8_export_with_a_quantized_head(tmp_path, tiny_llama_dir):
@@ -573,17 +571,28 @@ def test_float32_fused_decode_with_one_kv_head_and_biases(tmp_path, smollm2_toke
     fused_matches_operators(path, "one KV head, q/k/v biases")
 
 
-@pytest.mark.parametrize("fmt,drifted", [("fp8", False), ("fp8", True), ("int8_sq", False)])
+# quantization sections of the real tiny exports below; int8_sq_w8a16_down: W8A16 down projections among W8A8
+# ones (quantization.weight_only_modules), which the float32 engine runs through the blockwise kernel
+EXPORTS = {
+    "fp8": {"format": "fp8"},
+    "int8_sq": {"format": "int8_sq"},
+    "int8_sq_w8a16_down": {"format": "int8_sq", "weight_only_modules": ["down_proj"]},
+}
+
+
+@pytest.mark.parametrize(
+    "fmt,drifted", [("fp8", False), ("fp8", True), ("int8_sq", False), ("int8_sq_w8a16_down", False)]
+)
 def test_float32_fused_decode_on_real_exports(tmp_path, tiny_llama_dir, fmt, drifted, monkeypatch):
-    """FP8 (the GEMV over e4m3 codes after the input's FP8 quantize-dequantize) and INT8-SQ (W8A8).  Where
-    rtk's input quantization is off torch's bits (``drifted``: checked at load), both paths quantize through
-    torch's operators."""
+    """FP8 (the GEMV over e4m3 codes after the input's FP8 quantize-dequantize), INT8-SQ (W8A8) and INT8-SQ
+    with W8A16 down projections (blockwise integer products).  Where rtk's input quantization is off
+    torch's bits (``drifted``: checked at load), both paths quantize through torch's operators."""
     from conftest import spec_for
 
     from toolkit.quantize import quantize
 
     calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
-    quantization = {"format": fmt, "max_perplexity_increase": 100.0, **calib}
+    quantization = {**EXPORTS[fmt], "max_perplexity_increase": 100.0, **calib}
     spec = spec_for(f"tiny-{fmt}", tiny_llama_dir, quantization=quantization)
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     if drifted:
@@ -607,7 +616,7 @@ def test_float32_fused_decode_in_mixed_steps_and_where_it_does_not_apply(tmp_pat
     assert Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.fused is None
 
 
-@pytest.mark.parametrize("fmt", ["int8_sq", "fp8", "none"])
+@pytest.mark.parametrize("fmt", ["int8_sq", "int8_sq_w8a16_down", "fp8", "none"])
 def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_llama_dir, fmt):
     """A step's prompt rows go through the fused layers too (forward_rows): W8A8 projections take every row
     (a row's result is its own), GEMV ones (bf16 weights, FP8 codes) their decode rows while MKL takes the
@@ -623,13 +632,16 @@ def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_l
     hf = tiny_llama_dir
     if fmt != "none":
         calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
-        quantization = {"format": fmt, "max_perplexity_increase": 100.0, **calib}
+        quantization = {**EXPORTS[fmt], "max_perplexity_increase": 100.0, **calib}
         spec = spec_for(f"tiny-{fmt}-rows", tiny_llama_dir, quantization=quantization)
         hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     fused = Engine(hf, EngineConfig(**FUSED_BASE))
     assert fused.model.fused.takes_prompt_rows
     kernels = {g.parts[0].kernel for layer in fused.model.layers for g in (layer.qkv, layer.o, layer.gate_up)}
-    assert kernels == ({"rtk-avx2-w8a8"} if fmt == "int8_sq" else {f"rtk-avx2-{'fp8' if fmt == 'fp8' else 'bf16'}"})
+    int8 = fmt.startswith("int8_sq")
+    assert kernels == ({"rtk-avx2-w8a8"} if int8 else {f"rtk-avx2-{'fp8' if fmt == 'fp8' else 'bf16'}"})
+    down = {layer.down.parts[0].kernel for layer in fused.model.layers}
+    assert down == ({"rtk-avx2-w8a8-blockwise"} if fmt == "int8_sq_w8a16_down" else kernels)
     operators = Engine(hf, EngineConfig(**FUSED_BASE, fused_decode=False))
     tpb, unit = FUSED_BASE["tokens_per_block"], 8
     a, b, c, d = prompt(21, 1), prompt(46, 2), prompt(12, 3), prompt(8, 4)

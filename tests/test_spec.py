@@ -54,6 +54,12 @@ def test_examples_validate(path):
         ),
         ("name: x\nbuild: {int4_gemv: fast}\n", "build.int4_gemv", "'dot' or 'exact'"),
         ("name: x\nquantization: {quantize_lm_head: true}\n", "quantization.quantize_lm_head", "not fp8"),
+        ("name: x\nquantization: {weight_only_modules: [down_proj]}\n", "quantization.weight_only_modules", "not fp8"),
+        (
+            "name: x\nquantization: {format: int8_sq, weight_only_modules: ['*down*']}\n",
+            "quantization.weight_only_modules",
+            "'*down*' is not a module name",
+        ),
         ("name: x\nslo: {objectives: [{metric: ttft, stat: p99}]}\n", "slo.objectives.0", "'max' or 'min'"),
         ("[1, 2]\n", None, "mapping"),
     ],

@@ -265,10 +265,12 @@ def _cpu_engine(host: HostInfo) -> Check:
             "warn",
             "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
             need,
-            "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`): "
-            "its projections run as integer products and whole steps through rtk's fused layers, which meets the "
-            "example's SLO gate on a quiet 2-core AVX2 host (docs/engine.md, 'Prompt rows through the fused layers'); "
-            "the example's FP8 export was measured on an AVX512-BF16 host",
+            "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`, "
+            "`quantization.weight_only_modules: [down_proj]`): its projections run as integer products and whole "
+            "steps through rtk's fused layers, which meets the example's SLO gate on a quiet 2-core AVX2 host "
+            "(docs/engine.md, 'Prompt rows through the fused layers'); the down projections' inputs unquantized keep "
+            "SmolLM2's answers (docs/engine.md, 'INT8-SQ's down projections as W8A16'); the example's FP8 export was "
+            "measured on an AVX512-BF16 host",
         )
     return Check(
         "CPU engine",

@@ -23,6 +23,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .artifacts import (
@@ -47,7 +48,13 @@ log = logging.getLogger(__name__)
 CPU_FAKE_QUANT = {"none", "fp8", "int8_sq", "int4_awq", "w4a8_awq"}
 
 
-def modelopt_config(fmt: str, kv_cache: str, group_size: int | None, quantize_lm_head: bool = False) -> dict:
+def modelopt_config(
+    fmt: str,
+    kv_cache: str,
+    group_size: int | None,
+    quantize_lm_head: bool = False,
+    weight_only_modules: Sequence[str] = (),
+) -> dict:
     """The ModelOpt quant config for a format (0.47: ``quant_cfg`` is a list of entries).
 
     ``quantize_lm_head``: re-enable the LM head's weight quantizer, which ModelOpt's configs disable
@@ -58,6 +65,9 @@ def modelopt_config(fmt: str, kv_cache: str, group_size: int | None, quantize_lm
     raised the export's perplexity increase from 6.8 % to 10.3 % (FP8: 2.0 % to 4.6 %), the weight-only
     INT8 head by nothing measurable (docs/engine.md).  A blanket ``*lm_head*`` entry would also enable
     the output quantizer, and the export would then claim an INT8 KV cache.
+
+    ``weight_only_modules``: int8_sq layers whose input quantizer is turned off (``*<name>*input_quantizer``), so
+    ModelOpt neither smooths nor quantizes their inputs and exports them as W8A16 (MIXED_PRECISION).
     """
     import modelopt.torch.quantization as mtq
 
@@ -77,6 +87,8 @@ def modelopt_config(fmt: str, kv_cache: str, group_size: int | None, quantize_lm
                 for c in stages:  # W4A8: a two-stage SequentialQuantizer; only the int4 stage has blocks
                     if c.get("block_sizes"):
                         c["block_sizes"][-1] = group_size
+    for name in weight_only_modules:
+        cfg["quant_cfg"].append({"quantizer_name": f"*{name}*input_quantizer", "enable": False})
     if quantize_lm_head:
         cfg["quant_cfg"].append({"quantizer_name": "*lm_head*weight_quantizer", "enable": True})
     if kv_cache != "none":
@@ -223,7 +235,7 @@ def calibrate(model, spec: Spec, tokenizer, group_size: int | None, on_batch=Non
 
     batches = calibration_batches(spec, tokenizer)
     q = spec.quantization
-    cfg = modelopt_config(q.format, q.kv_cache, group_size, q.quantize_lm_head)
+    cfg = modelopt_config(q.format, q.kv_cache, group_size, q.quantize_lm_head, q.weight_only_modules)
 
     def forward_loop(m):
         with torch.no_grad():

@@ -93,6 +93,31 @@ class QuantizationSpec(Section):
         "small model: SmolLM2-135M's is a fifth of its bytes per token",
     )
 
+    weight_only_modules: list[str] = Field(
+        [],
+        description="int8_sq: linear layers (by name, e.g. down_proj) whose inputs stay unquantized, so they are "
+        "W8A16 (int8 weights, a scale per output channel) among W8A8 layers; ModelOpt's input_quantizer of "
+        "*<name>* off, exported as MIXED_PRECISION. SmoothQuant's one static input scale per layer clips the "
+        "down projections' activation outliers: SmolLM2-135M's INT8-SQ export answered 'France' for the capital "
+        "of France until its down_proj stayed W8A16 (docs/engine.md)",
+    )
+
+    @field_validator("weight_only_modules")
+    @classmethod
+    def _weight_only_names(cls, v: list[str], info) -> list[str]:
+        fmt = info.data.get("format")
+        if v and fmt != "int8_sq":
+            raise ValueError(
+                f"is for quantization.format int8_sq, not {fmt}; drop weight_only_modules or change the format"
+            )
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.]+", name):
+                raise ValueError(
+                    f"'{name}' is not a module name: use letters, digits, '_' and '.', e.g. down_proj or "
+                    "layers.0.mlp.down_proj"
+                )
+        return v
+
     @field_validator("quantize_lm_head")
     @classmethod
     def _lm_head_formats(cls, v: bool, info) -> bool:

@@ -619,6 +619,7 @@ struct Projection32 {
   // model.Projection does, padded with zero rows to pad_rows when fewer (its _padded); none: decode rows only
   c10::optional<at::Tensor> dense;
   int64_t pad_rows = 1;
+  bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
 
   bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
 
@@ -636,6 +637,8 @@ struct Projection32 {
   // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own);
   // gemv takes the decode rows and at::linear the prompt rows, as model.Projection splits them.
   at::Tensor rows(const at::Tensor& x, int64_t B) const {
+    if (w8a8_path && blockwise)  // kernels_avx2.W8A8Weight.__call__: the pre_quant_scale as an ATen product first
+      return w8a8_blockwise(pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x, weights, *scales, bias);
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
@@ -711,16 +714,17 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
-                      int64_t pad_rows, bool torch_input) {
+                      int64_t pad_rows, bool torch_input, bool blockwise) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
     TORCH_CHECK(!dense.has_value() || (!w8a8_path && dense->scalar_type() == at::kFloat && dense->dim() == 2),
                 "rtk_avx2.DecodeLayers: a gemv projection's prompt weights are [N, K] float32");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
+    TORCH_CHECK(!blockwise || w8a8_path, "rtk_avx2.DecodeLayers: blockwise is a w8a8 projection's");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
                                   act_scale.has_value() ? act_scale->item<double>() : 1.0, torch_input, dense,
-                                  pad_rows});
+                                  pad_rows, blockwise});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }

@@ -244,10 +244,20 @@ class DecodeLayers:
         ``Projection`` does when its rows are batch-invariant (the engine's default); W8A8 always does."""
         if proj.w8a8 is not None:
             w = proj.w8a8
-            if w.blockwise:
-                raise ValueError("rtk_avx2.DecodeLayers takes INT8-SQ projections, not blockwise (W8A16) ones")
             self._layers.add_projection(
-                True, w.codes, 0, w.scales, w.act_scale_value, proj.bias, proj.pre_quant_scale, 0, None, None, 1, False
+                True,
+                w.codes,
+                0,
+                w.scales,
+                w.act_scale_value,
+                proj.bias,
+                proj.pre_quant_scale,
+                0,
+                None,
+                None,
+                1,
+                False,
+                w.blockwise,
             )
             return
         g = proj.fp32_gemv
@@ -269,6 +279,7 @@ class DecodeLayers:
             dense,
             pad_rows,
             not proj.fused_input,  # quantize_input off torch's bits for it (checked at load): ATen's operators
+            False,
         )
 
     def forward(

@@ -148,8 +148,9 @@ class Projection:
         blockwise_int8: bool = False,
     ):
         """``blockwise_int8``: on a float32 engine, weight-only INT8 weights (the LM head of
-        ``quantization.quantize_lm_head``) take ``kernels_avx2.W8A8Weight``'s blockwise integer products,
-        which quantize the input themselves (a stated rounding difference, not the export's arithmetic)."""
+        ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) take
+        ``kernels_avx2.W8A8Weight``'s blockwise integer products, which quantize the input themselves (a stated
+        rounding difference, not the export's arithmetic)."""
         first = linears[0]
         self.int4_gemv = int4_gemv
         self.dtype = dtype
@@ -489,8 +490,9 @@ class FusedGroup:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
+        blockwise_int8: bool = False,
     ):
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_int8)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -699,10 +701,11 @@ class Layer:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
+        blockwise_int8: bool = False,
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_int8)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -741,7 +744,7 @@ class Transformer:
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, blockwise_int8=True)
         self.layers = [
-            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv)
+            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv, True)
             for spec in ckpt.layers
         ]
         # a float32 engine with rtk's AVX2 kernels: decode attention read in place, the fused float32 step and

@@ -61,9 +61,13 @@ KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
 
 
 def checkpoint_quant_algo(q) -> str | None:
-    """The ``quant_algo`` ModelOpt writes for a ``quantization`` section: a W8A16 ``lm_head`` under INT8-SQ
-    layers (``quantize_lm_head``) makes the checkpoint MIXED_PRECISION; an int4_awq head is W4A16_AWQ too."""
-    if q.quantize_lm_head and q.format == "int8_sq":
+    """The ``quant_algo`` ModelOpt writes for a ``quantization`` section: a W8A16 ``lm_head``
+    (``quantize_lm_head``) or W8A16 layers (``weight_only_modules``) among INT8-SQ ones make the checkpoint
+    MIXED_PRECISION, which TensorRT-LLM quantizes linear by linear (NVIDIA/TensorRT-LLM
+    tensorrt_llm/quantization/quantize.py ``quantize`` at 0614867: an INT8-SQ linear as
+    ``Int8SmoothQuantLinear``, a W8A16 one as ``WeightOnlyQuantRowLinear`` / ``ColumnLinear``); an int4_awq head
+    is W4A16_AWQ too."""
+    if q.format == "int8_sq" and (q.quantize_lm_head or q.weight_only_modules):
         return "MIXED_PRECISION"
     return QUANT_ALGO[q.format]
 
@@ -100,6 +104,8 @@ def check_checkpoint(spec: Spec, config: dict, checkpoint_dir: Path) -> None:
     have, want = quant.get("quant_algo"), checkpoint_quant_algo(q)
     if have != want:
         head = " with quantize_lm_head" if q.quantize_lm_head else ""
+        if q.weight_only_modules:
+            head += f" with weight_only_modules {list(q.weight_only_modules)}"
         raise UsageError(
             f"the TensorRT-LLM checkpoint at '{checkpoint_dir}' is quantized as {have or 'unquantized'} but "
             f"quantization.format is '{q.format}'{head} ({want or 'unquantized'}); {redo}"
