@@ -68,6 +68,36 @@ def test_quality_report_and_manifest(tiny_fp8):
     assert m["quality"]["passed"] and m["tools"]["nvidia-modelopt"] and "calibrate" in m["timings_s"]
 
 
+def test_quality_report_says_how_far_the_next_token_distributions_moved(tiny_fp8, tiny_llama_dir):
+    """quality.json's ``kl_divergence``: KL(baseline || export) per predicted position over the eval texts (mean,
+    p99) and the share of positions whose most likely token is unchanged, recomputed here with transformers'
+    model of the source checkpoint and torch's ``kl_div``."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.quality import eval_token_lists
+
+    spec, result = tiny_fp8
+    q = json.loads((result.path / "quality.json").read_text())["kl_divergence"]
+    texts = eval_token_lists(AutoTokenizer.from_pretrained(tiny_llama_dir), spec.quantization.eval_samples)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    export = reference_model(load_checkpoint(result.path / "hf"))
+    klds, same = [], []
+    with torch.inference_mode():
+        for ids in texts:
+            x = torch.tensor([ids])
+            lb = F.log_softmax(base(x).logits[0, :-1], -1)
+            lq = F.log_softmax(export(x).logits[0, :-1], -1)
+            klds.append(F.kl_div(lq, lb, log_target=True, reduction="none").sum(-1))
+            same.append(lb.argmax(-1) == lq.argmax(-1))
+    kld = torch.cat(klds).double()
+    assert kld.mean() > 0  # FP8 moves something
+    # the report keeps the baseline's log-probabilities in float16: a few parts in a thousand
+    assert q["mean"] == pytest.approx(float(kld.mean()), rel=0.02, abs=1e-6)
+    assert q["p99"] == pytest.approx(float(torch.quantile(kld, 0.99)), rel=0.05, abs=1e-6)
+    assert q["same_top_token"] == pytest.approx(float(torch.cat(same).double().mean()), abs=0.01)
+
+
 def test_second_run_is_skipped(tiny_fp8, tiny_llama_dir):
     spec, result = tiny_fp8
     t = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -99,24 +100,64 @@ def reference_model(
     return model.eval()
 
 
+@dataclass
+class Evaluation:
+    """A model over the eval texts: its perplexity; with ``keep``, each text's next-token log-probabilities
+    (float16 ``[T-1, V]``); with a ``reference`` (the baseline's kept log-probabilities), how far its
+    next-token distributions moved from the baseline's, as llama.cpp's ``llama-perplexity --kl-divergence``
+    reports it (ggml-org/llama.cpp tools/perplexity/perplexity.cpp): the mean and 99th percentile of
+    KL(baseline || model) per position, and the share of positions where both rank the same token first."""
+
+    ppl: float
+    logprobs: list[torch.Tensor] | None = None
+    mean_kld: float | None = None
+    kld_p99: float | None = None
+    same_top: float | None = None
+
+
 @torch.inference_mode()
+def evaluate(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    token_lists: Iterable[list[int]],
+    on_text: Callable[[], None] | None = None,
+    *,
+    keep: bool = False,
+    reference: list[torch.Tensor] | None = None,
+) -> Evaluation:
+    """``logits_fn(ids[1,T]) -> [1,T,V]`` over ``token_lists``: see :class:`Evaluation`."""
+    nll, count = 0.0, 0
+    kept: list[torch.Tensor] = []
+    klds: list[torch.Tensor] = []
+    same = 0
+    for i, ids in enumerate(token_lists):
+        x = torch.tensor([ids])
+        lp = torch.log_softmax(logits_fn(x).float()[0, :-1], dim=-1)
+        tgt = x[0, 1:]
+        nll -= lp.gather(1, tgt[:, None]).sum().item()
+        count += len(ids) - 1
+        if keep:
+            kept.append(lp.to(torch.float16))
+        if reference is not None:
+            base = reference[i].float()
+            klds.append((base.exp() * (base - lp)).sum(-1))
+            same += int((base.argmax(-1) == lp.argmax(-1)).sum())
+        if on_text:
+            on_text()
+    out = Evaluation(math.exp(nll / max(count, 1)), kept if keep else None)
+    if reference is not None and klds:
+        kld = torch.cat(klds).double()
+        out.mean_kld, out.kld_p99 = float(kld.mean()), float(torch.quantile(kld, 0.99))
+        out.same_top = same / len(kld)
+    return out
+
+
 def perplexity(
     logits_fn: Callable[[torch.Tensor], torch.Tensor],
     token_lists: Iterable[list[int]],
     on_text: Callable[[], None] | None = None,
 ) -> float:
     """exp(mean NLL) over all predicted tokens of all texts; ``logits_fn(ids[1,T]) -> [1,T,V]``."""
-    nll, count = 0.0, 0
-    for ids in token_lists:
-        x = torch.tensor([ids])
-        logits = logits_fn(x).float()
-        lp = torch.log_softmax(logits[0, :-1], dim=-1)
-        tgt = x[0, 1:]
-        nll -= lp.gather(1, tgt[:, None]).sum().item()
-        count += len(ids) - 1
-        if on_text:
-            on_text()
-    return math.exp(nll / max(count, 1))
+    return evaluate(logits_fn, token_lists, on_text).ppl
 
 
 def eval_token_lists(tokenizer, num_samples: int, max_length: int = 256) -> list[list[int]]:
@@ -130,10 +171,24 @@ def eval_token_lists(tokenizer, num_samples: int, max_length: int = 256) -> list
     return out
 
 
+def evaluate_checkpoint(
+    path: Path | str,
+    token_lists: list[list[int]],
+    on_text=None,
+    dtype=torch.float32,
+    hf_config_dir: Path | None = None,
+    *,
+    keep: bool = False,
+    reference: list[torch.Tensor] | None = None,
+) -> Evaluation:
+    """:func:`evaluate` of an HF checkpoint, or of a TensorRT-LLM one when ``hf_config_dir`` gives its HF config."""
+    ckpt = load_checkpoint(path) if hf_config_dir is None else load_trtllm_checkpoint(path, hf_config_dir)
+    model = reference_model(ckpt, dtype=dtype, config_dir=hf_config_dir)
+    return evaluate(lambda x: model(input_ids=x).logits, token_lists, on_text, keep=keep, reference=reference)
+
+
 def checkpoint_perplexity(
     path: Path | str, token_lists: list[list[int]], on_text=None, dtype=torch.float32, hf_config_dir: Path | None = None
 ) -> float:
     """Perplexity of an HF checkpoint, or of a TensorRT-LLM one when ``hf_config_dir`` gives its HF config."""
-    ckpt = load_checkpoint(path) if hf_config_dir is None else load_trtllm_checkpoint(path, hf_config_dir)
-    model = reference_model(ckpt, dtype=dtype, config_dir=hf_config_dir)
-    return perplexity(lambda x: model(input_ids=x).logits, token_lists, on_text)
+    return evaluate_checkpoint(path, token_lists, on_text, dtype, hf_config_dir).ppl

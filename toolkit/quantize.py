@@ -4,7 +4,8 @@ Output directory (default ``engines/<name>/quantized/``)::
 
     hf/             unified HF checkpoint (hf_quant_config.json, model.safetensors, tokenizer) + manifest
     trtllm/         TensorRT-LLM checkpoint (config.json, rank<N>.safetensors) + manifest
-    quality.json    perplexity of the *exported* checkpoint (read by rtk's loader) vs the unquantized one
+    quality.json    perplexity of the *exported* checkpoint (read by rtk's loader) vs the unquantized one,
+                    and how far its next-token distributions moved (``kl_divergence``)
     rtk-manifest.json
 
 The quality gate (``quantization.max_perplexity_increase``) fails the stage with exit code 3 and
@@ -266,7 +267,7 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from .quality import checkpoint_perplexity, eval_token_lists
+    from .quality import checkpoint_perplexity, eval_token_lists, evaluate_checkpoint
 
     quiet_libraries()
     q = spec.quantization
@@ -282,14 +283,15 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
         "eval_set": "builtin:rtk-calib split=eval (held out from calibration)",
         "compute_dtype": "float32",
     }
+    # format none with a quantized KV cache: calibrate and export the KV-cache scales alone
+    unquantized = q.format == "none" and q.kv_cache == "none"
     with progress() as bar, out.timed("baseline_eval"):
         task = bar.add_task("Perplexity of the unquantized checkpoint", total=len(eval_ids))
-        report["baseline_ppl"] = checkpoint_perplexity(checkpoint, eval_ids, lambda: bar.advance(task))
+        baseline = evaluate_checkpoint(checkpoint, eval_ids, lambda: bar.advance(task), keep=not unquantized)
+        report["baseline_ppl"] = baseline.ppl
 
     hf_dir, trt_dir = out.tmp / "hf", out.tmp / "trtllm"
     source_config = json.loads((checkpoint / "config.json").read_text())
-    # format none with a quantized KV cache: calibrate and export the KV-cache scales alone
-    unquantized = q.format == "none" and q.kv_cache == "none"
     if unquantized:
         link_or_copy(checkpoint, hf_dir)
         set_checkpoint_dtype(hf_dir, spec.model.dtype)  # replaces files: the source's links stay untouched
@@ -354,7 +356,14 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
     else:
         with progress() as bar, out.timed("export_eval"):
             task = bar.add_task("Perplexity of the exported HF checkpoint (rtk loader)", total=len(eval_ids))
-            report["quantized_ppl"] = checkpoint_perplexity(hf_dir, eval_ids, lambda: bar.advance(task))
+            exported = evaluate_checkpoint(hf_dir, eval_ids, lambda: bar.advance(task), reference=baseline.logprobs)
+            report["quantized_ppl"] = exported.ppl
+            report["kl_divergence"] = {
+                "mean": exported.mean_kld,
+                "p99": exported.kld_p99,
+                "same_top_token": exported.same_top,
+            }
+        del baseline
         if spec.build.world_size == 1:
             with progress() as bar, out.timed("export_eval_trtllm"):
                 task = bar.add_task("Perplexity of the TensorRT-LLM checkpoint (rtk loader)", total=len(eval_ids))
@@ -494,5 +503,11 @@ def print_report(report: dict) -> None:
         f"increase {_worst_increase(report) * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
         f"{report['eval_tokens']} held-out tokens: {verdict}"
     )
+    kld = report.get("kl_divergence")
+    if kld:
+        err.print(
+            f"hf/ against the baseline, per position: mean KL divergence {kld['mean']:.4f} (p99 {kld['p99']:.3f}), "
+            f"same most likely token {kld['same_top_token'] * 100:.1f} %"
+        )
     if report.get("note"):
         err.print(f"[dim]{report['note']}[/]")
