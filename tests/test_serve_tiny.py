@@ -290,7 +290,9 @@ def test_http_generate_stream_sends_server_sent_events(served):
 
 def test_concurrent_requests_are_batched_in_flight_and_get_their_solo_tokens(served):
     prompts = [PROMPT, [1, 42, 43, 44], [1, 900, 901, 902, 903, 904, 905], [1, 7] * 5]
-    n = 80
+    # long enough that the four overlap even when one is sent late: with 80 tokens (~0.13 s each in a CI run)
+    # one request once ended before the other three, sent ~0.14 s after it, were scheduled
+    n = 200
     solo = [tokens_of(run(served["grpc"], "tensorrt_llm", llm_inputs(p, n))) for p in prompts]  # one at a time
     streams = [Stream(served["grpc"]) for _ in prompts]  # connected before the clock starts
     results = [None] * len(prompts)
