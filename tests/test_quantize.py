@@ -98,6 +98,20 @@ def test_quality_report_says_how_far_the_next_token_distributions_moved(tiny_fp8
     assert q["same_top_token"] == pytest.approx(float(torch.cat(same).double().mean()), abs=0.01)
 
 
+def test_kl_divergence_gate_refuses_an_export_that_moved_too_far_and_keeps_only_the_report(tmp_path, tiny_llama_dir):
+    """``quantization.max_kl_divergence``: an export whose perplexity passes but whose mean KL divergence is above
+    the gate fails the stage (exit 3), the error names the field, and only the rejected report stays."""
+    quantization = {"format": "fp8", "max_kl_divergence": 1e-9, **FAST_CALIB}
+    spec = spec_for("kld-gate", tiny_llama_dir, quantization=quantization)
+    with pytest.raises(QualityGateError, match="above quantization.max_kl_divergence = 1e-09") as exc:
+        quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized")
+    assert exc.value.exit_code == 3 and "weight_only_modules" in str(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quantized.log", "quantized.rejected-quality.json"]
+    report = json.loads((tmp_path / "quantized.rejected-quality.json").read_text())
+    assert report["passed"] is False and report["increase"] <= report["max_increase"]
+    assert report["kl_divergence"]["mean"] > report["max_kl_divergence"] == 1e-9
+
+
 def test_second_run_is_skipped(tiny_fp8, tiny_llama_dir):
     spec, result = tiny_fp8
     t = time.perf_counter()
@@ -413,6 +427,9 @@ def test_weight_only_modules_export_w8a16_layers_among_int8_sq_ones(tmp_path, ti
     plain = spec_for("tiny-int8", tiny_llama_dir, quantization={"format": "int8_sq"}, build={"target": "trt-engine"})
     with pytest.raises(UsageError, match="quantized as MIXED_PRECISION but quantization.format is 'int8_sq'"):
         trt_engine.check_checkpoint(plain, trt_cfg, out / "trtllm")
+    sq = {**trt_cfg, "quantization": {**trt_cfg["quantization"], "quant_algo": "W8A8_SQ_PER_CHANNEL"}}
+    with pytest.raises(UsageError, match=r"'int8_sq' with weight_only_modules \['down_proj'\] \(MIXED_PRECISION\)"):
+        trt_engine.check_checkpoint(spec, sq, out / "trtllm")
     # the engine's dense path is the export's arithmetic; rtk's AVX2 kernels run the W8A16 layers as blockwise
     # integer products (their inputs quantized per block of 32: a stated difference, docs/engine.md)
     cfg = dict(max_batch_size=2, max_input_len=64, max_seq_len=128, tokens_per_block=16, dtype="float32")

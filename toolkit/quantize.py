@@ -181,11 +181,18 @@ def quantize(
         print_report(report)
         if not report["passed"]:
             write_json_atomic(rejected, report)
+            if _worst_increase(report) > report["max_increase"]:
+                raise QualityGateError(
+                    f"perplexity rose {_worst_increase(report) * 100:.1f} % ({report['baseline_ppl']:.2f} → "
+                    f"{report['quantized_ppl']:.2f} hf/, {report.get('trtllm_ppl') or float('nan'):.2f} trtllm/), "
+                    f"above quantization.max_perplexity_increase = {report['max_increase'] * 100:.1f} %. "
+                    f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
+                )
             raise QualityGateError(
-                f"perplexity rose {_worst_increase(report) * 100:.1f} % ({report['baseline_ppl']:.2f} → "
-                f"{report['quantized_ppl']:.2f} hf/, {report.get('trtllm_ppl') or float('nan'):.2f} trtllm/), "
-                f"above quantization.max_perplexity_increase = {report['max_increase'] * 100:.1f} %. "
-                f"Choose a gentler format (fp8), more calibration samples, or raise the gate. Report: {rejected}"
+                f"the export's next-token distributions moved by a mean KL divergence of "
+                f"{report['kl_divergence']['mean']:.4f} from the unquantized model's, above "
+                f"quantization.max_kl_divergence = {report['max_kl_divergence']}. Choose a gentler format (fp8), keep "
+                f"sensitive layers W8A16 (quantization.weight_only_modules), or raise the gate. Report: {rejected}"
             )
 
     result = run_stage("quantize", output, section=section, inputs=inputs, tools=tools, write=write, force=force)
@@ -377,7 +384,11 @@ def _run(spec: Spec, checkpoint: Path, out, group_size: int | None) -> dict:
             )
     report["increase"] = report["quantized_ppl"] / report["baseline_ppl"] - 1.0
     report["max_increase"] = q.max_perplexity_increase
-    report["passed"] = _worst_increase(report) <= q.max_perplexity_increase
+    report["max_kl_divergence"] = q.max_kl_divergence
+    kld = (report.get("kl_divergence") or {}).get("mean") or 0.0  # none: an unquantized export moved nothing
+    report["passed"] = _worst_increase(report) <= q.max_perplexity_increase and (
+        q.max_kl_divergence is None or kld <= q.max_kl_divergence
+    )
     return report
 
 
@@ -499,15 +510,20 @@ def print_report(report: dict) -> None:
         t.add_row("exported trtllm/ (rtk loader)", f"{report['trtllm_ppl']:.3f}")
     err.print(t)
     verdict = "[green]PASS[/]" if report["passed"] else "[red]FAIL[/]"
-    err.print(
+    lines = [
         f"increase {_worst_increase(report) * 100:+.2f} % (gate {report['max_increase'] * 100:.1f} %) on "
-        f"{report['eval_tokens']} held-out tokens: {verdict}"
-    )
+        f"{report['eval_tokens']} held-out tokens"
+    ]
     kld = report.get("kl_divergence")
     if kld:
-        err.print(
-            f"hf/ against the baseline, per position: mean KL divergence {kld['mean']:.4f} (p99 {kld['p99']:.3f}), "
-            f"same most likely token {kld['same_top_token'] * 100:.1f} %"
+        gate = report.get("max_kl_divergence")
+        lines.append(
+            f"hf/ against the baseline, per position: mean KL divergence {kld['mean']:.4f}"
+            + (f" (gate {gate})" if gate is not None else "")
+            + f", p99 {kld['p99']:.3f}; same most likely token {kld['same_top_token'] * 100:.1f} %"
         )
+    lines[-1] += f": {verdict}"
+    for line in lines:
+        err.print(line)
     if report.get("note"):
         err.print(f"[dim]{report['note']}[/]")

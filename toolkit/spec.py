@@ -84,6 +84,14 @@ class QuantizationSpec(Section):
         ge=0.0,
         description="quality gate: largest allowed relative perplexity increase of the export (0.10 = +10 %)",
     )
+    max_kl_divergence: float | None = Field(
+        None,
+        ge=0.0,
+        description="quality gate on how far the export's next-token distributions moved: the largest allowed mean "
+        "KL divergence from the unquantized model's per held-out position (quality.json kl_divergence.mean); off "
+        "by default. On SmolLM2-135M: FP8 0.049, INT8-SQ 0.081 (the export that answered 'France'), INT8-SQ with "
+        "W8A16 down projections 0.034 (docs/engine.md)",
+    )
     eval_samples: int = Field(32, ge=1, le=1024, description="held-out texts for the perplexity report")
     quantize_lm_head: bool = Field(
         False,

@@ -744,7 +744,9 @@ class Transformer:
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection([ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, blockwise_int8=True)
         self.layers = [
-            Layer(spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv, True)
+            Layer(
+                spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv, blockwise_int8=True
+            )
             for spec in ckpt.layers
         ]
         # a float32 engine with rtk's AVX2 kernels: decode attention read in place, the fused float32 step and

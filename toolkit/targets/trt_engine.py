@@ -103,9 +103,12 @@ def check_checkpoint(spec: Spec, config: dict, checkpoint_dir: Path) -> None:
     quant = config.get("quantization") or {}
     have, want = quant.get("quant_algo"), checkpoint_quant_algo(q)
     if have != want:
-        head = " with quantize_lm_head" if q.quantize_lm_head else ""
+        options = []
+        if q.quantize_lm_head:
+            options.append("quantize_lm_head")
         if q.weight_only_modules:
-            head += f" with weight_only_modules {list(q.weight_only_modules)}"
+            options.append(f"weight_only_modules {list(q.weight_only_modules)}")
+        head = f" with {' and '.join(options)}" if options else ""
         raise UsageError(
             f"the TensorRT-LLM checkpoint at '{checkpoint_dir}' is quantized as {have or 'unquantized'} but "
             f"quantization.format is '{q.format}'{head} ({want or 'unquantized'}); {redo}"
