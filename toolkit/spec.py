@@ -193,8 +193,9 @@ class BuildSpec(Section):
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",
         description="cpu, INT4-AWQ exports: the decode GEMV. dot = per-group sums of code x activation, scaled "
-        "(about 1.9x bf16's decode speed; within a stated tolerance of the float32 product, docs/engine.md); "
-        "exact = the dense path's bf16 weights, bit for bit (about 1.1x)",
+        "(about 1.9x bf16's decode speed; within a stated tolerance of the float32 product, docs/engine.md); on a "
+        "float32 (AVX2) engine, every row as integer products over inputs quantized per block of 32 (about 2.2x); "
+        "exact = the dense path's weights, bit for bit (about 1.1x)",
     )
 
     @field_validator("tokens_per_block")

@@ -378,10 +378,27 @@ void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, cons
   });
 }
 
-// A weight-only INT8 projection (W8A16) with its inputs quantized here, per row and block of 32 as
-// llama.cpp's Q8_0 activations: scale = max |x| / 127 of the block (a block of zeros has codes 0),
-// codes round(x / scale).  Not the export's arithmetic (float inputs): kernels_avx2.W8A8Weight states
-// what it costs.  x [R, K] float32; codes and oscale as w8a8's, oscale [N] = the weights' scales.
+// A projection's float32 inputs quantized per row and block of 32 as llama.cpp's Q8_0 activations: scale =
+// max |x| / 127 of the block (a block of zeros has codes 0 and scale 0), codes round(x / scale).
+struct BlockInputs {
+  std::vector<int8_t> q;
+  std::vector<uint8_t> qa;
+  std::vector<float> qs;
+
+  BlockInputs(const float* xp, int64_t rows, int64_t K) : q(rows * K), qa(rows * K), qs(rows * K / 32) {
+    for (int64_t b = 0; b < rows * K / 32; ++b) {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xp[b * 32 + i]));
+      qs[b] = amax / 127.0f;
+      // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
+      quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32, qa.data() + b * 32);
+    }
+  }
+};
+
+// A weight-only INT8 projection (W8A16) with its inputs quantized here (BlockInputs).  Not the export's
+// arithmetic (float inputs): kernels_avx2.W8A8Weight states what it costs.  x [R, K] float32; codes and
+// oscale as w8a8's, oscale [N] = the weights' scales.
 at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& oscale,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8_blockwise: x must be [rows, K] float32");
@@ -395,19 +412,136 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const int64_t blocks = rows * K / 32;
-  std::vector<int8_t> q(rows * K);
-  std::vector<uint8_t> qa(rows * K);
-  std::vector<float> qs(blocks);
-  const float* xp = xs.data_ptr<float>();
-  for (int64_t b = 0; b < blocks; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xp[b * 32 + i]));
-    qs[b] = amax / 127.0f;
-    // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
-    quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32, qa.data() + b * 32);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K);
+  idot_all<true>(in.q, in.qa, in.qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n,
+                 y.data_ptr<float>());
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+// -- W4A8: INT4 weights (AWQ, W4A16 exports) as integer products -------------------------------------
+//
+// What llama.cpp's Q4_0 x Q8_0 dot product computes on AVX2 (ggml-cpu's mul_sum_i8_pairs_float), with
+// AWQ's groups: the inputs quantized per block of 32 (BlockInputs), each block's 32 products summed as
+// integers, times the input block's scale and summed in float32 within a weight group, and each group's
+// sum times the group's scale into the output's float32 total.  Codes -8..7 are stored as nibbles
+// n = code + 8: an output's 64 inputs from k on are 32 bytes, byte j holding input k + j's nibble (low)
+// and input k + 32 + j's (high), so one load, a shift and two masks give two blocks' codes in the inputs'
+// order; outputs 2p and 2p + 1 alternate 32 bytes by 32 bytes (kernels_avx2.W4A8Weight.pack), so the two
+// outputs computed together stream as one sequence.  vpmaddubsw multiplies the unsigned nibbles by the
+// signed input codes (pairs within 2 * 15 * 127), and sum (n - 8) q = sum n q - 8 sum q: the second
+// term is the row's alone, summed per group once a call (GroupCorrections) and taken off each group's
+// sum.  The order of every sum is fixed per row, so a row's outputs depend on that row alone.
+
+// corr[r * G + g] = sum over group g's blocks of 8 * (sum of the block's codes) * block scale
+std::vector<float> group_corrections(const BlockInputs& in, int64_t rows, int64_t K, int64_t G) {
+  const int64_t nb = K / 32, per_group = nb / G;
+  std::vector<float> corr(rows * G);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float c = 0.0f;
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < 32; ++i) sum += in.q[r * K + b * 32 + i];
+        c += static_cast<float>(8 * sum) * in.qs[r * nb + b];
+      }
+      corr[r * G + g] = c;
+    }
+  return corr;
+}
+
+// y[r * ldy + o] for R rows and O (1 or 2) outputs; gs: the O outputs' group scales, gs[o * G + g]
+template <int64_t R, int64_t O>
+inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K, const uint8_t* w, const float* gs,
+                  int64_t G, float* y, int64_t ldy) {
+  __m256 total[R][O];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < O; ++o) total[r][o] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const int64_t nb = K / 32, chunks_per_group = nb / G / 2;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 group[R][O];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t o = 0; o < O; ++o) group[r][o] = _mm256_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      __m256i n0[O], n1[O];
+      for (int64_t o = 0; o < O; ++o) {
+        const uint8_t* wc = w + O * 32 * c + 32 * o;
+        _mm_prefetch(reinterpret_cast<const char*>(wc + 2048), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
+        n0[o] = _mm256_and_si256(raw, low);
+        n1[o] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* qc = q + r * K + 64 * c;
+        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc));
+        const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + 32));
+        const __m256 s0 = _mm256_set1_ps(qs[r * nb + 2 * c]), s1 = _mm256_set1_ps(qs[r * nb + 2 * c + 1]);
+        for (int64_t o = 0; o < O; ++o) {
+          const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(n0[o], q0), ones);
+          const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(n1[o], q1), ones);
+          group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, group[r][o]);
+          group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, group[r][o]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 off = _mm256_setr_ps(corr[r * G + g], 0, 0, 0, 0, 0, 0, 0);
+      for (int64_t o = 0; o < O; ++o)
+        total[r][o] = _mm256_fmadd_ps(_mm256_sub_ps(group[r][o], off), _mm256_set1_ps(gs[o * G + g]), total[r][o]);
+    }
   }
-  idot_all<true>(q, qa, qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n, y.data_ptr<float>());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = hsum(total[r][o], _mm256_setzero_ps());
+}
+
+template <int64_t O>
+inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+                       const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) idot4<4, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
+  switch (rows - r) {
+    case 3: idot4<3, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 2: idot4<2, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 1: idot4<1, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
+// float32, G dividing K into groups of a multiple of 64 inputs.
+at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w4a8: x must be [rows, K] float32");
+  const int64_t rows = x.size(0), K = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 64 == 0 &&
+                  codes.size(1) * 2 == K,
+              "rtk_avx2.w4a8: codes must be [N, K / 2] uint8, contiguous, K a multiple of 64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.is_contiguous() && (K / 64) % scales.size(1) == 0,
+              "rtk_avx2.w4a8: scales must be [N, G] float32, groups of a multiple of 64 inputs");
+  const int64_t G = scales.size(1), pairs = n / 2, half = K / 2, nb = K / 32;
+  at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const BlockInputs in(xs.data_ptr<float>(), rows, K);
+  const std::vector<float> corr = group_corrections(in, rows, K, G);
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const float* gs = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t rt = std::min(kRowTile, rows - r0);
+      const int8_t* qr = in.q.data() + r0 * K;
+      const float* sr = in.qs.data() + r0 * nb;
+      const float* cr = corr.data() + r0 * G;
+      for (int64_t p = p0; p < std::min(p1, pairs); ++p)
+        idot4_rows<2>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+      if (p1 > pairs)
+        idot4_rows<1>(qr, sr, cr, rt, K, w + (n - 1) * half, gs + (n - 1) * G, G, yp + r0 * n + n - 1, n);
+    }
+  });
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y;
 }
@@ -605,10 +739,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 // results are the operator path's bits
 // (tests/test_runtime_kernels_avx2.py), for a float32 K/V pool (no KV-cache quantization).
 
+constexpr int64_t kW4 = 4;  // Projection32's integer path over INT4 codes (w4a8)
+
 struct Projection32 {
   bool w8a8_path = false;
   at::Tensor weights;                   // gemv: [N, K] as stored; w8a8: int8 codes
-  int64_t kind = 0;                     // gemv's kind
+  int64_t kind = 0;                     // gemv's kind; on the w8a8 path kW4 for INT4 codes (w4a8)
   c10::optional<at::Tensor> scales;     // gemv's scales; w8a8's oscale
   double w8a8_scale = 0.0;              // w8a8's input scale
   c10::optional<at::Tensor> bias, pre_quant_scale;
@@ -637,8 +773,10 @@ struct Projection32 {
   // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own);
   // gemv takes the decode rows and at::linear the prompt rows, as model.Projection splits them.
   at::Tensor rows(const at::Tensor& x, int64_t B) const {
-    if (w8a8_path && blockwise)  // kernels_avx2.W8A8Weight.__call__: the pre_quant_scale as an ATen product first
-      return w8a8_blockwise(pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x, weights, *scales, bias);
+    if (w8a8_path && blockwise) {  // kernels_avx2.W8A8Weight / W4A8Weight: the pre_quant_scale as an ATen product first
+      const at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
+      return kind == kW4 ? w4a8(in, weights, *scales, bias) : w8a8_blockwise(in, weights, *scales, bias);
+    }
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
@@ -722,6 +860,8 @@ struct DecodeLayers : torch::CustomClassHolder {
                 "rtk_avx2.DecodeLayers: a gemv projection's prompt weights are [N, K] float32");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
     TORCH_CHECK(!blockwise || w8a8_path, "rtk_avx2.DecodeLayers: blockwise is a w8a8 projection's");
+    TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
+                "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
                                   act_scale.has_value() ? act_scale->item<double>() : 1.0, torch_input, dense,
                                   pad_rows, blockwise});
@@ -943,6 +1083,7 @@ TORCH_LIBRARY(rtk_avx2, m) {
         "-> Tensor",
         &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
+  m.def("w4a8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "

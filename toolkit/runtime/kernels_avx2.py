@@ -12,8 +12,11 @@ Decode rows always go through it and prompt rows never do (``Projection.codes_ow
 neither kind of row changes its numbers with what shares its step.
 
 INT8 SmoothQuant (W8A8) exports take :class:`W8A8Weight` instead, for every row: the input's int8
-codes times the weights' int8 codes summed as integers (exact in any order), scaled once.
-:class:`DecodeLayers` runs the decode rows' whole layers around these kernels in one C++ call.
+codes times the weights' int8 codes summed as integers (exact in any order), scaled once.  Weight-only
+INT8 and INT4 weights (W8A16, AWQ's W4A16) take integer products too, over inputs quantized per block
+of 32 (:class:`W8A8Weight` blockwise, :class:`W4A8Weight`): a stated tolerance, as llama.cpp's Q8_0 /
+Q4_0 dot products.  :class:`DecodeLayers` runs the decode rows' whole layers around these kernels in
+one C++ call.
 """
 
 from __future__ import annotations
@@ -201,6 +204,63 @@ class W8A8Weight:
         return kernels.within_and_invariant(kernel, dense, bias, TOLERANCE, torch.float32, rows, quantize)
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int4 codes (-8..7) as ``rtk_avx2.w4a8`` reads them, ``[N, K / 2]`` uint8: per 64 inputs, 32 bytes
+    holding ``code + 8`` of inputs ``j`` (low nibble) and ``j + 32`` (high), outputs ``2p`` and ``2p + 1``
+    alternating 32 bytes by 32 bytes (an odd ``N``'s last output follows as it is)."""
+    n, k = codes.shape
+    nibbles = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // 64, 2, 32)
+    packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2)
+    even = n - n % 2
+    pairs = packed[:even].reshape(even // 2, 2, k // 64, 32).transpose(1, 2).reshape(even, k // 2)
+    return torch.cat([pairs, packed[even:]])
+
+
+@dataclass
+class W4A8Weight:
+    """An INT4 projection (AWQ, W4A16) as integer products: ``x [rows, K]`` float32 -> ``[rows, N]``.
+
+    The input is quantized per block of 32 as :class:`W8A8Weight`'s blockwise inputs (:func:`quantize_blocks`),
+    each block's products with the 4-bit codes summed as integers, times the block's scale, summed per
+    weight group in float32 and times the group's scale: llama.cpp's Q4_0 x Q8_0 arithmetic with AWQ's
+    groups.  Not the export's arithmetic (float inputs): a stated tolerance (``int4_gemv: "dot"``;
+    docs/engine.md).  It reads half of INT8's bytes, and a row's result depends on that row alone, so
+    prompt and decode rows both take it."""
+
+    codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
+    scales: torch.Tensor  # [N, groups] float32
+
+    blockwise = True  # quantizes its input per block itself, as W8A8Weight without an input scale
+    act_scale_value = 0.0
+
+    @classmethod
+    def pack(cls, codes) -> W4A8Weight | None:
+        """From ``(kind, codes, scale)`` of the linears' weights (``model._stored_codes``); None where the kernel
+        cannot take them: not INT4, or groups that are not a multiple of 64 inputs."""
+        if codes is None:
+            return None
+        kind, values, scale = codes
+        k = values.shape[1]
+        if kind != "int4" or k % 64 or scale.dim() != 2 or (k // 64) % scale.shape[1]:
+            return None
+        return cls(pack_nibbles(values), scale.to(torch.float32).contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if pre_quant_scale is not None:
+            x = x * pre_quant_scale
+        return torch.ops.rtk_avx2.w4a8(x, self.codes, self.scales, bias)
+
+    def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
+        """:func:`kernels.within_and_invariant` against the float64 product of the block-quantized inputs."""
+        return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows, quantize_blocks)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * F.rms_norm(x, (k,), eps=eps)`` on float32 ``x [rows, k]``, with its bits, in one call (torch's
     composite runs ~10 operators: ~210 us a call at 60 rows against ~20 here)."""
@@ -242,12 +302,12 @@ class DecodeLayers:
 
         ``prompt_rows``: a GEMV projection also takes prompt rows, through MKL over its float32 weights as
         ``Projection`` does when its rows are batch-invariant (the engine's default); W8A8 always does."""
-        if proj.w8a8 is not None:
-            w = proj.w8a8
+        if proj.int_products is not None:
+            w = proj.int_products
             self._layers.add_projection(
                 True,
                 w.codes,
-                0,
+                4 if isinstance(w, W4A8Weight) else 0,  # the integer path's codes: 4 INT4 (w4a8), else INT8
                 w.scales,
                 w.act_scale_value,
                 proj.bias,

@@ -145,12 +145,13 @@ class Projection:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
-        blockwise_int8: bool = False,
+        blockwise_inputs: bool = False,
     ):
-        """``blockwise_int8``: on a float32 engine, weight-only INT8 weights (the LM head of
-        ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) take
-        ``kernels_avx2.W8A8Weight``'s blockwise integer products, which quantize the input themselves (a stated
-        rounding difference, not the export's arithmetic)."""
+        """``blockwise_inputs``: on a float32 engine, weight-only INT8 weights (the LM head of
+        ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) and, with
+        ``int4_gemv: "dot"``, INT4-AWQ weights take integer products (``kernels_avx2.W8A8Weight`` blockwise,
+        ``kernels_avx2.W4A8Weight``), which quantize the input themselves per block of 32 (a stated rounding
+        difference, not the export's arithmetic)."""
         first = linears[0]
         self.int4_gemv = int4_gemv
         self.dtype = dtype
@@ -213,16 +214,19 @@ class Projection:
                 self.int_max_rows = INT_MAX_ROWS[4]
         # float32 engines (CPUs without native bf16): rtk's AVX2 GEMV reads the weights as stored (bf16 or
         # the export's codes) instead of their float32 copies, summing in its own order
-        self.fp32_gemv = self.w8a8 = None
+        self.fp32_gemv = self.int_products = None
         if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
-            if self.act_kind == "int8" or (self.act_kind is None and blockwise_int8):
-                self.w8a8 = self._pack_w8a8(linears, weight, bias)
-            if self.w8a8 is None:
+            if self.act_kind == "int8" or (self.act_kind is None and blockwise_inputs):
+                self.int_products = self._pack_int_products(linears, weight, bias)
+            if self.int_products is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the W8A8 kernel
         # quantizes its own input and never calls it
         self.fused_input = (
-            gemv_kernel and self.act_kind in (None, "fp8", "int8") and self.w8a8 is None and self._fused_input_agrees()
+            gemv_kernel
+            and self.act_kind in (None, "fp8", "int8")
+            and self.int_products is None
+            and self._fused_input_agrees()
         )
         # int4-dot and the AVX2 GEMV round their own way (not the dense path's bits): decode rows always go
         # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
@@ -243,15 +247,18 @@ class Projection:
     @property
     def kernel(self) -> str:
         """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-fp8-table`` / ``rtk-int4``
-        (rtk's GEMV over the codes), ``rtk-avx2-<kind>`` / ``rtk-avx2-w8a8`` (a float32 engine's AVX2 kernels),
+        (rtk's GEMV over the codes), ``rtk-avx2-<kind>`` / ``rtk-avx2-w8a8`` / ``rtk-avx2-w8a8-blockwise`` /
+        ``rtk-avx2-w4a8`` (a float32 engine's AVX2 kernels),
         ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16)
         or ``dense``."""
         if self.quant is not None:
             return f"rtk-{self.quant.kind}"
         if self.fp32_gemv is not None:
             return f"rtk-avx2-{self.fp32_gemv.kind}"
-        if self.w8a8 is not None:
-            return "rtk-avx2-w8a8-blockwise" if self.w8a8.blockwise else "rtk-avx2-w8a8"
+        if self.int_products is not None:
+            if isinstance(self.int_products, kernels_avx2.W4A8Weight):
+                return "rtk-avx2-w4a8"
+            return "rtk-avx2-w8a8-blockwise" if self.int_products.blockwise else "rtk-avx2-w8a8"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
     def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
@@ -287,11 +294,18 @@ class Projection:
             return None
         return packed
 
-    def _pack_w8a8(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels_avx2.W8A8Weight | None:
-        """An INT8 projection as integer products (every row), where they are the float32 product of the same
-        quantized values within the kernel's tolerance; None leaves it to the float32 paths.  Without an input
-        scale (weight-only INT8), the blockwise kernel."""
-        packed = kernels_avx2.W8A8Weight.pack(_stored_codes(linears), self.act_scale)
+    def _pack_int_products(
+        self, linears: list[Linear], weight: torch.Tensor, bias
+    ) -> kernels_avx2.W8A8Weight | kernels_avx2.W4A8Weight | None:
+        """An INT8 or INT4 projection as integer products (every row), where they are the float32 product of the
+        same quantized values within the kernel's tolerance; None leaves it to the float32 paths.  Without an
+        input scale (weight-only INT8 and INT4, the latter only with ``int4_gemv: "dot"``), the input is
+        quantized per block of 32 by the kernel."""
+        stored = _stored_codes(linears)
+        if stored is not None and stored[0] == "int4":
+            packed = kernels_avx2.W4A8Weight.pack(stored) if self.int4_gemv == "dot" else None
+        else:
+            packed = kernels_avx2.W8A8Weight.pack(stored, self.act_scale)
         if packed is None:
             return None
         if not packed.within(weight, bias):  # the float32 weights (codes * scale) of every linear
@@ -383,8 +397,8 @@ class Projection:
             return self.quant.nbytes
         if self.fp32_gemv is not None:
             return self.fp32_gemv.nbytes
-        if self.w8a8 is not None:
-            return self.w8a8.nbytes
+        if self.int_products is not None:
+            return self.int_products.nbytes
         if self.int8:
             return self.int8[0].numel() + self.int8[1].numel() * 2
         if self.int4:
@@ -397,8 +411,8 @@ class Projection:
         ``singles=None``: one call over all rows, whatever their count (not batch-invariant).
         """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
-        if self.w8a8 is not None:  # integer products: a row's result is its own, so every row goes through
-            return self.w8a8(x, self.bias, self.pre_quant_scale)
+        if self.int_products is not None:  # integer products: a row's result is its own, so every row goes through
+            return self.int_products(x, self.bias, self.pre_quant_scale)
         if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
             x = self._quantize_input(x)
         else:
@@ -490,9 +504,9 @@ class FusedGroup:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
-        blockwise_int8: bool = False,
+        blockwise_inputs: bool = False,
     ):
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_int8)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -701,11 +715,11 @@ class Layer:
         full_batching: bool = False,
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
-        blockwise_int8: bool = False,
+        blockwise_inputs: bool = False,
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_int8)
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -742,10 +756,20 @@ class Transformer:
         self.embed = ckpt.embed_tokens.to(dtype)
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
-        self.lm_head = Projection([ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, blockwise_int8=True)
+        self.lm_head = Projection(
+            [ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, int4_gemv=int4_gemv, blockwise_inputs=True
+        )
         self.layers = [
             Layer(
-                spec, dtype, pack, probes, int_kernels, not batch_invariant, cpu_kernels, int4_gemv, blockwise_int8=True
+                spec,
+                dtype,
+                pack,
+                probes,
+                int_kernels,
+                not batch_invariant,
+                cpu_kernels,
+                int4_gemv,
+                blockwise_inputs=True,
             )
             for spec in ckpt.layers
         ]
@@ -784,7 +808,7 @@ class Transformer:
         projections = [self.lm_head] + [
             p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
         ]
-        owners = [(p.w8a8, "codes") for p in projections if p.w8a8 is not None]
+        owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]
         if owners:
             moved = hugepages.pack([getattr(o, name) for o, name in owners])
@@ -830,7 +854,7 @@ class Transformer:
             return None
         for g in (g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             p = g.parts[0]
-            if len(g.parts) != 1 or (p.fp32_gemv is None and p.w8a8 is None):
+            if len(g.parts) != 1 or (p.fp32_gemv is None and p.int_products is None):
                 log.info("the float32 fused decode step does not apply here (%s); torch's operators run it", p.kernel)
                 return None
         fused = kernels_avx2.DecodeLayers(
