@@ -450,19 +450,21 @@ std::vector<float> group_corrections(const BlockInputs& in, int64_t rows, int64_
   return corr;
 }
 
-// y[r * ldy + o] for R rows and O (1 or 2) outputs; gs: the O outputs' group scales, gs[o * G + g]
-template <int64_t R, int64_t O>
+// y[r * ldy + o] for R rows and O (1 or 2) outputs; gs: the O outputs' group scales, gs[o * G + g].
+// OneChunk: groups of 64 inputs (one chunk each), whose two blocks' sum goes straight into the total.
+template <int64_t R, int64_t O, bool OneChunk>
 inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K, const uint8_t* w, const float* gs,
                   int64_t G, float* y, int64_t ldy) {
   __m256 total[R][O];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < O; ++o) total[r][o] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  const int64_t nb = K / 32, chunks_per_group = nb / G / 2;
+  const int64_t nb = K / 32, chunks_per_group = OneChunk ? 1 : nb / G / 2;
   for (int64_t g = 0; g < G; ++g) {
     __m256 group[R][O];
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t o = 0; o < O; ++o) group[r][o] = _mm256_setzero_ps();
+    if constexpr (!OneChunk)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t o = 0; o < O; ++o) group[r][o] = _mm256_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       __m256i n0[O], n1[O];
       for (int64_t o = 0; o < O; ++o) {
@@ -480,33 +482,50 @@ inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K
         for (int64_t o = 0; o < O; ++o) {
           const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(n0[o], q0), ones);
           const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(n1[o], q1), ones);
-          group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, group[r][o]);
-          group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, group[r][o]);
+          if constexpr (OneChunk) {
+            const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(d0), s0));
+            const __m256 off = _mm256_setr_ps(corr[r * G + g], 0, 0, 0, 0, 0, 0, 0);
+            total[r][o] = _mm256_fmadd_ps(_mm256_sub_ps(sum, off), _mm256_set1_ps(gs[o * G + g]), total[r][o]);
+          } else {
+            group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, group[r][o]);
+            group[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, group[r][o]);
+          }
         }
       }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 off = _mm256_setr_ps(corr[r * G + g], 0, 0, 0, 0, 0, 0, 0);
-      for (int64_t o = 0; o < O; ++o)
-        total[r][o] = _mm256_fmadd_ps(_mm256_sub_ps(group[r][o], off), _mm256_set1_ps(gs[o * G + g]), total[r][o]);
-    }
+    if constexpr (!OneChunk)
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 off = _mm256_setr_ps(corr[r * G + g], 0, 0, 0, 0, 0, 0, 0);
+        for (int64_t o = 0; o < O; ++o)
+          total[r][o] = _mm256_fmadd_ps(_mm256_sub_ps(group[r][o], off), _mm256_set1_ps(gs[o * G + g]), total[r][o]);
+      }
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = hsum(total[r][o], _mm256_setzero_ps());
 }
 
-template <int64_t O>
-inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+template <int64_t O, bool OneChunk>
+inline void idot4_tile(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
                        const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
   const int64_t nb = K / 32;
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) idot4<4, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
+  for (; r + 4 <= rows; r += 4)
+    idot4<4, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
   switch (rows - r) {
-    case 3: idot4<3, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 2: idot4<2, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 1: idot4<1, O>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 3: idot4<3, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 2: idot4<2, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 1: idot4<1, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
     default: break;
   }
+}
+
+template <int64_t O>
+inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+                       const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
+  if (K == 64 * G)
+    idot4_tile<O, true>(q, qs, corr, rows, K, w, gs, G, y, ldy);
+  else
+    idot4_tile<O, false>(q, qs, corr, rows, K, w, gs, G, y, ldy);
 }
 
 // x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
