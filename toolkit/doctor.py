@@ -267,8 +267,9 @@ def _cpu_engine(host: HostInfo) -> Check:
             need,
             "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`, "
             "`quantization.weight_only_modules: [down_proj]`): its projections run as integer products and whole "
-            "steps through rtk's fused layers, which meets the example's SLO gate on a quiet 2-core AVX2 host "
-            "(docs/engine.md, 'Prompt rows through the fused layers'); the down projections' inputs unquantized keep "
+            "steps through rtk's fused layers, which meets the example's SLO gate on a quiet 2-core AVX2 host with "
+            "`build.max_num_tokens: 16` (docs/engine.md, 'Prompt rows through the fused layers', 'The step budget "
+            "against the ITL tail on the AVX2 host'); the down projections' inputs unquantized keep "
             "SmolLM2's answers (docs/engine.md, 'INT8-SQ's down projections as W8A16'); the example's FP8 export was "
             "measured on an AVX512-BF16 host",
         )
