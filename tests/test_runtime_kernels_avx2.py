@@ -264,18 +264,27 @@ def test_w8a8_blockwise_quantizes_each_block_of_32_on_its_own():
 @pytest.mark.parametrize("shape", [(960, 576), (77, 64)])
 def test_w8a8_blockwise_is_the_float64_product_of_its_quantized_input_and_rows_stand_alone(shape):
     g = torch.Generator().manual_seed(9)
-    n, k = shape
-    lin = w8a16_linear(n, k, g)
+    lin = w8a16_linear(*shape, g)
     packed = kernels_avx2.W8A8Weight.pack(("int8", lin.codes.codes, lin.codes.scale), None)
+    broken = kernels_avx2.W8A8Weight(packed.codes, packed.scales * 2, None)
+    check_block_quantized_product(packed, broken, lin.weight, g)
+
+
+def check_block_quantized_product(packed, broken, weight: torch.Tensor, g: torch.Generator) -> None:
+    """``packed(x, bias)`` is the float64 product of ``quantize_blocks(x)`` and ``weight`` within the tolerance,
+    a row alone or in calls of 3 or 16 gives the same bits, and ``broken`` (wrong scales) fails the check
+    at load."""
+    n, k = weight.shape
     bias = torch.randn(n, generator=g)
     x = torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g) * 10
-    ref = kernels_avx2.quantize_blocks(x).double() @ lin.weight.double().t() + bias.double()
+    x[3, :64] = 0.0  # zero blocks
+    ref = kernels_avx2.quantize_blocks(x).double() @ weight.double().t() + bias.double()
     got = packed(x, bias)
     assert (got.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
     for size in (1, 3, 16):
         assert torch.equal(torch.cat([packed(x[i : i + size], bias) for i in range(0, 37, size)]), got), size
-    assert packed.within(lin.weight, bias)
-    assert not kernels_avx2.W8A8Weight(packed.codes, packed.scales * 2, None).within(lin.weight, bias)
+    assert packed.within(weight, bias)
+    assert not broken.within(weight, bias)
 
 
 def test_a_weight_only_int8_head_takes_the_blockwise_kernel_where_asked_and_stays_near_float_inputs():
@@ -312,16 +321,7 @@ def test_w4a8_is_the_float64_product_of_its_block_quantized_input_and_rows_stand
     lin = w4a16_linear(n, k, group, g)
     packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
     assert packed.nbytes == n * k // 2 + n * (k // group) * 4
-    bias = torch.randn(n, generator=g)
-    x = torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g) * 10
-    x[3, :64] = 0.0  # a zero block
-    ref = kernels_avx2.quantize_blocks(x).double() @ lin.weight.double().t() + bias.double()
-    got = packed(x, bias)
-    assert (got.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
-    for size in (1, 3, 16):
-        assert torch.equal(torch.cat([packed(x[i : i + size], bias) for i in range(0, 37, size)]), got), size
-    assert packed.within(lin.weight, bias)
-    assert not kernels_avx2.W4A8Weight(packed.codes, packed.scales * 1.01).within(lin.weight, bias)
+    check_block_quantized_product(packed, kernels_avx2.W4A8Weight(packed.codes, packed.scales * 1.01), lin.weight, g)
 
 
 def test_w4a8_reads_every_code_where_pack_put_it():
