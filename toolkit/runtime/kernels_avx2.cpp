@@ -1,6 +1,7 @@
 // rtk's kernels for float32 engines on CPUs without native bf16 dot products (AVX2 + FMA: Zen 1-3,
-// Haswell to Ice Lake client parts), in three parts: the decode GEMV (this header), INT8 SmoothQuant as
-// integer products (w8a8, below) and the fused decode step (DecodeLayers, below).
+// Haswell to Ice Lake client parts), in four parts: the decode GEMV (this header), INT8 SmoothQuant as
+// integer products (w8a8, below), weight-only INT8 and INT4 as integer products over inputs quantized per
+// block of 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers, below).
 //
 // The decode GEMV.  Where the engine computes in float32 (model.resolve_dtype), the dense path reads
 // float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
