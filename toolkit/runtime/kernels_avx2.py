@@ -298,10 +298,10 @@ class DecodeLayers:
         self._layers.add_layer(input_norm, post_norm)
 
     def add_projection(self, proj, prompt_rows: bool = True) -> None:
-        """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``w8a8`` (qkv, o, gate_up, down).
+        """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``int_products`` (qkv, o, gate_up, down).
 
         ``prompt_rows``: a GEMV projection also takes prompt rows, through MKL over its float32 weights as
-        ``Projection`` does when its rows are batch-invariant (the engine's default); W8A8 always does."""
+        ``Projection`` does when its rows are batch-invariant (the engine's default); integer products always do."""
         if proj.int_products is not None:
             w = proj.int_products
             self._layers.add_projection(

@@ -220,8 +220,8 @@ class Projection:
                 self.int_products = self._pack_int_products(linears, weight, bias)
             if self.int_products is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
-        # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the W8A8 kernel
-        # quantizes its own input and never calls it
+        # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the integer-product
+        # kernels quantize their own input and never call it
         self.fused_input = (
             gemv_kernel
             and self.act_kind in (None, "fp8", "int8")
@@ -309,7 +309,7 @@ class Projection:
         if packed is None:
             return None
         if not packed.within(weight, bias):  # the float32 weights (codes * scale) of every linear
-            log.info("rtk's W8A8 kernel is off the float32 product for %s; float32 computes it", self.out_features)
+            log.info("rtk's integer products are off the float32 product for %s; float32 runs it", self.out_features)
             return None
         return packed
 
@@ -802,9 +802,9 @@ class Transformer:
             self.fused = self._fused_decode_fp32()
 
     def _weights_on_huge_pages(self) -> None:
-        """Move the weights the float32 decode kernels stream every step (``Fp32Weight``, ``W8A8Weight``) onto
-        2 MiB pages (:mod:`hugepages`): with 4 KiB pages the W8A8 kernel took 12-17 % longer over SmolLM2's
-        codes (docs/engine.md)."""
+        """Move the weights the float32 decode kernels stream every step (``Fp32Weight``, ``W8A8Weight``,
+        ``W4A8Weight``) onto 2 MiB pages (:mod:`hugepages`): with 4 KiB pages the W8A8 kernel took 12-17 %
+        longer over SmolLM2's codes (docs/engine.md)."""
         projections = [self.lm_head] + [
             p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
         ]
@@ -848,7 +848,7 @@ class Transformer:
 
     def _fused_decode_fp32(self):
         """A float32 engine's fused decode layers (``kernels_avx2.DecodeLayers``) where every projection runs
-        rtk's AVX2 GEMV or W8A8 kernel and the K/V pool holds float32, else None."""
+        rtk's AVX2 GEMV or integer products and the K/V pool holds float32, else None."""
         if self.attn_dtype != torch.float32 or self.kv_quant is not None:
             log.info("the float32 fused decode step needs float32 attention and K/V; torch's operators run it")
             return None
