@@ -422,7 +422,8 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
 
 // -- W4A8: INT4 weights (AWQ, W4A16 exports) as integer products -------------------------------------
 //
-// What llama.cpp's Q4_0 x Q8_0 dot product computes on AVX2 (ggml-cpu's mul_sum_i8_pairs_float), with
+// What llama.cpp's Q4_0 x Q8_0 dot product computes on AVX2 (ggml-org/llama.cpp ggml/src/ggml-cpu/arch/x86/
+// quants.c, ggml_vec_dot_q4_0_q8_0, which subtracts 8 from each code and multiplies with vpsignb), with
 // AWQ's groups: the inputs quantized per block of 32 (BlockInputs), each block's 32 products summed as
 // integers, times the input block's scale and summed in float32 within a weight group, and each group's
 // sum times the group's scale into the output's float32 total.  Codes -8..7 are stored as nibbles
@@ -431,7 +432,7 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
 // order; outputs 2p and 2p + 1 alternate 32 bytes by 32 bytes (kernels_avx2.W4A8Weight.pack), so the two
 // outputs computed together stream as one sequence.  vpmaddubsw multiplies the unsigned nibbles by the
 // signed input codes (pairs within 2 * 15 * 127), and sum (n - 8) q = sum n q - 8 sum q: the second
-// term is the row's alone, summed per group once a call (GroupCorrections) and taken off each group's
+// term is the row's alone, summed per group once a call (group_corrections) and taken off each group's
 // sum.  The order of every sum is fixed per row, so a row's outputs depend on that row alone.
 
 // corr[r * G + g] = sum over group g's blocks of 8 * (sum of the block's codes) * block scale
