@@ -53,6 +53,13 @@ def test_examples_validate(path):
             "more tokens, not fewer",
         ),
         ("name: x\nbuild: {int4_gemv: fast}\n", "build.int4_gemv", "'dot' or 'exact'"),
+        ("name: x\nbuild: {step_budget_ms: 0}\n", "build.step_budget_ms", "greater than 0"),
+        (
+            "name: x\nbuild: {step_budget_ms: 40, enable_chunked_context: false, max_num_tokens: 1024}\n",
+            "build.step_budget_ms",
+            "enable_chunked_context: true",
+        ),
+        ("name: x\nbuild: {target: llmapi, step_budget_ms: 40}\n", "build.step_budget_ms", "in tokens only"),
         ("name: x\nquantization: {quantize_lm_head: true}\n", "quantization.quantize_lm_head", "not fp8"),
         ("name: x\nquantization: {weight_only_modules: [down_proj]}\n", "quantization.weight_only_modules", "not fp8"),
         (

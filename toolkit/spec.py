@@ -159,6 +159,14 @@ class BuildSpec(Section):
         "for a token (default: the larger of max_num_tokens and max_input_len: a prompt arriving at an idle "
         "engine runs whole)",
     )
+    step_budget_ms: float | None = Field(
+        None,
+        gt=0,
+        description="cpu: a time budget for engine steps in which a request is generating: prompt chunks are "
+        "cut so the step's predicted time (fitted to the last steps' measured times) stays within it, at least "
+        "one attention unit a step. Set it below the ITL p99 objective; max_num_tokens still caps the rows "
+        "(docs/engine.md, 'A step budget in time')",
+    )
     max_beam_width: Literal[1] = 1
     tokens_per_block: int = Field(32, ge=1, le=1024)
     kv_cache_blocks: int | None = Field(
@@ -814,6 +822,17 @@ class Spec(Section):
                 "build.max_num_tokens_without_decode",
                 f"{b.max_num_tokens_without_decode} is below build.max_num_tokens ({b.max_num_tokens}); a step "
                 "without decodes may take more tokens, not fewer. Raise it or leave it unset",
+            )
+        if b.step_budget_ms is not None and b.target != "cpu":
+            raise _Rule(
+                "build.step_budget_ms",
+                f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in tokens "
+                "only: drop step_budget_ms and size build.max_num_tokens",
+            )
+        if b.step_budget_ms is not None and not b.enable_chunked_context:
+            raise _Rule(
+                "build.step_budget_ms",
+                "cuts prompt chunks, so it needs build.enable_chunked_context: true; set that or drop step_budget_ms",
             )
         if b.max_num_tokens < b.max_batch_size:
             raise _Rule(

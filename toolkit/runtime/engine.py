@@ -32,6 +32,7 @@ from ..errors import UsageError
 from .kv_cache import BlockManager, blocks_for
 from .sampling import SamplingParams, sample_sequences
 from .scheduler import POLICIES, Scheduler, Sequence
+from .step_times import attention_rows
 
 if TYPE_CHECKING:
     from ..spec import BuildSpec
@@ -60,6 +61,10 @@ class EngineConfig:
     # the budget of a step in which no sequence is generating (nobody waits for a token); None: the
     # larger of max_num_tokens and max_input_len, so a prompt arriving at an idle engine runs whole
     max_num_tokens_without_decode: int | None = None
+    # a time budget (ms) for steps in which someone is generating: prompt chunks are cut so the step's
+    # predicted time (runtime/step_times.py, fitted to the last steps' measured times) stays within it,
+    # keeping at least one attention unit a step; None: max_num_tokens alone
+    step_budget_ms: float | None = None
     max_input_len: int = 1024
     max_seq_len: int = 2048
     tokens_per_block: int = 32
@@ -116,6 +121,7 @@ class EngineConfig:
             max_batch_size=build.max_batch_size,
             max_num_tokens=build.max_num_tokens,
             max_num_tokens_without_decode=build.max_num_tokens_without_decode,
+            step_budget_ms=build.step_budget_ms,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
             tokens_per_block=build.tokens_per_block,
@@ -156,6 +162,11 @@ class EngineConfig:
                 f"{self.max_num_tokens_without_decode} is below max_num_tokens ({self.max_num_tokens}); "
                 "leave it unset or raise it",
             )
+        if self.step_budget_ms is not None:
+            if not self.step_budget_ms > 0:
+                bad("step_budget_ms", f"{self.step_budget_ms} must be above 0 ms")
+            if not self.enable_chunked_context:
+                bad("step_budget_ms", "cuts prompt chunks; set enable_chunked_context true or leave it unset")
         if self.max_num_tokens < self.max_batch_size:
             bad(
                 "max_num_tokens",
@@ -258,6 +269,7 @@ class Engine:
             config.enable_chunked_context,
             config.scheduler_policy,
             config.step_tokens_without_decode,
+            config.step_budget_ms,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()
@@ -376,11 +388,18 @@ class Engine:
         if not work:
             return events
         now = time.time_ns()
+        started = time.perf_counter()
         input_ids, logit_rows, sampled = [], [], []
-        row = 0
+        row = decode_rows = prompt_rows = 0
+        attention = 0.0
         for seq, n in work:
             if seq.first_scheduled_ns is None:
                 seq.first_scheduled_ns = now
+            if seq.prefilling:
+                prompt_rows += n
+                attention += attention_rows(n, seq.num_cached)
+            else:
+                decode_rows += n
             input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
             row += n
             if seq.num_cached + n == len(seq.tokens):
@@ -414,6 +433,7 @@ class Engine:
             for seq, n in work:
                 self.scheduler.commit(seq, n)
             next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
+        self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, (time.perf_counter() - started) * 1e3)
         self.steps += 1
         now = time.time_ns()
         for seq, tok, lp in zip(sampled, next_ids, log_probs, strict=True):

@@ -5,7 +5,11 @@ The budget bounds how long anyone generating waits for their next token while pr
 step in which no sequence is generating has nobody waiting, and its budget is
 ``max_num_tokens_without_decode`` (the engine's default: the larger of ``max_num_tokens`` and the
 longest prompt, ``EngineConfig.step_tokens_without_decode``), so a prompt that arrives at an idle
-engine runs in one step.
+engine runs in one step.  A step with someone generating may also have a time budget
+(``step_budget_ms``): prompt chunks are then cut to what the step's predicted time leaves
+(step_times.py: the engine's measured step times), keeping at least one attention unit of prompt a
+step, so the wait between tokens follows the host's speed of the moment rather than a token count
+chosen for one hour of it.
 
 1. sequences that are generating get their token first, so a long prompt arriving never delays
    anyone's next token by more than one step;
@@ -43,6 +47,7 @@ import torch
 
 from .kv_cache import BlockManager, block_key, blocks_for
 from .sampling import SamplingParams
+from .step_times import StepTimes
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 
@@ -118,6 +123,7 @@ class Scheduler:
         chunked: bool = True,
         policy: str = "guaranteed_no_evict",
         max_num_tokens_without_decode: int | None = None,
+        step_budget_ms: float | None = None,
     ):
         if policy not in POLICIES:
             from ..errors import UsageError
@@ -131,6 +137,10 @@ class Scheduler:
         self.max_num_tokens_without_decode = max_num_tokens_without_decode or max_num_tokens
         self.chunked = chunked
         self.policy = policy
+        self.step_budget_ms = step_budget_ms
+        self.step_times = StepTimes()  # the engine reports every step's time to it
+        self._time_left: float | None = None  # ms this step's prompt chunks may still take (step_budget_ms)
+        self._prompt_rows = 0  # prompt rows planned so far this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.preempted_total = 0
@@ -181,11 +191,16 @@ class Scheduler:
         """Tokens ``seq`` runs this step within ``budget`` (0 = not now).
 
         Generation (and the recompute of generated tokens) runs one row per token; a prompt runs
-        in chunks that end on a multiple of the attention unit or at the prompt's end.
+        in chunks that end on a multiple of the attention unit or at the prompt's end.  Under a time
+        budget a chunk is also cut to the rows predicted to fit what is left of it, except that the
+        step's first chunk keeps at least one unit, so a prompt always advances.
         """
         if not seq.prefilling:  # one row per token; a recompute takes at most a unit of rows per step
             return min(seq.remaining, budget, self.unit)
         left = seq.prompt_len - seq.num_cached
+        if self._time_left is not None:  # step_budget_ms; the step's first chunk keeps at least a unit
+            fit = self.step_times.prompt_rows_within(self._time_left, seq.num_cached)
+            budget = min(budget, max(fit, 0 if self._prompt_rows else min(left, self.unit)))
         if left <= budget:
             return left
         if not self.chunked and left <= self.max_num_tokens:
@@ -245,6 +260,9 @@ class Scheduler:
             generating.append((seq, n))
             budget -= n
 
+        self._prompt_rows, self._time_left = 0, None
+        if decoding and self.step_budget_ms is not None and self.step_times.ready:
+            self._time_left = self.step_budget_ms - self.step_times.decode_ms(sum(n for _, n in generating))
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.order):
             if seq not in self.running or budget == 0:
                 continue
@@ -260,6 +278,7 @@ class Scheduler:
             self._grow(seq, seq.num_cached + n)
             prefills.append((seq, n))
             budget -= n
+            self._charge(seq, n)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
             seq = self.waiting[0]
@@ -271,7 +290,16 @@ class Scheduler:
             self._grow(seq, seq.num_cached + n)
             (prefills if seq.prefilling else generating).append((seq, n))
             budget -= n
+            self._charge(seq, n)
+        self._time_left = None
         return generating + prefills
+
+    def _charge(self, seq: Sequence, n: int) -> None:
+        """Take a planned prompt chunk's predicted time off what is left of the step's time budget."""
+        if seq.prefilling:
+            self._prompt_rows += n
+            if self._time_left is not None:
+                self._time_left -= self.step_times.prompt_ms(n, seq.num_cached)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the prefix cache and reserve blocks for ``seq``; returns its first chunk (0 = not now)."""

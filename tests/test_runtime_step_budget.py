@@ -1,0 +1,180 @@
+"""The step's time budget (``step_budget_ms``): the cost model fitted to measured steps, the scheduler's
+cut of prompt chunks, and an engine under it giving the same tokens as transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from toolkit.runtime.kv_cache import BlockManager
+from toolkit.runtime.sampling import SamplingParams
+from toolkit.runtime.scheduler import Scheduler, Sequence
+from toolkit.runtime.step_times import MIN_STEPS, StepTimes, attention_rows
+
+TRUE = (4.0, 1.5, 2.0, 3.0)  # fixed, per decode row, per prompt row, per 1024 tokens of chunk context (ms)
+
+
+def true_ms(decode: int, chunks: list[tuple[int, int]], scale: float = 1.0) -> float:
+    fixed, per_decode, per_row, per_context = (scale * c for c in TRUE)
+    return (
+        fixed
+        + per_decode * decode
+        + sum(per_row * n + per_context * attention_rows(n, context) for n, context in chunks)
+    )
+
+
+def feed(times: StepTimes, steps: int, seed: int = 0, noise: float = 0.0, scale: float = 1.0) -> None:
+    """Steps of 1-8 decode rows, every other one with a prompt chunk, timed by :data:`TRUE` x ``scale``."""
+    rng = random.Random(seed)
+    for i in range(steps):
+        decode = rng.randint(1, 8)
+        chunks = [] if i % 2 else [(rng.choice([8, 16, 32]), rng.choice([0, 64, 256, 700]))]
+        ms = true_ms(decode, chunks, scale) * (1 + rng.uniform(-noise, noise))
+        times.observe(decode, sum(n for n, _ in chunks), sum(attention_rows(n, c) for n, c in chunks), ms)
+
+
+def test_the_fit_recovers_a_linear_step_cost_and_inverts_it():
+    times = StepTimes()
+    feed(times, 2 * MIN_STEPS - 1)
+    assert not times.ready  # one kind of step is still short of MIN_STEPS: the token budget alone
+    feed(times, 40, seed=1)
+    assert times.ready
+    assert times.coef == pytest.approx(TRUE, rel=1e-6)
+    assert times.decode_ms(3) == pytest.approx(4 + 3 * 1.5)
+    for context in (0, 100, 900):
+        rows = times.prompt_rows_within(25.0, context)
+        assert times.prompt_ms(rows, context) <= 25.0 < times.prompt_ms(rows + 1, context)
+    assert times.prompt_rows_within(0.0, 0) == times.prompt_rows_within(-3.0, 0) == 0
+
+
+def test_the_fit_follows_the_host_and_tolerates_noise():
+    times = StepTimes()
+    feed(times, 64, noise=0.05)
+    assert times.coef[2] == pytest.approx(2.0, rel=0.15)
+    feed(times, 64, seed=2, noise=0.05, scale=1.5)  # the host slows by half: the window forgets the old speed
+    assert times.coef[2] == pytest.approx(3.0, rel=0.15)
+
+
+def test_prompt_rows_that_look_free_give_no_prediction():
+    times = StepTimes()
+    for i in range(12):  # prompt steps no slower than decode-only ones: nothing to cut on
+        times.observe(2, 16 if i % 2 else 0, attention_rows(16, 0) if i % 2 else 0.0, 10.0 - (i % 2) * 0.5)
+    assert not times.ready
+
+
+# -- the scheduler's cut --------------------------------------------------------------------------
+
+
+def sequence(order: int, prompt_len: int, max_new: int = 64) -> Sequence:
+    return Sequence(
+        request_id=f"r{order}",
+        order=order,
+        tokens=list(range(1000 * order, 1000 * order + prompt_len)),
+        prompt_len=prompt_len,
+        max_new_tokens=max_new,
+        end_ids=frozenset(),
+        stop_sequences=[],
+        sampling=SamplingParams(),
+        generator=None,
+        arrival_ns=0,
+    )
+
+
+def decoding(budget_ms: float | None, coef=(5.0, 1.0, 2.0, 0.0), decoders: int = 3) -> Scheduler:
+    """A scheduler (unit 16, 64-token steps) with ``decoders`` sequences generating and a known step cost."""
+    sched = Scheduler(BlockManager(256, 16, True), 8, 64, step_budget_ms=budget_ms)
+    for i in range(decoders):
+        sched.add(sequence(i, 4))
+    for seq, n in sched.schedule():  # no one decodes yet: the three prompts whole
+        sched.commit(seq, n)
+        seq.tokens.append(7)
+    sched.step_times.coef = coef
+    return sched
+
+
+def planned(work) -> list[tuple[str, int]]:
+    return [(seq.request_id, n) for seq, n in work if seq.prefilling]
+
+
+@pytest.mark.parametrize(
+    "budget_ms, chunk",
+    [
+        (None, 48),  # the token budget alone: 61 left after 3 decodes, cut to whole units
+        (200.0, 48),  # time to spare: the token budget still caps the rows
+        (40.0, 16),  # 40 - (5 + 3) = 32 ms left: 16 rows at 2 ms
+        (80.0, 32),  # 72 ms left: 36 rows fit, cut to 32 (whole units)
+        (1.0, 16),  # decodes alone overrun it: still one unit, so the prompt advances
+    ],
+)
+def test_a_prompt_chunk_is_cut_to_the_time_the_decodes_leave(budget_ms, chunk):
+    sched = decoding(budget_ms)
+    sched.add(sequence(10, 100))
+    assert planned(sched.schedule()) == [("r10", chunk)]
+
+
+def test_a_second_prompt_joins_only_within_the_time_left_and_a_short_rest_runs_whole():
+    sched = decoding(50.0)  # 42 ms left: 21 rows
+    sched.add(sequence(10, 100))
+    sched.add(sequence(11, 12))
+    assert planned(sched.schedule()) == [("r10", 16)]  # the 12-token prompt (24 ms) does not fit the 10 ms left
+    sched = decoding(50.0)
+    sched.add(sequence(10, 100))
+    sched.add(sequence(11, 4))
+    assert planned(sched.schedule()) == [("r10", 16), ("r11", 4)]  # 8 ms: it fits
+
+
+def test_the_context_term_cuts_a_long_prompts_later_chunks():
+    sched = decoding(60.0, coef=(5.0, 1.0, 1.0, 20.0))  # 52 ms left
+    seq = sequence(10, 2000)
+    sched.add(seq)
+    first = planned(sched.schedule())  # 32 rows at the start: 32 + 20 x 32 x 16 / 1024 = 42 ms (48 would be 70)
+    seq.num_cached = 1600  # deep into the prompt, a row's attention alone costs 20 x 1.6 ms
+    sched.running.remove(seq), sched.running.append(seq)
+    late = planned(sched.schedule())
+    assert first == [("r10", 32)] and late == [("r10", 16)]
+
+
+def test_no_time_cut_without_decodes_or_before_the_fit():
+    sched = Scheduler(BlockManager(256, 16, True), 8, 64, max_num_tokens_without_decode=512, step_budget_ms=1.0)
+    sched.step_times.coef = (5.0, 1.0, 2.0, 0.0)
+    sched.add(sequence(0, 300))
+    assert planned(sched.schedule()) == [("r0", 300)]  # nobody generating: the whole prompt
+    sched = decoding(1.0, coef=None)
+    sched.add(sequence(10, 100))
+    assert planned(sched.schedule()) == [("r10", 48)]  # no measurements yet: the token budget alone
+
+
+# -- an engine under a time budget ----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(tiny_llama_dir):
+    from test_runtime_engine import config, greedy, hf_greedy, prompt, run, tokens, transformers_model
+
+    from toolkit.runtime.engine import Engine
+
+    hf_model = transformers_model(tiny_llama_dir)
+    eng = Engine(tiny_llama_dir, config(max_num_tokens=64, step_budget_ms=1e-3, enable_kv_cache_reuse=False))
+    run(eng, [greedy(prompt(8, 70 + i), n=6) for i in range(4)], arrivals={1: 1, 2: 2, 3: 3})  # the fit's data
+    assert eng.scheduler.step_times.ready
+    chunks: list[int] = []
+    forward = eng.model.forward
+
+    def record(ids, plan, pool):
+        chunks.append(sum(n for seq, n in eng._planned if seq.prefilling))
+        return forward(ids, plan, pool)
+
+    schedule = eng.scheduler.schedule
+
+    def keep():
+        eng._planned = schedule()
+        return eng._planned
+
+    eng.scheduler.schedule, eng.model.forward = keep, record
+    reqs = [greedy(prompt(8, 80), n=30), greedy(prompt(8, 81), n=30), greedy(prompt(100, 82), n=4)]
+    ids, events, _ = run(eng, reqs, arrivals={1: 1, 2: 4})
+    # once two decode, the 100-token prompt goes 16 rows a step (the token budget alone: 48, then 52)
+    assert [c for c in chunks if c][2:] == [16] * 6 + [4]
+    for i, r in enumerate(reqs):
+        assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens)

@@ -1,0 +1,82 @@
+"""A step's time predicted from the engine's last measured steps, for the step's time budget.
+
+The scheduler's token budget (``max_num_tokens``) bounds the rows of a step, but what a generating
+request waits for is the step's *time*, and a row's cost moves by a third between hours on a shared
+host and by 2x between weight formats.  With ``step_budget_ms`` the scheduler cuts each prompt chunk
+so the step it joins is predicted to stay within that time (Sarathi-Serve's stall-free batching sizes
+its chunks from an offline profile of the same cost, arXiv:2403.02310; here the profile is the live
+one).
+
+The model, fitted by least squares over the last :data:`WINDOW` steps with prompt rows and the last
+:data:`WINDOW` without::
+
+    ms = fixed + per_decode_row x decode rows + per_prompt_row x prompt rows
+         + per_context x sum over prompt chunks of rows x (context before the chunk + rows / 2) / 1024
+
+The last term is a chunk's attention over what precedes it (a 768-token prompt's last chunk costs
+more a row than its first).  It is dropped from the fit when the prompt steps seen so far do not tell
+it apart from the per-row cost (it comes out negative).  Until both kinds of step have been seen the
+model predicts nothing and the token budget alone applies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+WINDOW = 32  # steps of each kind the fit remembers: about a second of serving
+MIN_STEPS = 3  # of each kind before the model predicts
+
+
+def attention_rows(rows: int, context: int) -> float:
+    """The attention feature of a prompt chunk of ``rows`` after ``context`` tokens (in 1024-token units)."""
+    return rows * (context + rows / 2) / 1024
+
+
+class StepTimes:
+    def __init__(self) -> None:
+        self._with_prompt: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
+        self._without: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
+        # fixed, per decode row, per prompt row, per context unit (ms); None until fitted
+        self.coef: tuple[float, float, float, float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.coef is not None
+
+    def observe(self, decode_rows: int, prompt_rows: int, attention: float, ms: float) -> None:
+        """Record a step: its decode rows, prompt rows, chunks' :func:`attention_rows` summed, and time."""
+        (self._with_prompt if prompt_rows else self._without).append((decode_rows, prompt_rows, attention, ms))
+        if len(self._with_prompt) >= MIN_STEPS and len(self._without) >= MIN_STEPS:
+            self.coef = self._fit()
+
+    def _fit(self) -> tuple[float, float, float, float] | None:
+        data = np.array([*self._with_prompt, *self._without], dtype=np.float64)
+        x = np.column_stack([np.ones(len(data)), data[:, :3]])
+        y = data[:, 3]
+        for cols in ((0, 1, 2, 3), (0, 1, 2)):
+            sol = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+            coef = dict(zip(cols, sol, strict=True))
+            if coef[2] > 0 and coef.get(3, 0.0) >= 0:
+                return (float(coef[0]), float(coef[1]), float(coef[2]), float(coef.get(3, 0.0)))
+        return None  # prompt rows looked free: no evidence to cut on
+
+    def decode_ms(self, decode_rows: int) -> float:
+        fixed, per_decode, _, _ = self.coef
+        return fixed + per_decode * decode_rows
+
+    def prompt_ms(self, rows: int, context: int) -> float:
+        """Predicted cost of a prompt chunk of ``rows`` after ``context`` cached tokens."""
+        _, _, per_row, per_context = self.coef
+        return per_row * rows + per_context * attention_rows(rows, context)
+
+    def prompt_rows_within(self, ms: float, context: int) -> int:
+        """The most prompt rows after ``context`` cached tokens predicted to cost at most ``ms``."""
+        if ms <= 0:
+            return 0
+        _, _, per_row, per_context = self.coef
+        # per_context / 2048 x n^2 + (per_row + per_context x context / 1024) x n - ms <= 0
+        a, b = per_context / 2048, per_row + per_context * context / 1024
+        n = ms / b if a == 0 else (-b + (b * b + 4 * a * ms) ** 0.5) / (2 * a)
+        return max(0, int(n))
