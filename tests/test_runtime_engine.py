@@ -527,6 +527,8 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(int4_gemv="fast"), "int4_gemv"),
         (dict(step_budget_ms=0.0), "step_budget_ms"),
         (dict(step_budget_ms=40.0, enable_chunked_context=False), "step_budget_ms"),
+        (dict(context_chunk_unit=24), "context_chunk_unit"),
+        (dict(context_chunk_unit=16, max_num_tokens=16), "context_chunk_unit"),
     ],
 )
 def test_bad_engine_config_names_the_field(tiny_llama_dir, kw, field):
@@ -608,10 +610,12 @@ def test_engine_config_from_build_spec():
             "prefill_threads": 2,
             "lone_decode_threads": 2,
             "step_budget_ms": 40,
+            "context_chunk_unit": 8,
         },
     )
     c = EngineConfig.from_build(spec.build)
-    assert (c.num_threads, c.prefill_threads, c.lone_decode_threads, c.step_budget_ms) == (1, 2, 2, 40.0)
+    assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
+    assert (c.step_budget_ms, c.context_chunk_unit) == (40.0, 8)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (
         4,
         128,

@@ -149,13 +149,14 @@ def test_no_time_cut_without_decodes_or_before_the_fit():
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(tiny_llama_dir):
+@pytest.mark.parametrize("unit", [None, 8], ids=["unit16", "unit8"])
+def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(tiny_llama_dir, unit):
     from test_runtime_engine import config, greedy, hf_greedy, prompt, run, tokens, transformers_model
 
     from toolkit.runtime.engine import Engine
 
     hf_model = transformers_model(tiny_llama_dir)
-    eng = Engine(tiny_llama_dir, config(max_num_tokens=64, step_budget_ms=1e-3, enable_kv_cache_reuse=False))
+    eng = Engine(tiny_llama_dir, config(max_num_tokens=64, step_budget_ms=1e-3, context_chunk_unit=unit, enable_kv_cache_reuse=False))
     run(eng, [greedy(prompt(8, 70 + i), n=6) for i in range(4)], arrivals={1: 1, 2: 2, 3: 3})  # the fit's data
     assert eng.scheduler.step_times.ready
     chunks: list[int] = []
@@ -174,7 +175,8 @@ def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_
     eng.scheduler.schedule, eng.model.forward = keep, record
     reqs = [greedy(prompt(8, 80), n=30), greedy(prompt(8, 81), n=30), greedy(prompt(100, 82), n=4)]
     ids, events, _ = run(eng, reqs, arrivals={1: 1, 2: 4})
-    # once two decode, the 100-token prompt goes 16 rows a step (the token budget alone: 48, then 52)
-    assert [c for c in chunks if c][2:] == [16] * 6 + [4]
+    # once two decode, the 100-token prompt goes a unit a step (the token budget alone: 48, then 52)
+    u = unit or 16
+    assert [c for c in chunks if c][2:] == [u] * (96 // u) + [4]
     for i, r in enumerate(reqs):
         assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens)

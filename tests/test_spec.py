@@ -60,6 +60,12 @@ def test_examples_validate(path):
             "enable_chunked_context: true",
         ),
         ("name: x\nbuild: {target: llmapi, step_budget_ms: 40}\n", "build.step_budget_ms", "in tokens only"),
+        ("name: x\nbuild: {context_chunk_unit: 12}\n", "build.context_chunk_unit", "power of two"),
+        (
+            "name: x\nbuild: {context_chunk_unit: 16, max_num_tokens: 20, max_batch_size: 8}\n",
+            "build.context_chunk_unit",
+            "= 13",
+        ),
         ("name: x\nquantization: {quantize_lm_head: true}\n", "quantization.quantize_lm_head", "not fp8"),
         ("name: x\nquantization: {weight_only_modules: [down_proj]}\n", "quantization.weight_only_modules", "not fp8"),
         (

@@ -167,6 +167,14 @@ class BuildSpec(Section):
         "one attention unit a step. Set it below the ITL p99 objective; max_num_tokens still caps the rows "
         "(docs/engine.md, 'A step budget in time')",
     )
+    context_chunk_unit: int | None = Field(
+        None,
+        ge=1,
+        description="cpu: prompt chunks end on multiples of this many tokens and prefill attention runs this many "
+        "query rows a call, so a prompt's numbers never depend on how it was split; a power of two up to "
+        "tokens_per_block (default: tokens_per_block, halved until it fits max_num_tokens - max_batch_size + 1). "
+        "Smaller gives step_budget_ms finer chunks to cut to, at a few per cent of prefill speed",
+    )
     max_beam_width: Literal[1] = 1
     tokens_per_block: int = Field(32, ge=1, le=1024)
     kv_cache_blocks: int | None = Field(
@@ -829,6 +837,25 @@ class Spec(Section):
                 f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in tokens "
                 "only: drop step_budget_ms and size build.max_num_tokens",
             )
+        if b.context_chunk_unit is not None:
+            u, room = b.context_chunk_unit, b.max_num_tokens - b.max_batch_size + 1
+            if b.target != "cpu":
+                raise _Rule(
+                    "build.context_chunk_unit",
+                    f"is rtk's cpu engine's; the {b.target} target chunks context in whole KV blocks "
+                    "(build.tokens_per_block): drop it",
+                )
+            if u & (u - 1) or u > b.tokens_per_block:
+                raise _Rule(
+                    "build.context_chunk_unit",
+                    f"{u} must be a power of two up to build.tokens_per_block ({b.tokens_per_block})",
+                )
+            if u > room:
+                raise _Rule(
+                    "build.context_chunk_unit",
+                    f"{u} does not fit a step beside a full batch's decodes (build.max_num_tokens - "
+                    f"build.max_batch_size + 1 = {room}); lower it or raise build.max_num_tokens",
+                )
         if b.step_budget_ms is not None and not b.enable_chunked_context:
             raise _Rule(
                 "build.step_budget_ms",

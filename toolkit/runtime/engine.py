@@ -65,6 +65,12 @@ class EngineConfig:
     # predicted time (runtime/step_times.py, fitted to the last steps' measured times) stays within it,
     # keeping at least one attention unit a step; None: max_num_tokens alone
     step_budget_ms: float | None = None
+    # prompt chunks end on multiples of this many tokens (or at the prompt's end) and prefill attention
+    # runs this many query rows a call, so a prompt's numbers never depend on how the load split it; a
+    # power of two <= tokens_per_block.  None: tokens_per_block, halved until a step with a full batch
+    # decoding still fits one (scheduler.attention_unit).  Smaller: finer chunks for step_budget_ms to
+    # cut to, at a few per cent of prefill speed (more attention calls)
+    context_chunk_unit: int | None = None
     max_input_len: int = 1024
     max_seq_len: int = 2048
     tokens_per_block: int = 32
@@ -122,6 +128,7 @@ class EngineConfig:
             max_num_tokens=build.max_num_tokens,
             max_num_tokens_without_decode=build.max_num_tokens_without_decode,
             step_budget_ms=build.step_budget_ms,
+            context_chunk_unit=build.context_chunk_unit,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
             tokens_per_block=build.tokens_per_block,
@@ -167,6 +174,16 @@ class EngineConfig:
                 bad("step_budget_ms", f"{self.step_budget_ms} must be above 0 ms")
             if not self.enable_chunked_context:
                 bad("step_budget_ms", "cuts prompt chunks; set enable_chunked_context true or leave it unset")
+        if self.context_chunk_unit is not None:
+            u, room = self.context_chunk_unit, self.max_num_tokens - self.max_batch_size + 1
+            if u < 1 or u & (u - 1) or u > self.tokens_per_block:
+                bad("context_chunk_unit", f"{u} must be a power of two up to tokens_per_block {self.tokens_per_block}")
+            if u > room:
+                bad(
+                    "context_chunk_unit",
+                    f"{u} does not fit a step beside a full batch's decodes (max_num_tokens - max_batch_size + 1 = "
+                    f"{room}); lower it or raise max_num_tokens",
+                )
         if self.max_num_tokens < self.max_batch_size:
             bad(
                 "max_num_tokens",
@@ -270,6 +287,7 @@ class Engine:
             config.scheduler_policy,
             config.step_tokens_without_decode,
             config.step_budget_ms,
+            config.context_chunk_unit,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()

@@ -18,7 +18,7 @@ chosen for one hour of it.
    first matching their prompt against the prefix cache.
 
 Prompt chunks end on multiples of the *attention unit* (``unit``: the block size, or a smaller
-power of two when the step budget is tiny) or at the prompt's end, and the model computes
+power of two when the step budget is tiny, or ``context_chunk_unit``) or at the prompt's end, and the model computes
 attention one unit of queries at a time, so how a prompt is split into steps (which depends on
 the load) never changes its numbers.  TensorRT-LLM also sizes context chunks in whole blocks
 (cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp).
@@ -124,6 +124,7 @@ class Scheduler:
         policy: str = "guaranteed_no_evict",
         max_num_tokens_without_decode: int | None = None,
         step_budget_ms: float | None = None,
+        unit: int | None = None,
     ):
         if policy not in POLICIES:
             from ..errors import UsageError
@@ -131,7 +132,7 @@ class Scheduler:
             raise UsageError(f"scheduler policy '{policy}' is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
         self.tpb = blocks.tokens_per_block
-        self.unit = attention_unit(self.tpb, max_num_tokens, max_batch_size)
+        self.unit = unit or attention_unit(self.tpb, max_num_tokens, max_batch_size)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.max_num_tokens_without_decode = max_num_tokens_without_decode or max_num_tokens
