@@ -8,15 +8,20 @@ its chunks from an offline profile of the same cost, arXiv:2403.02310; here the 
 one).
 
 The model, fitted by least squares over the last :data:`WINDOW` steps with prompt rows and the last
-:data:`WINDOW` without::
+:data:`WINDOW` without (those weighted by :data:`DECODE_ONLY_WEIGHT`)::
 
     ms = fixed + per_decode_row x decode rows + per_prompt_row x prompt rows
          + per_context x sum over prompt chunks of rows x (context before the chunk + rows / 2) / 1024
 
 The last term is a chunk's attention over what precedes it (a 768-token prompt's last chunk costs
-more a row than its first).  It is dropped from the fit when the prompt steps seen so far do not tell
+more a row than its first); it is dropped from the fit when the prompt steps seen so far do not tell
 it apart from the per-row cost (it comes out negative).  Until both kinds of step have been seen the
 model predicts nothing and the token budget alone applies.
+
+Only steps with prompt rows are ever predicted, and served they run on other threads than
+decode-only steps (``prefill_threads``: there a decode row costs about half as much), so decode-only
+steps count for little: they settle only what the prompt steps leave open, such as how the fixed
+cost and the decode rows' split when every mixed step had the same decode rows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 
 WINDOW = 32  # steps of each kind the fit remembers: about a second of serving
 MIN_STEPS = 3  # of each kind before the model predicts
+DECODE_ONLY_WEIGHT = 0.1  # a decode-only step's residual counts this much of a prompt step's
 
 
 def attention_rows(rows: int, context: int) -> float:
@@ -53,8 +59,9 @@ class StepTimes:
 
     def _fit(self) -> tuple[float, float, float, float] | None:
         data = np.array([*self._with_prompt, *self._without], dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, :3]])
-        y = data[:, 3]
+        weight = np.where(np.arange(len(data)) < len(self._with_prompt), 1.0, DECODE_ONLY_WEIGHT)
+        x = np.column_stack([np.ones(len(data)), data[:, :3]]) * weight[:, None]
+        y = data[:, 3] * weight
         for cols in ((0, 1, 2, 3), (0, 1, 2)):
             sol = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
             coef = dict(zip(cols, sol, strict=True))
@@ -64,7 +71,7 @@ class StepTimes:
 
     def decode_ms(self, decode_rows: int) -> float:
         fixed, per_decode, _, _ = self.coef
-        return fixed + per_decode * decode_rows
+        return max(0.0, fixed + per_decode * decode_rows)  # a noisy fit's line may cross zero
 
     def prompt_ms(self, rows: int, context: int) -> float:
         """Predicted cost of a prompt chunk of ``rows`` after ``context`` cached tokens."""
