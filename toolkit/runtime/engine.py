@@ -451,7 +451,9 @@ class Engine:
             for seq, n in work:
                 self.scheduler.commit(seq, n)
             next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
-        self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, (time.perf_counter() - started) * 1e3)
+        if self.config.step_budget_ms is not None:
+            ms = (time.perf_counter() - started) * 1e3
+            self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, ms)
         self.steps += 1
         now = time.time_ns()
         for seq, tok, lp in zip(sampled, next_ids, log_probs, strict=True):

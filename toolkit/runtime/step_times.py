@@ -44,8 +44,23 @@ class StepTimes:
     def __init__(self) -> None:
         self._with_prompt: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self._without: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
-        # fixed, per decode row, per prompt row, per context unit (ms); None until fitted
-        self.coef: tuple[float, float, float, float] | None = None
+        self._coef: tuple[float, float, float, float] | None = None
+        self._stale = False  # steps observed since the last fit
+
+    @property
+    def coef(self) -> tuple[float, float, float, float] | None:
+        """Fixed, per decode row, per prompt row, per context unit (ms); None until it can predict.
+
+        Fitted when asked after new steps (~0.2 ms), so the decode steps that only record pay nothing."""
+        if self._stale:
+            self._stale = False
+            enough = len(self._with_prompt) >= MIN_STEPS and len(self._without) >= MIN_STEPS
+            self._coef = self._fit() if enough else None
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: tuple[float, float, float, float] | None) -> None:
+        self._coef, self._stale = value, False
 
     @property
     def ready(self) -> bool:
@@ -54,8 +69,7 @@ class StepTimes:
     def observe(self, decode_rows: int, prompt_rows: int, attention: float, ms: float) -> None:
         """Record a step: its decode rows, prompt rows, chunks' :func:`attention_rows` summed, and time."""
         (self._with_prompt if prompt_rows else self._without).append((decode_rows, prompt_rows, attention, ms))
-        if len(self._with_prompt) >= MIN_STEPS and len(self._without) >= MIN_STEPS:
-            self.coef = self._fit()
+        self._stale = True
 
     def _fit(self) -> tuple[float, float, float, float] | None:
         data = np.array([*self._with_prompt, *self._without], dtype=np.float64)
