@@ -18,9 +18,9 @@ chosen for one hour of it.
    first matching their prompt against the prefix cache.
 
 Prompt chunks end on multiples of the *attention unit* (``unit``: the block size, or a smaller
-power of two when the step budget is tiny, or ``context_chunk_unit``) or at the prompt's end, and the model computes
-attention one unit of queries at a time, so how a prompt is split into steps (which depends on
-the load) never changes its numbers.  TensorRT-LLM also sizes context chunks in whole blocks
+power of two when the step budget is tiny, or ``context_chunk_unit``) or at the prompt's end, and
+the model computes attention one unit of queries at a time, so how a prompt is split into steps
+(which depends on the load) never changes its numbers.  TensorRT-LLM also sizes context chunks in whole blocks
 (cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp).
 
 Two capacity policies, after TensorRT-LLM's capacity scheduler

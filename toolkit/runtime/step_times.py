@@ -30,7 +30,7 @@ from collections import deque
 
 import numpy as np
 
-WINDOW = 32  # steps of each kind the fit remembers: about a second of serving
+WINDOW = 32  # steps of each kind the fit remembers (the host's speed moves; old steps must not hold it)
 MIN_STEPS = 3  # of each kind before the model predicts
 DECODE_ONLY_WEIGHT = 0.1  # a decode-only step's residual counts this much of a prompt step's
 
@@ -41,6 +41,8 @@ def attention_rows(rows: int, context: int) -> float:
 
 
 class StepTimes:
+    """The fit: the scheduler asks it (``ready``, ``decode_ms``, ``prompt_rows_within``), the engine feeds it."""
+
     def __init__(self) -> None:
         self._with_prompt: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self._without: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
