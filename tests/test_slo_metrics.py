@@ -462,3 +462,36 @@ def test_a_failed_report_write_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         R.write_report(rep, tmp_path / "r")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "wave_ttft, concurrency, noted",
+    [
+        ((900, 1000, 1100, 1200), 4, True),  # the four sent together miss: named, with p99 without them
+        ((300, 300, 300, 300), 4, False),  # the misses are elsewhere: nothing to say
+        ((900, 1000, 1100, 1200), None, False),  # an open loop has no opening wave
+    ],
+)
+def test_a_failed_ttft_percentile_says_how_much_the_closed_loops_opening_wave_makes(wave_ttft, concurrency, noted):
+    from toolkit.slo.runner import judge
+
+    load = {"concurrency": concurrency} if concurrency else {"request_rate": 4.0}
+    slo = SLOSpec(num_requests=120, objectives=[{"metric": "ttft", "stat": "p99", "max": 680}], **load)
+    ttfts = list(wave_ttft) + [300 + (i % 30) * 10 for i in range(116)]  # steady: 300-590 ms
+    if not noted and concurrency:
+        ttfts[50], ttfts[90] = 700, 720  # the misses come later
+    recs = [
+        rec(i, sched=i * 250 if i >= 4 else 0, chunks=[(i * 250 if i >= 4 else 0) + t]) for i, t in enumerate(ttfts)
+    ]
+    summary, verdict, notes = judge(recs, slo, list(slo.objectives))
+    assert verdict.status == FAIL  # the note never changes the verdict
+    wave = [n for n in notes if "closed loop sends together" in n]
+    if noted:
+        assert wave == [
+            "ttft p99: 4 of the 4 requests over 680 ms are among the first 4, which the closed loop sends "
+            f"together; without them ttft p99 is {percentile(sorted(ttfts[4:]), 0.99):.1f} ms "
+            "(the verdict counts them)"
+        ]
+        assert percentile(sorted(ttfts[4:]), 0.99) == 590
+    else:
+        assert wave == []
