@@ -410,13 +410,14 @@ class Engine:
         input_ids, logit_rows, sampled = [], [], []
         row = decode_rows = prompt_rows = 0
         attention = 0.0
+        timed = self.config.step_budget_ms is not None  # the step's shape and time feed the budget's fit
         for seq, n in work:
             if seq.first_scheduled_ns is None:
                 seq.first_scheduled_ns = now
-            if seq.prefilling:
+            if timed and seq.prefilling:
                 prompt_rows += n
                 attention += attention_rows(n, seq.num_cached)
-            else:
+            elif timed:
                 decode_rows += n
             input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
             row += n
@@ -451,7 +452,7 @@ class Engine:
             for seq, n in work:
                 self.scheduler.commit(seq, n)
             next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
-        if self.config.step_budget_ms is not None:
+        if timed:
             ms = (time.perf_counter() - started) * 1e3
             self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, ms)
         self.steps += 1

@@ -262,8 +262,12 @@ class Scheduler:
             budget -= n
 
         self._prompt_rows, self._time_left = 0, None
-        prompts = self.waiting or any(s.prefilling for s in self.running)
-        if decoding and prompts and self.step_budget_ms is not None and self.step_times.ready:  # fits only here
+        if (
+            self.step_budget_ms is not None
+            and decoding
+            and (self.waiting or any(s.prefilling for s in self.running))
+            and self.step_times.ready  # fits only here: a step with decodes and a prompt to cut
+        ):
             self._time_left = self.step_budget_ms - self.step_times.decode_ms(sum(n for _, n in generating))
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.order):
             if seq not in self.running or budget == 0:
