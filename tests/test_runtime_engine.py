@@ -166,6 +166,24 @@ def test_mixed_batch_gives_each_request_its_alone_tokens(engine, hf_model):
     assert engine.kv_stats()["blocks_used"] == 0
 
 
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
+    """oneDNN says bf16 is supported on every AVX512 CPU, converting to float32 where the CPU has no bf16 dot
+    products (Skylake-SP to Ice Lake); "auto" computes in float32 there, and in bf16 where the CPU lists
+    AVX512-BF16 or AMX-BF16 and oneDNN agrees."""
+    from toolkit import hostinfo
+    from toolkit.runtime import model
+
+    onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert model.bf16_is_fast() == (onednn and bool(hostinfo.cpu_flags() & model.BF16_CPU_FLAGS))  # this host
+    ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni"}
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: ice_lake)
+    assert not model.bf16_is_fast() and model.resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: ice_lake | {"avx512_bf16"})
+    assert model.bf16_is_fast() == onednn
+    assert model.resolve_dtype("auto") == (torch.bfloat16 if onednn else torch.float32)
+    assert model.resolve_dtype("bfloat16") == torch.bfloat16  # asked for: given, native or not
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_projection_rows_do_not_depend_on_the_batch(dtype):
     """The GEMM kernel choice by row count must not change any row's bits (see model.Projection)."""

@@ -46,8 +46,18 @@ from .kv_cache import KVPool, KVQuant
 log = logging.getLogger(__name__)
 
 
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # native bf16 dot products: Cooper Lake, Sapphire Rapids, Zen 4 on
+
+
 def bf16_is_fast() -> bool:
-    """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX) that oneDNN uses."""
+    """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX, /proc/cpuinfo) and oneDNN, which uses
+    them.  oneDNN's own answer (``_is_mkldnn_bf16_supported``) is True on every AVX512 CPU, where it converts
+    bf16 to float32 around float32 arithmetic (Skylake-SP to Ice Lake): there a bf16 engine decoded SmolLM2's
+    INT8-SQ export 5x slower than the float32 one (docs/engine.md, "AVX512 without bf16")."""
+    from ..hostinfo import cpu_flags
+
+    if not BF16_CPU_FLAGS & cpu_flags():
+        return False
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
