@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime import kernels_avx2
+from toolkit.runtime import kernels, kernels_avx2
 from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes, fake_quant
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
 from toolkit.runtime.model import Projection
@@ -749,3 +749,66 @@ def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_l
     ids = prompt(9, 5)
     alone = Engine(hf, EngineConfig(**FUSED_BASE)).generate(GenerationRequest(ids, 20, end_id=-1))
     assert tokens_beside_a_long_prompt(Engine(hf, EngineConfig(**FUSED_BASE)), ids) == alone
+
+
+# -- the VNNI build: the same source, the integer products' lane sums in one vpdpbusd ------------------
+
+needs_vnni = pytest.mark.skipif(
+    not kernels.cpu_has(kernels_avx2.VNNI_CPU_FLAGS),
+    reason="the VNNI build needs AVX512-VNNI (Intel Ice Lake / Cascade Lake, AMD Zen 4 and later)",
+)
+
+
+def both_builds():
+    """``torch.ops.rtk_avx2`` and ``torch.ops.rtk_vnni``, each built and loaded, and their shared objects."""
+    builds = []
+    for name, flags in (("rtk_avx2", kernels_avx2.FLAGS), ("rtk_vnni", kernels_avx2.VNNI_FLAGS)):
+        assert kernels.build_and_load(name, kernels_avx2.SOURCE, flags) or hasattr(getattr(torch.ops, name), "gemv")
+        builds.append((getattr(torch.ops, name), kernels.build_dir(kernels_avx2.SOURCE, flags) / f"{name}.so"))
+    return builds
+
+
+@needs_vnni
+def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch):
+    """On a VNNI CPU the engine takes ``rtk_vnni`` (``RTK_VNNI=0`` keeps AVX2), whose W8A8, blockwise W8A8 and
+    W4A8 products are the AVX2 build's bits at every row count (integer lane sums: one vpdpbusd there,
+    vpmaddubsw + vpmaddwd here), and whose machine code really has the instruction; a SmoothQuant weight packed
+    there carries its codes in the export's order for oneDNN's int8 GEMM, again the same bits."""
+    import shutil
+    import subprocess
+
+    assert kernels_avx2.library() == "rtk_vnni"
+    monkeypatch.setenv("RTK_VNNI", "0")
+    assert not kernels_avx2.wants_vnni()
+    (avx2, avx2_so), (vnni, vnni_so) = both_builds()
+    if shutil.which("objdump"):
+        code = {
+            so: subprocess.run(["objdump", "-d", so], capture_output=True, text=True).stdout
+            for so in (avx2_so, vnni_so)
+        }
+        assert "vpdpbusd" in code[vnni_so] and "vpdpbusd" not in code[avx2_so]
+    g = torch.Generator().manual_seed(21)
+    sq = w8a8_linear(960, 576, g)
+    w8 = kernels_avx2.W8A8Weight.pack(("int8", sq.codes.codes, sq.codes.scale), sq.act_quant.scale)
+    assert torch.equal(w8.plain, sq.codes.codes) and w8.nbytes == 960 * 576 + 960 * 4  # one row reads the codes
+    wo = w8a16_linear(576, 1536, g)
+    blockwise = kernels_avx2.W8A8Weight.pack(("int8", wo.codes.codes, wo.codes.scale), None)
+    awq64, awq128 = w4a16_linear(960, 576, 64, g), w4a16_linear(64, 1536, 128, g)
+    w4_64 = kernels_avx2.W4A8Weight.pack(("int4", awq64.codes.codes, awq64.codes.scale))
+    w4_128 = kernels_avx2.W4A8Weight.pack(("int4", awq128.codes.codes, awq128.codes.scale))
+    pqs = torch.rand(576, generator=g) + 0.5
+    for rows in (1, 3, 4, 16, 37):
+        x576, x1536 = torch.randn(rows, 576, generator=g) * 2, torch.randn(rows, 1536, generator=g)
+        calls = [
+            ("w8a8", (x576, w8.act_scale_value, w8.codes, w8.scales, None, None)),
+            ("w8a8", (x576, w8.act_scale_value, w8.codes, w8.scales, None, pqs)),
+            ("w8a8_blockwise", (x1536, blockwise.codes, blockwise.scales, None)),
+            ("w4a8", (x576, w4_64.codes, w4_64.scales, None)),
+            ("w4a8", (x1536, w4_128.codes, w4_128.scales, None)),
+        ]
+        for name, args in calls:
+            assert torch.equal(getattr(vnni, name)(*args), getattr(avx2, name)(*args)), (rows, name)
+        # with the codes in the export's order too, calls of 6 rows or more take oneDNN's int8 GEMM: the same bits
+        bias = torch.randn(960, generator=g)
+        idot = avx2.w8a8(x576, w8.act_scale_value, w8.codes, w8.scales, bias, pqs)
+        assert torch.equal(vnni.w8a8(x576, w8.act_scale_value, w8.codes, w8.scales, bias, pqs, w8.plain), idot), rows

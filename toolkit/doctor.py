@@ -260,10 +260,14 @@ def _cpu_engine(host: HostInfo) -> Check:
     if {"avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi"} <= flags:
         return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels", need)
     if {"avx2", "fma"} <= flags:
+        vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
         return Check(
             "CPU engine",
             "warn",
-            "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
+            "AVX512-VNNI, no native bf16: float32 compute, rtk's AVX2 kernels built with VNNI, oneDNN's int8 GEMM "
+            "for INT8-SQ prompt rows"
+            if vnni
+            else "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
             need,
             "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`, "
             "`quantization.weight_only_modules: [down_proj]`): its projections run as integer products and whole "

@@ -122,7 +122,7 @@ class HostInfo:
 # -- probing ------------------------------------------------------------------------------------
 
 # The CPU features that decide how rtk's CPU engine computes (toolkit/runtime/kernels*.py).
-CPU_FLAGS = ("avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "amx_bf16")
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni", "amx_bf16")
 
 
 def cpu_flags() -> set[str]:

@@ -225,6 +225,19 @@ at::Tensor quantize_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
 // chunking.  vpmaddubsw adds two u8 x s8 products into int16 with saturation: |q| <= 128 and codes in
 // -127..127 (checked at pack) keep each pair within 2 * 128 * 127 < 32767.
 
+// The four u8 x s8 products of each 32-bit lane added to that lane of acc.  With AVX512-VNNI (and VL: Intel
+// Ice Lake / Cascade Lake and later, AMD Zen 4 and later) one vpdpbusd; otherwise vpmaddubsw + vpmaddwd +
+// vpaddd.  The same integers either way wherever vpmaddubsw's int16 pair sums do not saturate, which every
+// caller guarantees (|a| <= 128 and |b| <= 127, or a nibble and a code), so the two builds of this file give
+// the same bits (kernels_avx2.py builds it twice: rtk_avx2 and, where the CPU has VNNI, rtk_vnni).
+inline __m256i dot4_add(__m256i acc, __m256i a_u8, __m256i b_s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, a_u8, b_s8);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a_u8, b_s8), _mm256_set1_epi16(1)));
+#endif
+}
+
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -250,7 +263,6 @@ inline void idot(const int8_t* q, const uint8_t* qa, const float* qs, int64_t K,
       acc[r][o] = _mm256_setzero_si256();
       facc[r][o] = _mm256_setzero_ps();
     }
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t nb = K / 32;
   for (int64_t k = 0; k < K; k += 32) {
     __m256i wv[O];
@@ -262,12 +274,15 @@ inline void idot(const int8_t* q, const uint8_t* qa, const float* qs, int64_t K,
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + r * K + k));
       for (int64_t o = 0; o < O; ++o) {
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(wv[o], qv)), ones);
+        const __m256i signed_codes = _mm256_sign_epi8(wv[o], qv);
         if constexpr (Blockwise) {
+          const __m256i sums = dot4_add(_mm256_setzero_si256(), av, signed_codes);
           const __m256 block_scale = _mm256_set1_ps(qs[r * nb + k / 32]);
           facc[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), block_scale, facc[r][o]);
         } else {
-          acc[r][o] = _mm256_add_epi32(acc[r][o], sums);
+          // not dot4_add(acc, ...): with one or two rows its 5-cycle latency chained through acc bounds the
+          // loop (decode 10 % slower than vpmaddubsw's); summed apart, only the vpaddd is chained
+          acc[r][o] = _mm256_add_epi32(acc[r][o], dot4_add(_mm256_setzero_si256(), av, signed_codes));
         }
       }
     }
@@ -326,8 +341,17 @@ constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 whil
 // float32 where given); codes: N x K int8 in -127..127, pair-interleaved (kernels_avx2.W8A8Weight.pack:
 // outputs 2p and 2p + 1 alternate in blocks of 32 codes; an odd N's last output follows as it is);
 // oscale [N] float32 = act_scale * weight scale[o].
+//
+// Calls of at least kGemmRows rows with ``plain`` (the same codes [N, K] in the export's order) take oneDNN's int8
+// GEMM instead (at::_int_mm: AVX512-VNNI kernels, blocked for many rows): the same integer sums, exact in any
+// order, converted and scaled as here, so the same bits; 2-6x faster than idot from 6 to 64 rows on an Ice Lake
+// host (docs/engine.md, "oneDNN's int8 GEMM for prompt rows").  kernels_avx2.W8A8Weight gives ``plain`` only on
+// the VNNI build's hosts, where it was measured.
+constexpr int64_t kGemmRows = 6;
+
 at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, const at::Tensor& oscale,
-                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& pre_quant_scale) {
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& pre_quant_scale,
+                const c10::optional<at::Tensor>& plain) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8: x must be [rows, K] float32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
               "rtk_avx2.w8a8: codes must be [N, K] int8, contiguous");
@@ -356,7 +380,16 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
     for (int64_t b = b0; b < b1; ++b)
       quantize_block(xp + b * 32, sv, q.data() + b * 32, qa.data() + b * 32, pp ? pp + b % nb * 32 : nullptr);
   });
-  idot_all<false>(q, qa, nullptr, rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n, y.data_ptr<float>());
+  if (plain.has_value() && rows >= kGemmRows) {
+    TORCH_CHECK(plain->scalar_type() == at::kChar && plain->dim() == 2 && plain->size(0) == n && plain->size(1) == K,
+                "rtk_avx2.w8a8: plain must be the [N, K] int8 codes");
+    const at::Tensor sums = at::_int_mm(at::from_blob(q.data(), {rows, K}, at::kChar), plain->t());
+    y.copy_(sums);  // int32 -> float32, rounded to nearest even as static_cast rounds idot's sums
+    y.mul_(oscale);
+  } else {
+    idot_all<false>(q, qa, nullptr, rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n,
+                    y.data_ptr<float>());
+  }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y;
 }
@@ -460,7 +493,7 @@ inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K
   __m256 total[R][O];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < O; ++o) total[r][o] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t nb = K / 32, chunks_per_group = OneChunk ? 1 : nb / G / 2;
   for (int64_t g = 0; g < G; ++g) {
     __m256 group[R][O];
@@ -482,8 +515,8 @@ inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K
         const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + 32));
         const __m256 s0 = _mm256_set1_ps(qs[r * nb + 2 * c]), s1 = _mm256_set1_ps(qs[r * nb + 2 * c + 1]);
         for (int64_t o = 0; o < O; ++o) {
-          const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(n0[o], q0), ones);
-          const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(n1[o], q1), ones);
+          const __m256i d0 = dot4_add(_mm256_setzero_si256(), n0[o], q0);
+          const __m256i d1 = dot4_add(_mm256_setzero_si256(), n1[o], q1);
           if constexpr (OneChunk) {
             const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(d0), s0));
             const __m256 off = _mm256_setr_ps(corr[r * G + g], 0, 0, 0, 0, 0, 0, 0);
@@ -777,6 +810,7 @@ struct Projection32 {
   c10::optional<at::Tensor> dense;
   int64_t pad_rows = 1;
   bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
+  c10::optional<at::Tensor> plain;      // w8a8's codes in the export's order, for calls of many rows (w8a8)
 
   bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
 
@@ -798,7 +832,7 @@ struct Projection32 {
       const at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
       return kind == kW4 ? w4a8(in, weights, *scales, bias) : w8a8_blockwise(in, weights, *scales, bias);
     }
-    if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale);  // the scale folded in
+    if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale, plain);  // the scale folded in
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
     if (B == m) return gemv(in, weights, kind, scales, bias);
@@ -873,7 +907,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
-                      int64_t pad_rows, bool torch_input, bool blockwise) {
+                      int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -885,7 +919,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
                                   act_scale.has_value() ? act_scale->item<double>() : 1.0, torch_input, dense,
-                                  pad_rows, blockwise});
+                                  pad_rows, blockwise, plain});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -1092,7 +1126,11 @@ struct DecodeLayers : torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY(rtk_avx2, m) {
+#ifndef RTK_KERNELS_LIB
+#define RTK_KERNELS_LIB rtk_avx2  // the VNNI build: -DRTK_KERNELS_LIB=rtk_vnni
+#endif
+
+TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_layer", &DecodeLayers::add_layer)
@@ -1100,8 +1138,8 @@ TORCH_LIBRARY(rtk_avx2, m) {
       .def("forward", &DecodeLayers::forward)
       .def("forward_rows", &DecodeLayers::forward_rows);
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
-  m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None) "
-        "-> Tensor",
+  m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None, "
+        "Tensor? plain=None) -> Tensor",
         &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
   m.def("w4a8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8);

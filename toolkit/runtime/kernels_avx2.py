@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,27 +38,54 @@ SOURCE = Path(__file__).with_name("kernels_avx2.cpp")
 # -ffp-contract=off: DecodeLayers' elementwise loops must round each float32 operation as torch does
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 CPU_FLAGS = ("avx2", "fma")
+# The same source with the integer products' lane sums in one vpdpbusd (kernels_avx2.cpp, dot4_add): the
+# same bits, fewer instructions; built and preferred where the CPU has AVX512-VNNI (Intel Ice Lake,
+# Cascade Lake and later, AMD Zen 4 and later).  RTK_VNNI=0 in the environment keeps the AVX2 build.
+VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
+VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
+VNNI_CPU_FLAGS = (*CPU_FLAGS, "avx512f", "avx512vl", "avx512bw", "avx512_vnni")
 KINDS = {"bf16": 0, "int8": 1, "fp8": 2}
 # The kernel's sums against the float64 product, relative to the largest output: float32 rounding of a
 # dot product of a few thousand terms is ~1e-6 of it; a layout or scale error is of the outputs' order.
 TOLERANCE = 1e-4
 
 
+def wants_vnni() -> bool:
+    """Whether this host takes the VNNI build: its CPU has AVX512-VNNI and RTK_VNNI is not 0."""
+    return os.environ.get("RTK_VNNI", "1") != "0" and kernels.cpu_has(VNNI_CPU_FLAGS)
+
+
 @functools.cache
-def available() -> bool:
-    """Build (first use on this host) and load the kernel; False, logged, where it cannot be."""
-    if hasattr(torch.ops.rtk_avx2, "gemv"):
-        return True
+def library() -> str | None:
+    """Build (first use on this host) and load the kernels; the ``torch.ops`` namespace they were loaded
+    as (``rtk_vnni`` where :func:`wants_vnni`, else ``rtk_avx2``), None, logged, where they cannot be."""
     if not kernels.cpu_has(CPU_FLAGS):
         log.info("rtk's float32 decode GEMV needs AVX2 and FMA; this CPU lacks them, torch's operators run")
-        return False
-    return kernels.build_and_load("rtk_avx2", SOURCE, FLAGS)
+        return None
+    if wants_vnni():
+        if hasattr(torch.ops.rtk_vnni, "gemv") or kernels.build_and_load("rtk_vnni", SOURCE, VNNI_FLAGS):
+            return "rtk_vnni"
+        log.warning("rtk's VNNI kernels could not be built; the AVX2 build runs")
+    if hasattr(torch.ops.rtk_avx2, "gemv") or kernels.build_and_load("rtk_avx2", SOURCE, FLAGS):
+        return "rtk_avx2"
+    return None
+
+
+def available() -> bool:
+    """Whether rtk's float32-engine kernels run on this host (:func:`library`)."""
+    return library() is not None
+
+
+@functools.cache
+def ops():
+    """The loaded kernels' operators (``torch.ops.rtk_vnni`` or ``torch.ops.rtk_avx2``)."""
+    return getattr(torch.ops, library())
 
 
 def quantize_input(x: torch.Tensor, pre_quant_scale: torch.Tensor | None, act_kind: str | None, act_scale: float):
     """``fake_quant(x * pre_quant_scale, act_kind, act_scale)`` for float32 ``x`` (either step optional), in one
     pass with torch's bits."""
-    return torch.ops.rtk_avx2.quantize_input(x, pre_quant_scale, kernels.ACT_KINDS[act_kind], act_scale)
+    return ops().quantize_input(x, pre_quant_scale, kernels.ACT_KINDS[act_kind], act_scale)
 
 
 @dataclass
@@ -100,7 +128,7 @@ class Fp32Weight:
         return self.weights.numel() * self.weights.element_size() + scales
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.rtk_avx2.gemv(x, self.weights, KINDS[self.kind], self.scales, bias)
+        return ops().gemv(x, self.weights, KINDS[self.kind], self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` of the dense float32 weights and :data:`TOLERANCE`."""
@@ -148,6 +176,9 @@ class W8A8Weight:
     codes: torch.Tensor  # [N, K] int8 in -127..127, pair-interleaved (:func:`interleave_pairs`)
     scales: torch.Tensor  # [N] float32: act_scale * the weights' scale per output (blockwise: the weights')
     act_scale: torch.Tensor | None  # the input's per-tensor scale (float32, 0-dim); None: blockwise
+    # the same codes in the export's order, for oneDNN's int8 GEMM on calls of many rows (same bits; the VNNI
+    # build's hosts, SmoothQuant only): a second byte a weight
+    plain: torch.Tensor | None = None
 
     def __post_init__(self):
         # read once: the call is on every projection of every step
@@ -171,10 +202,13 @@ class W8A8Weight:
         scale = scale.to(torch.float32)
         act = None if act_scale is None else act_scale.to(torch.float32).reshape(())
         scales = scale if act is None else act * scale
-        return cls(interleave_pairs(values.to(torch.int8)), scales.contiguous(), act)
+        values = values.to(torch.int8)
+        plain = values.contiguous() if act is not None and library() == "rtk_vnni" else None
+        return cls(interleave_pairs(values), scales.contiguous(), act, plain)
 
     @property
     def nbytes(self) -> int:
+        """Bytes a call of one row reads (``plain`` is read by calls of many rows only)."""
         return self.codes.numel() + self.scales.numel() * 4
 
     def __call__(
@@ -185,8 +219,8 @@ class W8A8Weight:
         if self.act_scale is None:
             if pre_quant_scale is not None:
                 x = x * pre_quant_scale
-            return torch.ops.rtk_avx2.w8a8_blockwise(x, self.codes, self.scales, bias)
-        return torch.ops.rtk_avx2.w8a8(x, self.act_scale_value, self.codes, self.scales, bias, pre_quant_scale)
+            return ops().w8a8_blockwise(x, self.codes, self.scales, bias)
+        return ops().w8a8(x, self.act_scale_value, self.codes, self.scales, bias, pre_quant_scale, self.plain)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the quantized inputs, on
@@ -254,7 +288,7 @@ class W4A8Weight:
     ) -> torch.Tensor:
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
-        return torch.ops.rtk_avx2.w4a8(x, self.codes, self.scales, bias)
+        return ops().w4a8(x, self.codes, self.scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the block-quantized inputs."""
@@ -264,7 +298,7 @@ class W4A8Weight:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * F.rms_norm(x, (k,), eps=eps)`` on float32 ``x [rows, k]``, with its bits, in one call (torch's
     composite runs ~10 operators: ~210 us a call at 60 rows against ~20 here)."""
-    return torch.ops.rtk_avx2.rms_norm(x, weight, eps)
+    return ops().rms_norm(x, weight, eps)
 
 
 def decode_attention(
@@ -276,7 +310,7 @@ def decode_attention(
     row ``r`` attends to ``slots[bounds[r, 0] : bounds[r, 1]]``.  Returns ``[rows, heads * head_dim]``.
     Each row is computed alone in one fixed order (batch-invariant), within float32 rounding of SDPA
     (``kernels_avx2.cpp`` says how)."""
-    return torch.ops.rtk_avx2.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
+    return ops().decode_attention(q, k_pool, v_pool, slots, bounds, scale)
 
 
 class DecodeLayers:
@@ -289,7 +323,7 @@ class DecodeLayers:
     """
 
     def __init__(self, heads, kv_heads, head_dim, eps, scale, cos, sin):
-        self._layers = torch.classes.rtk_avx2.DecodeLayers(
+        self._layers = getattr(torch.classes, library()).DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), cos, sin
         )
         self.takes_prompt_rows = True  # every projection takes prompt rows so far (forward_rows)
@@ -318,6 +352,7 @@ class DecodeLayers:
                 1,
                 False,
                 w.blockwise,
+                getattr(w, "plain", None),
             )
             return
         g = proj.fp32_gemv
@@ -340,6 +375,7 @@ class DecodeLayers:
             pad_rows,
             not proj.fused_input,  # quantize_input off torch's bits for it (checked at load): ATen's operators
             False,
+            None,
         )
 
     def forward(
