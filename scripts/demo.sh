@@ -3,7 +3,7 @@
 #   build (fetch → quantize with quality report → cpu engine → Triton repository)
 #   → serve (tritonserver on 127.0.0.1) → stream a chat answer → SLO check (exit code = verdict).
 # With no SPEC argument it runs examples/smollm2-cpu.yaml: FP8 weights on a CPU with native bf16
-# (AVX512-BF16). A CPU without it (AVX2 only) computes in float32, where the FP8 build misses the
+# (AVX512-BF16). A CPU without it (AVX2, or AVX512 without BF16) computes in float32, where the FP8 build misses the
 # example's gate; there the example is built as INT8-SQ with its LM head quantized, whose products
 # are integer and which meets the gate on a quiet 2-core AVX2 host (docs/engine.md, "Prompt rows
 # through the fused layers"; `rtk doctor --target cpu` says which path a host gets), with its down
@@ -20,7 +20,7 @@ ARGS=()
 if [ $# -gt 0 ]; then
   SPEC=$1
 elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
-  echo "this CPU has no native bf16 (AVX2 only): building the example as INT8-SQ (LM head and down projections" \
+  echo "this CPU has no native bf16 (no AVX512-BF16): building the example as INT8-SQ (LM head and down projections" \
        "W8A16), steps of at most 45 ms"
   ARGS=(--set quantization.format=int8_sq --set quantization.quantize_lm_head=true
         --set 'quantization.weight_only_modules=[down_proj]' --set build.max_num_tokens=32
