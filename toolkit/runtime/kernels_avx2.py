@@ -17,6 +17,10 @@ INT8 and INT4 weights (W8A16, AWQ's W4A16) take integer products too, over input
 of 32 (:class:`W8A8Weight` blockwise, :class:`W4A8Weight`): a stated tolerance, as llama.cpp's Q8_0 /
 Q4_0 dot products.  :class:`DecodeLayers` runs the decode rows' whole layers around these kernels in
 one C++ call.
+
+Where the CPU has AVX512-VNNI the same source is built a second time as ``rtk_vnni`` (:func:`library`), its
+integer lane sums one ``vpdpbusd`` each with the same bits, and INT8-SQ calls of many rows (prompt chunks)
+take oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits.
 """
 
 from __future__ import annotations
