@@ -173,7 +173,8 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
     from toolkit import hostinfo
     from toolkit.runtime import model
 
-    onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    onednn = model.onednn_bf16()
+    assert onednn == bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert model.bf16_is_fast() == (onednn and bool(hostinfo.cpu_flags() & model.BF16_CPU_FLAGS))  # this host
     ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni"}
     monkeypatch.setattr(hostinfo, "cpu_flags", lambda: ice_lake)

@@ -49,19 +49,22 @@ log = logging.getLogger(__name__)
 BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # native bf16 dot products: Cooper Lake, Sapphire Rapids, Zen 4 on
 
 
-def bf16_is_fast() -> bool:
-    """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX, /proc/cpuinfo) and oneDNN, which uses
-    them.  oneDNN's own answer (``_is_mkldnn_bf16_supported``) is True on every AVX512 CPU, where it converts
-    bf16 to float32 around float32 arithmetic (Skylake-SP to Ice Lake): there a bf16 engine decoded SmolLM2's
-    INT8-SQ export 5x slower than the float32 one (docs/engine.md, "AVX512 without bf16")."""
-    from ..hostinfo import cpu_flags
-
-    if not BF16_CPU_FLAGS & cpu_flags():
-        return False
+def onednn_bf16() -> bool:
+    """True when oneDNN computes bf16 GEMMs here: on every AVX512 CPU, natively with AVX512-BF16 / AMX, by
+    converting to float32 without (Skylake-SP to Ice Lake)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def bf16_is_fast() -> bool:
+    """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX, /proc/cpuinfo) and oneDNN uses them:
+    what ``dtype: auto`` asks.  Where oneDNN converts (:func:`onednn_bf16` without the flags) a bf16 engine
+    decoded SmolLM2's INT8-SQ export 5x slower than the float32 one (docs/engine.md, "AVX512 without bf16")."""
+    from ..hostinfo import cpu_flags
+
+    return bool(BF16_CPU_FLAGS & cpu_flags()) and onednn_bf16()
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -760,6 +763,8 @@ class Transformer:
         self.config = cfg
         self.quant_algo = ckpt.quant_algo
         self.dtype = dtype
+        # oneDNN's packed bf16 weights only with native bf16: where oneDNN converts (onednn_bf16() alone), the
+        # packed kernel rounds apart from torch's plain bf16 linear (transformers' bits: docs/engine.md)
         pack = dtype == torch.bfloat16 and bf16_is_fast()
         self.packed = pack
         self.eps = cfg.rms_norm_eps
