@@ -1,8 +1,8 @@
 // rtk's kernels for float32 engines on CPUs without native bf16 dot products (AVX2 + FMA: Zen 1-3,
 // Haswell to Ice Lake client parts, and AVX512 server parts without BF16, Skylake-SP to Ice Lake, where
-// kernels_avx2.py builds this file with VNNI as rtk_vnni: dot4_add), in four parts: the decode GEMV (this header), INT8 SmoothQuant as
-// integer products (w8a8, below), weight-only INT8 and INT4 as integer products over inputs quantized per
-// block of 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers, below).
+// kernels_avx2.py builds this file with VNNI as rtk_vnni: dot4_add), in four parts: the decode GEMV (this
+// header), INT8 SmoothQuant as integer products (w8a8, below), weight-only INT8 and INT4 as integer products
+// over inputs quantized per block of 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers).
 //
 // The decode GEMV.  Where the engine computes in float32 (model.resolve_dtype), the dense path reads
 // float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
@@ -281,8 +281,8 @@ inline void idot(const int8_t* q, const uint8_t* qa, const float* qs, int64_t K,
           const __m256 block_scale = _mm256_set1_ps(qs[r * nb + k / 32]);
           facc[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), block_scale, facc[r][o]);
         } else {
-          // not dot4_add(acc, ...): with one or two rows its 5-cycle latency chained through acc bounds the
-          // loop (decode 10 % slower than vpmaddubsw's); summed apart, only the vpaddd is chained
+          // not dot4_add(acc, ...): a decode row's one or two accumulators would carry vpdpbusd's 5-cycle
+          // latency from step to step; summed apart, only the 1-cycle vpaddd is chained
           acc[r][o] = _mm256_add_epi32(acc[r][o], dot4_add(_mm256_setzero_si256(), av, signed_codes));
         }
       }
