@@ -267,6 +267,7 @@ class W4A8Weight:
 
     codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
     scales: torch.Tensor  # [N, groups] float32
+    plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
 
     blockwise = True  # quantizes its input per block itself, as W8A8Weight without an input scale
     act_scale_value = 0.0
@@ -356,7 +357,7 @@ class DecodeLayers:
                 1,
                 False,
                 w.blockwise,
-                getattr(w, "plain", None),
+                w.plain,
             )
             return
         g = proj.fp32_gemv

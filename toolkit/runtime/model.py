@@ -824,7 +824,7 @@ class Transformer:
             p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
         ]
         owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
-        owners += [(p.int_products, "plain") for p in projections if getattr(p.int_products, "plain", None) is not None]
+        owners += [(w, "plain") for w, _ in owners if w.plain is not None]  # the GEMM's copy of the codes
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]
         if owners:
             moved = hugepages.pack([getattr(o, name) for o, name in owners])
