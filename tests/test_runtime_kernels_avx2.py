@@ -772,8 +772,9 @@ def both_builds():
 def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch):
     """On a VNNI CPU the engine takes ``rtk_vnni`` (``RTK_VNNI=0`` keeps AVX2), whose W8A8, blockwise W8A8 and
     W4A8 products are the AVX2 build's bits at every row count (integer lane sums: one vpdpbusd there,
-    vpmaddubsw + vpmaddwd here), and whose machine code really has the instruction; a SmoothQuant weight packed
-    there carries its codes in the export's order for oneDNN's int8 GEMM, again the same bits."""
+    vpmaddubsw + vpmaddwd here; blockwise and W4A8 calls of 2 rows or more in 512-bit registers holding two
+    outputs each), and whose machine code really has the instruction, on 512-bit registers too; a SmoothQuant
+    weight packed there carries its codes in the export's order for oneDNN's int8 GEMM, again the same bits."""
     import shutil
     import subprocess
 
@@ -787,24 +788,29 @@ def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch)
             for so in (avx2_so, vnni_so)
         }
         assert "vpdpbusd" in code[vnni_so] and "vpdpbusd" not in code[avx2_so]
+        assert any("vpdpbusd" in line and "zmm" in line for line in code[vnni_so].splitlines())
     g = torch.Generator().manual_seed(21)
     sq = w8a8_linear(960, 576, g)
     w8 = kernels_avx2.W8A8Weight.pack(("int8", sq.codes.codes, sq.codes.scale), sq.act_quant.scale)
     assert torch.equal(w8.plain, sq.codes.codes) and w8.nbytes == 960 * 576 + 960 * 4  # one row reads the codes
     wo = w8a16_linear(576, 1536, g)
     blockwise = kernels_avx2.W8A8Weight.pack(("int8", wo.codes.codes, wo.codes.scale), None)
-    awq64, awq128 = w4a16_linear(960, 576, 64, g), w4a16_linear(64, 1536, 128, g)
-    w4_64 = kernels_avx2.W4A8Weight.pack(("int4", awq64.codes.codes, awq64.codes.scale))
-    w4_128 = kernels_avx2.W4A8Weight.pack(("int4", awq128.codes.codes, awq128.codes.scale))
+    wo_odd = w8a16_linear(101, 1536, g)  # 50 pairs (tiles of 4 and a rest) and a last output alone
+    blockwise_odd = kernels_avx2.W8A8Weight.pack(("int8", wo_odd.codes.codes, wo_odd.codes.scale), None)
+    awq = [w4a16_linear(960, 576, 64, g), w4a16_linear(64, 1536, 128, g), w4a16_linear(33, 384, 192, g)]
+    w4 = [kernels_avx2.W4A8Weight.pack(("int4", a.codes.codes, a.codes.scale)) for a in awq]
     pqs = torch.rand(576, generator=g) + 0.5
-    for rows in (1, 3, 4, 16, 37):
-        x576, x1536 = torch.randn(rows, 576, generator=g) * 2, torch.randn(rows, 1536, generator=g)
+    # 2 rows on: the VNNI build's 512-bit tiles (two outputs a register), in tiles of 4 rows and 16
+    for rows in (1, 2, 3, 4, 5, 16, 37, 64):
+        x384, x576, x1536 = (torch.randn(rows, k, generator=g) * 2 for k in (384, 576, 1536))
         calls = [
             ("w8a8", (x576, w8.act_scale_value, w8.codes, w8.scales, None, None)),
             ("w8a8", (x576, w8.act_scale_value, w8.codes, w8.scales, None, pqs)),
             ("w8a8_blockwise", (x1536, blockwise.codes, blockwise.scales, None)),
-            ("w4a8", (x576, w4_64.codes, w4_64.scales, None)),
-            ("w4a8", (x1536, w4_128.codes, w4_128.scales, None)),
+            ("w8a8_blockwise", (x1536, blockwise_odd.codes, blockwise_odd.scales, None)),
+            ("w4a8", (x576, w4[0].codes, w4[0].scales, None)),
+            ("w4a8", (x1536, w4[1].codes, w4[1].scales, None)),
+            ("w4a8", (x384, w4[2].codes, w4[2].scales, None)),
         ]
         for name, args in calls:
             assert torch.equal(getattr(vnni, name)(*args), getattr(avx2, name)(*args)), (rows, name)

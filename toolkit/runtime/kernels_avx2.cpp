@@ -1,8 +1,9 @@
 // rtk's kernels for float32 engines on CPUs without native bf16 dot products (AVX2 + FMA: Zen 1-3,
 // Haswell to Ice Lake client parts, and AVX512 server parts without BF16, Skylake-SP to Ice Lake, where
-// kernels_avx2.py builds this file with VNNI as rtk_vnni: dot4_add), in four parts: the decode GEMV (this
-// header), INT8 SmoothQuant as integer products (w8a8, below), weight-only INT8 and INT4 as integer products
-// over inputs quantized per block of 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers).
+// kernels_avx2.py builds this file with VNNI as rtk_vnni: dot4_add, and 512-bit tiles for many rows:
+// idot_wide, idot4_wide), in four parts: the decode GEMV (this header), INT8 SmoothQuant as integer
+// products (w8a8, below), weight-only INT8 and INT4 as integer products over inputs quantized per block of
+// 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers).
 //
 // The decode GEMV.  Where the engine computes in float32 (model.resolve_dtype), the dense path reads
 // float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
@@ -395,6 +396,74 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   return y;
 }
 
+// -- The VNNI build's 512-bit tiles for many rows (blockwise W8A8 here, W4A8 below) --------------------
+//
+// Prompt rows are bound by instructions, not by the weights' bytes, and idot spends four on every 32
+// products of a row and an output (vpsignb, vpdpbusd, the conversion, the multiply-add).  Here one 512-bit
+// register holds an output pair's two accumulators side by side (lanes 0-7 output 2p, 8-15 output 2p + 1),
+// fed by one load of the pair's interleaved codes, the row's block broadcast to both halves and its scale to
+// all 16 lanes: each half does, lane for lane, what idot does in its 256-bit register (the same integer lane
+// sums, conversions, multiply-adds in the same order, the same final sum), so the same bits with half the
+// instructions.  vpsignb has no 512-bit form: the input goes in as the unsigned q + 128, and each lane starts
+// from -128 * (its four codes' sum) (computed once a block for all the tile's rows), so that vpdpbusd leaves
+// exactly sum q * code, the integer idot's lanes hold.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define RTK_WIDE_TILES 1
+constexpr int64_t kWideRows = 2;  // a call of one row keeps idot / idot4 (bound by the weights' bytes)
+constexpr int64_t kWidePairs = 4;  // output pairs a tile: 16 accumulators of the 32 registers
+
+inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+inline __m512i broadcast32(const int8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// R rows (qs their block scales) by P output pairs whose codes start at w, pair_bytes apart.
+template <int64_t R, int64_t P>
+inline void idot_wide(const int8_t* q, const float* qs, int64_t K, const int8_t* w, int64_t pair_bytes,
+                      const float* oscale, float* y, int64_t ldy) {
+  __m512 facc[R][P];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) facc[r][p] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t nb = K / 32;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i wv[P], start[P];
+    for (int64_t p = 0; p < P; ++p) {
+      wv[p] = _mm512_loadu_si512(w + p * pair_bytes + 2 * k);
+      start[p] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wv[p]));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i u = _mm512_xor_si512(broadcast32(q + r * K + k), offset);
+      const __m512 s = _mm512_set1_ps(qs[r * nb + k / 32]);
+      for (int64_t p = 0; p < P; ++p)
+        facc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[p], u, wv[p])), s, facc[r][p]);
+    }
+  }
+  const __m256 z = _mm256_setzero_ps();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) {
+      y[r * ldy + 2 * p] = hsum(low_half(facc[r][p]), z) * oscale[2 * p];
+      y[r * ldy + 2 * p + 1] = hsum(high_half(facc[r][p]), z) * oscale[2 * p + 1];
+    }
+}
+
+// rows (any number) by P pairs, four rows at a time
+template <int64_t P>
+inline void idot_wide_rows(const int8_t* q, const float* qs, int64_t rows, int64_t K, const int8_t* w,
+                           const float* oscale, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) idot_wide<4, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy);
+  switch (rows - r) {
+    case 3: idot_wide<3, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
+    case 2: idot_wide<2, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
+    case 1: idot_wide<1, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+#endif
+
 template <bool Blockwise>
 void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, const float* qs, int64_t rows,
               int64_t K, const int8_t* w, const float* os, int64_t n, float* yp) {
@@ -405,7 +474,16 @@ void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, cons
       const int8_t* qr = q.data() + r0 * K;
       const uint8_t* ar = qa.data() + r0 * K;
       const float* sr = qs == nullptr ? nullptr : qs + r0 * nb;
-      for (int64_t p = p0; p < std::min(p1, pairs); ++p)  // two outputs share each input load
+      int64_t p = p0;
+#ifdef RTK_WIDE_TILES
+      if (Blockwise && rows >= kWideRows) {
+        for (; p + kWidePairs <= std::min(p1, pairs); p += kWidePairs)
+          idot_wide_rows<kWidePairs>(qr, sr, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
+        for (; p < std::min(p1, pairs); ++p)
+          idot_wide_rows<1>(qr, sr, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
+      }
+#endif
+      for (; p < std::min(p1, pairs); ++p)  // two outputs share each input load
         idot_rows<2, Blockwise>(qr, ar, sr, rt, K, w + 2 * p * K, os + 2 * p, yp + r0 * n + 2 * p, n);
       if (p1 > pairs)  // an odd N's last output
         idot_rows<1, Blockwise>(qr, ar, sr, rt, K, w + (n - 1) * K, os + n - 1, yp + r0 * n + n - 1, n);
@@ -564,6 +642,88 @@ inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int6
     idot4_tile<O, false>(q, qs, corr, rows, K, w, gs, G, y, ldy);
 }
 
+#ifdef RTK_WIDE_TILES
+// idot4's arithmetic for R rows by P output pairs, two outputs a 512-bit register as idot_wide: one load of a
+// pair's chunk gives both outputs' nibbles, and each half does lane for lane what idot4 does (the same bits).
+template <int64_t R, int64_t P, bool OneChunk>
+inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int64_t K, const uint8_t* w,
+                       const float* gs, int64_t G, float* y, int64_t ldy) {
+  __m512 total[R][P];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) total[r][p] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  const int64_t nb = K / 32, chunks_per_group = OneChunk ? 1 : nb / G / 2;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 group_scale[P], group[R][P];
+    for (int64_t p = 0; p < P; ++p)
+      group_scale[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs[2 * p * G + g]), _mm512_set1_ps(gs[(2 * p + 1) * G + g]));
+    if constexpr (!OneChunk)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t p = 0; p < P; ++p) group[r][p] = _mm512_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      __m512i n0[P], n1[P];
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512i raw = _mm512_loadu_si512(w + p * K + 64 * c);  // a pair's K / 2 bytes each, 64 a chunk
+        n0[p] = _mm512_and_si512(raw, low);
+        n1[p] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i q0 = broadcast32(q + r * K + 64 * c), q1 = broadcast32(q + r * K + 64 * c + 32);
+        const __m512 s0 = _mm512_set1_ps(qs[r * nb + 2 * c]), s1 = _mm512_set1_ps(qs[r * nb + 2 * c + 1]);
+        const __m512 off = _mm512_maskz_mov_ps(0x0101, _mm512_set1_ps(corr[r * G + g]));
+        for (int64_t p = 0; p < P; ++p) {
+          const __m512i d0 = _mm512_dpbusd_epi32(zero, n0[p], q0);
+          const __m512i d1 = _mm512_dpbusd_epi32(zero, n1[p], q1);
+          if constexpr (OneChunk) {
+            const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), s0));
+            total[r][p] = _mm512_fmadd_ps(_mm512_sub_ps(sum, off), group_scale[p], total[r][p]);
+          } else {
+            group[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), s0, group[r][p]);
+            group[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, group[r][p]);
+          }
+        }
+      }
+    }
+    if constexpr (!OneChunk)
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 off = _mm512_maskz_mov_ps(0x0101, _mm512_set1_ps(corr[r * G + g]));
+        for (int64_t p = 0; p < P; ++p)
+          total[r][p] = _mm512_fmadd_ps(_mm512_sub_ps(group[r][p], off), group_scale[p], total[r][p]);
+      }
+  }
+  const __m256 z = _mm256_setzero_ps();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) {
+      y[r * ldy + 2 * p] = hsum(low_half(total[r][p]), z);
+      y[r * ldy + 2 * p + 1] = hsum(high_half(total[r][p]), z);
+    }
+}
+
+template <int64_t P, bool OneChunk>
+inline void idot4_wide_tile(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+                            const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    idot4_wide<4, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
+  switch (rows - r) {
+    case 3: idot4_wide<3, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 2: idot4_wide<2, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    case 1: idot4_wide<1, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+template <int64_t P>
+inline void idot4_wide_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+                            const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
+  if (K == 64 * G)
+    idot4_wide_tile<P, true>(q, qs, corr, rows, K, w, gs, G, y, ldy);
+  else
+    idot4_wide_tile<P, false>(q, qs, corr, rows, K, w, gs, G, y, ldy);
+}
+#endif
+
 // x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
 // float32, G dividing K into groups of a multiple of 64 inputs.
 at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -591,7 +751,21 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
       const int8_t* qr = in.q.data() + r0 * K;
       const float* sr = in.qs.data() + r0 * nb;
       const float* cr = corr.data() + r0 * G;
-      for (int64_t p = p0; p < std::min(p1, pairs); ++p)
+      int64_t p = p0;
+#ifdef RTK_WIDE_TILES
+      if (rows >= kWideRows) {
+        const int64_t pe = std::min(p1, pairs);
+        if (K == 64 * G)  // one chunk a group: 4 pairs a tile; otherwise the group sums take registers too
+          for (; p + 4 <= pe; p += 4)
+            idot4_wide_tile<4, true>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+        else
+          for (; p + 2 <= pe; p += 2)
+            idot4_wide_tile<2, false>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+        for (; p < pe; ++p)
+          idot4_wide_rows<1>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+      }
+#endif
+      for (; p < std::min(p1, pairs); ++p)
         idot4_rows<2>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
       if (p1 > pairs)
         idot4_rows<1>(qr, sr, cr, rt, K, w + (n - 1) * half, gs + (n - 1) * G, G, yp + r0 * n + n - 1, n);

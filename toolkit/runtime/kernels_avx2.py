@@ -19,8 +19,10 @@ Q4_0 dot products.  :class:`DecodeLayers` runs the decode rows' whole layers aro
 one C++ call.
 
 Where the CPU has AVX512-VNNI the same source is built a second time as ``rtk_vnni`` (:func:`library`), its
-integer lane sums one ``vpdpbusd`` each with the same bits, and INT8-SQ calls of many rows (prompt chunks)
-take oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits.
+integer lane sums one ``vpdpbusd`` each with the same bits, INT8-SQ calls of many rows (prompt chunks) take
+oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits, and
+blockwise / INT4 calls of two rows or more run in 512-bit registers holding two outputs each, every half
+doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ SOURCE = Path(__file__).with_name("kernels_avx2.cpp")
 # -ffp-contract=off: DecodeLayers' elementwise loops must round each float32 operation as torch does
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 CPU_FLAGS = ("avx2", "fma")
-# The same source with the integer products' lane sums in one vpdpbusd (kernels_avx2.cpp, dot4_add): the
-# same bits, fewer instructions; built and preferred where the CPU has AVX512-VNNI (Intel Ice Lake,
+# The same source with the integer products' lane sums in one vpdpbusd (kernels_avx2.cpp, dot4_add) and the
+# blockwise / INT4 products of many rows in 512-bit tiles (idot_wide, idot4_wide): the same bits, fewer
+# instructions; built and preferred where the CPU has AVX512-VNNI (Intel Ice Lake,
 # Cascade Lake and later, AMD Zen 4 and later).  RTK_VNNI=0 in the environment keeps the AVX2 build.
 VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
 VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
