@@ -312,7 +312,7 @@ inline void idot_rows(const int8_t* q, const uint8_t* qa, const float* qs, int64
 }
 
 // 32 float32 inputs -> int8 codes round(x / s) clamped to -128..127 (float32 division, round half to
-// even, as checkpoint.fake_quant), and their absolute values; with ``pqs`` (the SmoothQuant / AWQ
+// even, as checkpoint.fake_quant), and their absolute values where qa is given; with ``pqs`` (the SmoothQuant / AWQ
 // pre_quant_scale of these 32 inputs) round((x * pqs) / s), the product rounded to float32 first, as
 // torch's multiplication before the quantization rounds it
 inline void quantize_block(const float* x, __m256 sv, int8_t* q, uint8_t* qa, const float* pqs = nullptr) {
@@ -329,7 +329,7 @@ inline void quantize_block(const float* x, __m256 sv, int8_t* q, uint8_t* qa, co
   const __m256i c8 = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), c8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa), _mm256_abs_epi8(c8));
+  if (qa != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa), _mm256_abs_epi8(c8));
 }
 
 // Every output pair (and an odd N's last output) of R rows, row tiles innermost.
@@ -372,17 +372,19 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
   if (rows == 0) return y;
   // the input's codes, as checkpoint.fake_quant computes them (float32 division, round half to even,
   // clamp); a NaN input has no integer code (it gives -128 here, NaN on the dense path)
+  const bool gemm = plain.has_value() && rows >= kGemmRows;
   std::vector<int8_t> q(rows * K);
-  std::vector<uint8_t> qa(rows * K);
+  std::vector<uint8_t> qa(gemm ? 0 : rows * K);  // idot's (the GEMM takes the signed codes)
   const float* xp = xs.data_ptr<float>();
   const float* pp = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   const __m256 sv = _mm256_set1_ps(static_cast<float>(act_scale));
   const int64_t nb = K / 32;
   at::parallel_for(0, rows * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      quantize_block(xp + b * 32, sv, q.data() + b * 32, qa.data() + b * 32, pp ? pp + b % nb * 32 : nullptr);
+      quantize_block(xp + b * 32, sv, q.data() + b * 32, gemm ? nullptr : qa.data() + b * 32,
+                     pp ? pp + b % nb * 32 : nullptr);
   });
-  if (plain.has_value() && rows >= kGemmRows) {
+  if (gemm) {
     TORCH_CHECK(plain->scalar_type() == at::kChar && plain->dim() == 2 && plain->size(0) == n && plain->size(1) == K,
                 "rtk_avx2.w8a8: plain must be the [N, K] int8 codes");
     const at::Tensor sums = at::_int_mm(at::from_blob(q.data(), {rows, K}, at::kChar), plain->t());
@@ -429,7 +431,8 @@ inline void idot_wide(const int8_t* q, const float* qs, int64_t K, const int8_t*
   const int64_t nb = K / 32;
   for (int64_t k = 0; k < K; k += 32) {
     __m512i wv[P], start[P];
-    for (int64_t p = 0; p < P; ++p) {
+    for (int64_t p = 0; p < P; ++p) {  // the codes 2 KiB ahead, as idot (a weight larger than the caches)
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * pair_bytes + 2 * k + 2048), _MM_HINT_T0);
       wv[p] = _mm512_loadu_si512(w + p * pair_bytes + 2 * k);
       start[p] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, wv[p]));
     }
@@ -493,19 +496,34 @@ void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, cons
 
 // A projection's float32 inputs quantized per row and block of 32 as llama.cpp's Q8_0 activations: scale =
 // max |x| / 127 of the block (a block of zeros has codes 0 and scale 0), codes round(x / scale).
+// max |x| of 32 floats: per lane, then across lanes (a maximum is exact in any order).  _mm256_max_ps(v, m)
+// is v > m ? v : m, so a NaN input never wins, as with std::max(m, fabs(v)) one at a time.
+inline float block_amax(const float* x) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + 8 * j), magnitude), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
 struct BlockInputs {
   std::vector<int8_t> q;
-  std::vector<uint8_t> qa;
+  std::vector<uint8_t> qa;  // |q|, for idot's vpsignb products (abs_codes); W4A8 has none
   std::vector<float> qs;
 
-  BlockInputs(const float* xp, int64_t rows, int64_t K) : q(rows * K), qa(rows * K), qs(rows * K / 32) {
-    for (int64_t b = 0; b < rows * K / 32; ++b) {
-      float amax = 0.0f;
-      for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xp[b * 32 + i]));
-      qs[b] = amax / 127.0f;
-      // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
-      quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32, qa.data() + b * 32);
-    }
+  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes)
+      : q(rows * K), qa(abs_codes ? rows * K : 0), qs(rows * K / 32) {
+    at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float amax = block_amax(xp + b * 32);
+        qs[b] = amax / 127.0f;
+        // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
+        quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32,
+                       abs_codes ? qa.data() + b * 32 : nullptr);
+      }
+    });
   }
 };
 
@@ -525,7 +543,7 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, true);
   idot_all<true>(in.q, in.qa, in.qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n,
                  y.data_ptr<float>());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
@@ -551,16 +569,20 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
 std::vector<float> group_corrections(const BlockInputs& in, int64_t rows, int64_t K, int64_t G) {
   const int64_t nb = K / 32, per_group = nb / G;
   std::vector<float> corr(rows * G);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float c = 0.0f;
-      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < 32; ++i) sum += in.q[r * K + b * 32 + i];
-        c += static_cast<float>(8 * sum) * in.qs[r * nb + b];
+  const __m256i ones8 = _mm256_set1_epi8(1);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float c = 0.0f;
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {  // the block's exact sum of codes
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q.data() + r * K + b * 32));
+          const int32_t sum = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, codes), ones16));
+          c += static_cast<float>(8 * sum) * in.qs[r * nb + b];
+        }
+        corr[r * G + g] = c;
       }
-      corr[r * G + g] = c;
-    }
+  });
   return corr;
 }
 
@@ -662,8 +684,9 @@ inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int6
         for (int64_t p = 0; p < P; ++p) group[r][p] = _mm512_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       __m512i n0[P], n1[P];
-      for (int64_t p = 0; p < P; ++p) {
-        const __m512i raw = _mm512_loadu_si512(w + p * K + 64 * c);  // a pair's K / 2 bytes each, 64 a chunk
+      for (int64_t p = 0; p < P; ++p) {  // a pair's K / 2 bytes each, 64 a chunk
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * K + 64 * c + 2048), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(w + p * K + 64 * c);
         n0[p] = _mm512_and_si512(raw, low);
         n1[p] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
@@ -740,7 +763,7 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false);
   const std::vector<float> corr = group_corrections(in, rows, K, G);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const float* gs = scales.data_ptr<float>();
