@@ -17,6 +17,7 @@ import pytest
 from triton_helpers import running_server, write_echo_model, write_python_model
 
 from toolkit.errors import ServerError, UsageError
+from toolkit.triton import server as server_module
 from toolkit.triton.server import (
     TritonServer,
     find_tritonserver,
@@ -191,6 +192,7 @@ def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
         assert stopped is not None and stopped.pid == pid
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+        assert not server_module._group_members(pid)  # its python stubs too (their shared memory goes with them)
         assert not state_path(repo).exists()
         assert stop_detached(repo) is None  # nothing left to stop
     finally:

@@ -684,6 +684,12 @@ def stop_detached_all(repository: str | os.PathLike, timeout: float = 30.0) -> l
             with contextlib.suppress(ProcessLookupError):
                 os.kill(st.pid, signal.SIGKILL)
             _wait_pid_gone(st.pid, 10)
+        # as TritonServer.stop: a python stub that outlives its server keeps its shared memory, whose names
+        # (shm-region-prefix-name, from the port) the next server on that port takes again
+        if _group_members(st.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(st.pid, signal.SIGKILL)
+            _wait_group_gone(st.pid, 5.0)
     with contextlib.suppress(OSError):
         state_path(repository).unlink()
     return running
