@@ -19,7 +19,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .hostinfo import HostInfo, check_host_compatible, probe_host, version_tuple
+from .hostinfo import (
+    AVX2_KERNEL_FLAGS,
+    BF16_KERNEL_FLAGS,
+    VNNI_KERNEL_FLAGS,
+    HostInfo,
+    check_host_compatible,
+    probe_host,
+    version_tuple,
+)
 from .targets import GPU_STACK as SUPPORTED
 from .targets import NGC_CONTAINER as CONTAINER
 from .targets import TARGET_NAMES, TARGETS
@@ -257,15 +265,15 @@ def _cpu_engine(host: HostInfo) -> Check:
     """How rtk's CPU engine will compute here (toolkit/runtime/kernels.py, kernels_avx2.py)."""
     flags = set(host.cpu_flags)
     need = "AVX512-BF16 + AVX512-VBMI (AMD Zen 4+, Intel Sapphire Rapids+): bf16 compute with rtk's kernels"
-    if {"avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi"} <= flags:
+    if set(BF16_KERNEL_FLAGS) <= flags:
         return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels", need)
-    if {"avx2", "fma"} <= flags:
-        vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    if set(AVX2_KERNEL_FLAGS) <= flags:
+        vnni = set(VNNI_KERNEL_FLAGS) <= flags
         return Check(
             "CPU engine",
             "warn",
-            "AVX512-VNNI, no native bf16: float32 compute, rtk's AVX2 kernels built with VNNI, oneDNN's int8 GEMM "
-            "for INT8-SQ prompt rows"
+            "AVX512-VNNI, no native bf16: float32 compute, rtk's AVX2 kernels built with VNNI (512-bit tiles for "
+            "W8A16 / INT4 prompt rows), oneDNN's int8 GEMM for INT8-SQ prompt rows"
             if vnni
             else "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
             need,

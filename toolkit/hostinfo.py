@@ -121,8 +121,14 @@ class HostInfo:
 
 # -- probing ------------------------------------------------------------------------------------
 
-# The CPU features that decide how rtk's CPU engine computes (toolkit/runtime/kernels*.py).
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "avx512_vnni", "amx_bf16")
+# The CPU features that decide how rtk's CPU engine computes, kept here (no torch) so that `rtk doctor` reads the
+# sets the engine reads: runtime/kernels.py's bf16 kernels, kernels_avx2.py's float32 ones and their VNNI build,
+# and model.bf16_is_fast (dtype: auto).
+BF16_KERNEL_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")  # Zen 4 and later, Sapphire Rapids and later
+AVX2_KERNEL_FLAGS = ("avx2", "fma")
+VNNI_KERNEL_FLAGS = (*AVX2_KERNEL_FLAGS, "avx512f", "avx512vl", "avx512bw", "avx512_vnni")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either: bf16 dot products (Cooper Lake, Sapphire Rapids, Zen 4 on)
+CPU_FLAGS = tuple(dict.fromkeys((*AVX2_KERNEL_FLAGS, *VNNI_KERNEL_FLAGS, *BF16_KERNEL_FLAGS, *NATIVE_BF16_FLAGS)))
 
 
 def cpu_flags() -> set[str]:

@@ -40,12 +40,14 @@ from pathlib import Path
 
 import torch
 
+from ..hostinfo import BF16_KERNEL_FLAGS
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
 FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
-CPU_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")  # Zen 4 and later, Sapphire Rapids and later
+CPU_FLAGS = BF16_KERNEL_FLAGS
 
 
 def cpu_has(flags: tuple[str, ...]) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..hostinfo import AVX2_KERNEL_FLAGS, VNNI_KERNEL_FLAGS
 from . import kernels
 from .checkpoint import fake_quant
 
@@ -43,14 +44,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels_avx2.cpp")
 # -ffp-contract=off: DecodeLayers' elementwise loops must round each float32 operation as torch does
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-CPU_FLAGS = ("avx2", "fma")
+CPU_FLAGS = AVX2_KERNEL_FLAGS
 # The same source with the integer products' lane sums in one vpdpbusd (kernels_avx2.cpp, dot4_add) and the
 # blockwise / INT4 products of many rows in 512-bit tiles (idot_wide, idot4_wide): the same bits, fewer
 # instructions; built and preferred where the CPU has AVX512-VNNI (Intel Ice Lake,
 # Cascade Lake and later, AMD Zen 4 and later).  RTK_VNNI=0 in the environment keeps the AVX2 build.
 VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
 VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
-VNNI_CPU_FLAGS = (*CPU_FLAGS, "avx512f", "avx512vl", "avx512bw", "avx512_vnni")
+VNNI_CPU_FLAGS = VNNI_KERNEL_FLAGS
 KINDS = {"bf16": 0, "int8": 1, "fp8": 2}
 # The kernel's sums against the float64 product, relative to the largest output: float32 rounding of a
 # dot product of a few thousand terms is ~1e-6 of it; a layout or scale error is of the outputs' order.

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SourceError
+from ..hostinfo import NATIVE_BF16_FLAGS
 from . import hugepages, kernels, kernels_avx2
 from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
 from .kv_cache import KVPool, KVQuant
@@ -46,7 +47,7 @@ from .kv_cache import KVPool, KVQuant
 log = logging.getLogger(__name__)
 
 
-BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # native bf16 dot products: Cooper Lake, Sapphire Rapids, Zen 4 on
+BF16_CPU_FLAGS = set(NATIVE_BF16_FLAGS)
 
 
 def onednn_bf16() -> bool:
