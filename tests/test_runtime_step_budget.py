@@ -10,13 +10,13 @@ import pytest
 from toolkit.runtime.kv_cache import BlockManager
 from toolkit.runtime.sampling import SamplingParams
 from toolkit.runtime.scheduler import Scheduler, Sequence
-from toolkit.runtime.step_times import MIN_STEPS, StepTimes, attention_rows
+from toolkit.runtime.step_times import MIN_STEPS, WINDOW, StepTimes, attention_rows
 
 TRUE = (4.0, 1.5, 2.0, 3.0)  # fixed, per decode row, per prompt row, per 1024 tokens of chunk context (ms)
 
 
-def true_ms(decode: int, chunks: list[tuple[int, int]], scale: float = 1.0) -> float:
-    fixed, per_decode, per_row, per_context = (scale * c for c in TRUE)
+def true_ms(decode: int, chunks: list[tuple[int, int]], scale: float = 1.0, coef=TRUE) -> float:
+    fixed, per_decode, per_row, per_context = (scale * c for c in coef)
     return (
         fixed
         + per_decode * decode
@@ -24,14 +24,22 @@ def true_ms(decode: int, chunks: list[tuple[int, int]], scale: float = 1.0) -> f
     )
 
 
-def feed(times: StepTimes, steps: int, seed: int = 0, noise: float = 0.0, scale: float = 1.0) -> None:
-    """Steps of 1-8 decode rows, every other one with a prompt chunk, timed by :data:`TRUE` x ``scale``."""
+def feed(times: StepTimes, steps: int, seed: int = 0, noise: float = 0.0, scale: float = 1.0, coef=TRUE) -> None:
+    """Steps of 1-8 decode rows, every other one with a prompt chunk, timed by ``coef`` x ``scale``."""
     rng = random.Random(seed)
     for i in range(steps):
         decode = rng.randint(1, 8)
         chunks = [] if i % 2 else [(rng.choice([8, 16, 32]), rng.choice([0, 64, 256, 700]))]
-        ms = true_ms(decode, chunks, scale) * (1 + rng.uniform(-noise, noise))
+        ms = true_ms(decode, chunks, scale, coef) * (1 + rng.uniform(-noise, noise))
         times.observe(decode, sum(n for n, _ in chunks), sum(attention_rows(n, c) for n, c in chunks), ms)
+
+
+def hold_cost(times: StepTimes, coef) -> None:
+    """``times`` fitted to steps timed exactly by ``coef`` (both windows filled with them), then deaf to the
+    steps that follow: a known cost for the scheduler's cuts, through the same fit the engine feeds."""
+    feed(times, 2 * WINDOW, seed=3, coef=coef)
+    assert times.coef == pytest.approx(coef, rel=1e-6, abs=1e-9)
+    times.observe = lambda *step: None
 
 
 def test_the_fit_recovers_a_linear_step_cost_and_inverts_it():
@@ -89,7 +97,8 @@ def decoding(budget_ms: float | None, coef=(5.0, 1.0, 2.0, 0.0), decoders: int =
     for seq, n in sched.schedule():  # no one decodes yet: the three prompts whole
         sched.commit(seq, n)
         seq.tokens.append(7)
-    sched.step_times.coef = coef
+    if coef is not None:
+        hold_cost(sched.step_times, coef)
     return sched
 
 
@@ -137,7 +146,7 @@ def test_the_context_term_cuts_a_long_prompts_later_chunks():
 
 def test_no_time_cut_without_decodes_or_before_the_fit():
     sched = Scheduler(BlockManager(256, 16, True), 8, 64, max_num_tokens_without_decode=512, step_budget_ms=1.0)
-    sched.step_times.coef = (5.0, 1.0, 2.0, 0.0)
+    hold_cost(sched.step_times, (5.0, 1.0, 2.0, 0.0))
     sched.add(sequence(0, 300))
     assert planned(sched.schedule()) == [("r0", 300)]  # nobody generating: the whole prompt
     sched = decoding(1.0, coef=None)
@@ -161,8 +170,7 @@ def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_
     run(eng, [greedy(prompt(8, 70 + i), n=6) for i in range(4)], arrivals={1: 1, 2: 2, 3: 3})  # the fit's data
     assert eng.scheduler.step_times.ready
     # the tiny model's rows cost microseconds, so its fit's cut is noise: hold the cost at one we know
-    eng.scheduler.step_times.observe = lambda *step: None
-    eng.scheduler.step_times.coef = (5.0, 1.0, 2.0, 0.0)
+    hold_cost(eng.scheduler.step_times, (5.0, 1.0, 2.0, 0.0))
     chunks: list[int] = []
     forward = eng.model.forward
 

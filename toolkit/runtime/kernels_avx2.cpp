@@ -494,8 +494,6 @@ void idot_all(const std::vector<int8_t>& q, const std::vector<uint8_t>& qa, cons
   });
 }
 
-// A projection's float32 inputs quantized per row and block of 32 as llama.cpp's Q8_0 activations: scale =
-// max |x| / 127 of the block (a block of zeros has codes 0 and scale 0), codes round(x / scale).
 // max |x| of 32 floats: per lane, then across lanes (a maximum is exact in any order).  _mm256_max_ps(v, m)
 // is v > m ? v : m, so a NaN input never wins, as with std::max(m, fabs(v)) one at a time.
 inline float block_amax(const float* x) {
@@ -508,6 +506,8 @@ inline float block_amax(const float* x) {
   return _mm_cvtss_f32(h);
 }
 
+// A projection's float32 inputs quantized per row and block of 32 as llama.cpp's Q8_0 activations: scale =
+// max |x| / 127 of the block (a block of zeros has codes 0 and scale 0), codes round(x / scale).
 struct BlockInputs {
   std::vector<int8_t> q;
   std::vector<uint8_t> qa;  // |q|, for idot's vpsignb products (abs_codes); W4A8 has none
@@ -677,8 +677,9 @@ inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int6
   const int64_t nb = K / 32, chunks_per_group = OneChunk ? 1 : nb / G / 2;
   for (int64_t g = 0; g < G; ++g) {
     __m512 group_scale[P], group[R][P];
-    for (int64_t p = 0; p < P; ++p)
-      group_scale[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs[2 * p * G + g]), _mm512_set1_ps(gs[(2 * p + 1) * G + g]));
+    for (int64_t p = 0; p < P; ++p)  // lanes 0-7 output 2p's group scale, 8-15 output 2p + 1's
+      group_scale[p] =
+          _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs[2 * p * G + g]), _mm512_set1_ps(gs[(2 * p + 1) * G + g]));
     if constexpr (!OneChunk)
       for (int64_t r = 0; r < R; ++r)
         for (int64_t p = 0; p < P; ++p) group[r][p] = _mm512_setzero_ps();
@@ -698,7 +699,8 @@ inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int6
           const __m512i d0 = _mm512_dpbusd_epi32(zero, n0[p], q0);
           const __m512i d1 = _mm512_dpbusd_epi32(zero, n1[p], q1);
           if constexpr (OneChunk) {
-            const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), s0));
+            const __m512 sum =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), s0));
             total[r][p] = _mm512_fmadd_ps(_mm512_sub_ps(sum, off), group_scale[p], total[r][p]);
           } else {
             group[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), s0, group[r][p]);
@@ -778,14 +780,15 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 #ifdef RTK_WIDE_TILES
       if (rows >= kWideRows) {
         const int64_t pe = std::min(p1, pairs);
+        float* yr = yp + r0 * n;
         if (K == 64 * G)  // one chunk a group: 4 pairs a tile; otherwise the group sums take registers too
           for (; p + 4 <= pe; p += 4)
-            idot4_wide_tile<4, true>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+            idot4_wide_tile<4, true>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
         else
           for (; p + 2 <= pe; p += 2)
-            idot4_wide_tile<2, false>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+            idot4_wide_tile<2, false>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
         for (; p < pe; ++p)
-          idot4_wide_rows<1>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
+          idot4_wide_rows<1>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
       }
 #endif
       for (; p < std::min(p1, pairs); ++p)

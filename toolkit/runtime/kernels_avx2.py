@@ -32,6 +32,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -53,6 +54,7 @@ VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "
 VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
 VNNI_CPU_FLAGS = VNNI_KERNEL_FLAGS
 KINDS = {"bf16": 0, "int8": 1, "fp8": 2}
+INT_KINDS = {"int8": 0, "int4": 4}  # DecodeLayers' integer path: w8a8 / w8a8_blockwise, or w4a8 (kW4)
 # The kernel's sums against the float64 product, relative to the largest output: float32 rounding of a
 # dot product of a few thousand terms is ~1e-6 of it; a layout or scale error is of the outputs' order.
 TOLERANCE = 1e-4
@@ -187,6 +189,7 @@ class W8A8Weight:
     # the same codes in the export's order, for oneDNN's int8 GEMM on calls of many rows (same bits; the VNNI
     # build's hosts, SmoothQuant only): a second byte a weight
     plain: torch.Tensor | None = None
+    kind: ClassVar[str] = "int8"  # its codes (INT_KINDS)
 
     def __post_init__(self):
         # read once: the call is on every projection of every step
@@ -272,6 +275,7 @@ class W4A8Weight:
     codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
     scales: torch.Tensor  # [N, groups] float32
     plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
+    kind: ClassVar[str] = "int4"
 
     blockwise = True  # quantizes its input per block itself, as W8A8Weight without an input scale
     act_scale_value = 0.0
@@ -350,7 +354,7 @@ class DecodeLayers:
             self._layers.add_projection(
                 True,
                 w.codes,
-                4 if isinstance(w, W4A8Weight) else 0,  # the integer path's codes: 4 INT4 (w4a8), else INT8
+                INT_KINDS[w.kind],
                 w.scales,
                 w.act_scale_value,
                 proj.bias,

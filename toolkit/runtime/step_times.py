@@ -60,10 +60,6 @@ class StepTimes:
             self._coef = self._fit() if enough else None
         return self._coef
 
-    @coef.setter
-    def coef(self, value: tuple[float, float, float, float] | None) -> None:
-        self._coef, self._stale = value, False
-
     @property
     def ready(self) -> bool:
         return self.coef is not None
