@@ -59,6 +59,21 @@ inline float hsum(__m256 a, __m256 b) {
   return _mm_cvtss_f32(q);
 }
 
+// tile(R, r) for the rows of a call in tiles of 4 (R a std::integral_constant, a kernel's template argument;
+// r the tile's first row), then one tile of the 3, 2 or 1 left: every kernel below walks its rows so.
+template <typename Tile>
+inline void by_row_tiles(int64_t rows, Tile&& tile) {
+  static_assert(kRowBlock == 4, "by_row_tiles: the rows left are 3, 2 or 1");
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) tile(std::integral_constant<int64_t, kRowBlock>{}, r);
+  switch (rows - r) {
+    case 3: tile(std::integral_constant<int64_t, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int64_t, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int64_t, 1>{}, r); break;
+    default: break;
+  }
+}
+
 // out[r] = sum_k x[r, k] * w[k] for rows r < R (R <= kRowBlock) of one output's weights.
 template <int64_t Kind>
 inline __m256 weights8(const uint8_t* w, __m256 scale, int64_t k) {
@@ -101,14 +116,9 @@ void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_
     for (int64_t o = o0; o < o1; ++o) {
       const uint8_t* wo = w + o * w_row_bytes;
       const float* so = scales == nullptr ? nullptr : scales + o * groups;
-      int64_t r = 0;
-      for (; r + kRowBlock <= rows; r += kRowBlock) dot_rows<Kind, kRowBlock>(x + r * K, K, wo, so, group, y + r * n + o, n);
-      switch (rows - r) {
-        case 3: dot_rows<Kind, 3>(x + r * K, K, wo, so, group, y + r * n + o, n); break;
-        case 2: dot_rows<Kind, 2>(x + r * K, K, wo, so, group, y + r * n + o, n); break;
-        case 1: dot_rows<Kind, 1>(x + r * K, K, wo, so, group, y + r * n + o, n); break;
-        default: break;
-      }
+      by_row_tiles(rows, [&](auto R, int64_t r) {
+        dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, so, group, y + r * n + o, n);
+      });
     }
   });
 }
@@ -300,15 +310,9 @@ template <int64_t O, bool Blockwise>
 inline void idot_rows(const int8_t* q, const uint8_t* qa, const float* qs, int64_t rows, int64_t K, const int8_t* w,
                       const float* oscale, float* y, int64_t ldy) {
   const int64_t nb = K / 32;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    idot<4, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy);
-  switch (rows - r) {
-    case 3: idot<3, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
-    case 2: idot<2, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
-    case 1: idot<1, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy); break;
-    default: break;
-  }
+  by_row_tiles(rows, [&](auto R, int64_t r) {
+    idot<decltype(R)::value, O, Blockwise>(q + r * K, qa + r * K, qs + r * nb, K, w, oscale, y + r * ldy, ldy);
+  });
 }
 
 // 32 float32 inputs -> int8 codes round(x / s) clamped to -128..127 (float32 division, round half to
@@ -456,14 +460,9 @@ template <int64_t P>
 inline void idot_wide_rows(const int8_t* q, const float* qs, int64_t rows, int64_t K, const int8_t* w,
                            const float* oscale, float* y, int64_t ldy) {
   const int64_t nb = K / 32;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) idot_wide<4, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy);
-  switch (rows - r) {
-    case 3: idot_wide<3, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
-    case 2: idot_wide<2, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
-    case 1: idot_wide<1, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy); break;
-    default: break;
-  }
+  by_row_tiles(rows, [&](auto R, int64_t r) {
+    idot_wide<decltype(R)::value, P>(q + r * K, qs + r * nb, K, w, 2 * K, oscale, y + r * ldy, ldy);
+  });
 }
 #endif
 
@@ -640,28 +639,24 @@ inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K
     for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = hsum(total[r][o], _mm256_setzero_ps());
 }
 
-template <int64_t O, bool OneChunk>
-inline void idot4_tile(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
-                       const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
-  const int64_t nb = K / 32;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    idot4<4, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
-  switch (rows - r) {
-    case 3: idot4<3, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 2: idot4<2, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 1: idot4<1, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    default: break;
-  }
+// tile(R, one_chunk, r) over a call's rows (by_row_tiles), one_chunk a std::bool_constant: whether each weight
+// group is one chunk of 64 inputs (K == 64 G), chosen once a call
+template <typename Tile>
+inline void int4_row_tiles(int64_t rows, int64_t K, int64_t G, Tile&& tile) {
+  if (K == 64 * G)
+    by_row_tiles(rows, [&](auto R, int64_t r) { tile(R, std::true_type{}, r); });
+  else
+    by_row_tiles(rows, [&](auto R, int64_t r) { tile(R, std::false_type{}, r); });
 }
 
 template <int64_t O>
 inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
                        const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
-  if (K == 64 * G)
-    idot4_tile<O, true>(q, qs, corr, rows, K, w, gs, G, y, ldy);
-  else
-    idot4_tile<O, false>(q, qs, corr, rows, K, w, gs, G, y, ldy);
+  const int64_t nb = K / 32;
+  int4_row_tiles(rows, K, G, [&](auto R, auto one_chunk, int64_t r) {
+    idot4<decltype(R)::value, O, decltype(one_chunk)::value>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G,
+                                                              y + r * ldy, ldy);
+  });
 }
 
 #ifdef RTK_WIDE_TILES
@@ -724,28 +719,14 @@ inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int6
     }
 }
 
-template <int64_t P, bool OneChunk>
-inline void idot4_wide_tile(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
-                            const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
-  const int64_t nb = K / 32;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    idot4_wide<4, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
-  switch (rows - r) {
-    case 3: idot4_wide<3, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 2: idot4_wide<2, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    case 1: idot4_wide<1, P, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy); break;
-    default: break;
-  }
-}
-
 template <int64_t P>
 inline void idot4_wide_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
                             const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
-  if (K == 64 * G)
-    idot4_wide_tile<P, true>(q, qs, corr, rows, K, w, gs, G, y, ldy);
-  else
-    idot4_wide_tile<P, false>(q, qs, corr, rows, K, w, gs, G, y, ldy);
+  const int64_t nb = K / 32;
+  int4_row_tiles(rows, K, G, [&](auto R, auto one_chunk, int64_t r) {
+    idot4_wide<decltype(R)::value, P, decltype(one_chunk)::value>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G,
+                                                                   y + r * ldy, ldy);
+  });
 }
 #endif
 
@@ -783,10 +764,10 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
         float* yr = yp + r0 * n;
         if (K == 64 * G)  // one chunk a group: 4 pairs a tile; otherwise the group sums take registers too
           for (; p + 4 <= pe; p += 4)
-            idot4_wide_tile<4, true>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
+            idot4_wide_rows<4>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
         else
           for (; p + 2 <= pe; p += 2)
-            idot4_wide_tile<2, false>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
+            idot4_wide_rows<2>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
         for (; p < pe; ++p)
           idot4_wide_rows<1>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
       }
