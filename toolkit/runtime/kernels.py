@@ -40,21 +40,19 @@ from pathlib import Path
 
 import torch
 
-from ..hostinfo import BF16_KERNEL_FLAGS
+from .. import hostinfo
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
 FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
-CPU_FLAGS = BF16_KERNEL_FLAGS
+CPU_FLAGS = hostinfo.BF16_KERNEL_FLAGS
 
 
 def cpu_has(flags: tuple[str, ...]) -> bool:
     """True when /proc/cpuinfo lists every one of ``flags``."""
-    from ..hostinfo import cpu_flags
-
-    return set(flags) <= cpu_flags()
+    return set(flags) <= hostinfo.cpu_flags()  # looked up at each call (tests stand in other CPUs' flags)
 
 
 def cpu_supports_kernels() -> bool:

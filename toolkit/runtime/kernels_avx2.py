@@ -32,7 +32,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
@@ -189,7 +188,7 @@ class W8A8Weight:
     # the same codes in the export's order, for oneDNN's int8 GEMM on calls of many rows (same bits; the VNNI
     # build's hosts, SmoothQuant only): a second byte a weight
     plain: torch.Tensor | None = None
-    kind: ClassVar[str] = "int8"  # its codes (INT_KINDS)
+    kind = "int8"  # its codes (INT_KINDS); not a field
 
     def __post_init__(self):
         # read once: the call is on every projection of every step
@@ -275,7 +274,7 @@ class W4A8Weight:
     codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
     scales: torch.Tensor  # [N, groups] float32
     plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
-    kind: ClassVar[str] = "int4"
+    kind = "int4"
 
     blockwise = True  # quantizes its input per block itself, as W8A8Weight without an input scale
     act_scale_value = 0.0

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import hostinfo
 from ..errors import SourceError
-from ..hostinfo import NATIVE_BF16_FLAGS
 from . import hugepages, kernels, kernels_avx2
 from .checkpoint import Checkpoint, Linear, ModelConfig, fake_quant
 from .kv_cache import KVPool, KVQuant
@@ -47,7 +47,7 @@ from .kv_cache import KVPool, KVQuant
 log = logging.getLogger(__name__)
 
 
-BF16_CPU_FLAGS = set(NATIVE_BF16_FLAGS)
+BF16_CPU_FLAGS = set(hostinfo.NATIVE_BF16_FLAGS)
 
 
 def onednn_bf16() -> bool:
@@ -63,9 +63,7 @@ def bf16_is_fast() -> bool:
     """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX, /proc/cpuinfo) and oneDNN uses them:
     what ``dtype: auto`` asks.  Where oneDNN converts (:func:`onednn_bf16` without the flags) a bf16 engine
     decoded SmolLM2's INT8-SQ export 5x slower than the float32 one (docs/engine.md, "AVX512 without bf16")."""
-    from ..hostinfo import cpu_flags
-
-    return bool(BF16_CPU_FLAGS & cpu_flags()) and onednn_bf16()
+    return bool(BF16_CPU_FLAGS & hostinfo.cpu_flags()) and onednn_bf16()
 
 
 def resolve_dtype(name: str) -> torch.dtype:
