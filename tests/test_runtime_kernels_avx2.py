@@ -22,7 +22,8 @@ pytestmark = [
     pytest.mark.skipif(not kernels_avx2.available(), reason="rtk's AVX2 GEMV needs AVX2 and FMA and a compiler"),
 ]
 
-SHAPES = [(960, 576), (64, 1536), (77, 40)]  # fused qkv, a down projection, odd outputs and a K of 5 chunks
+# fused qkv, a down projection, odd outputs with a K of 5 chunks of 8 (bf16: not taken) and of 3 blocks of 16
+SHAPES = [(960, 576), (64, 1536), (77, 40), (77, 48)]
 
 
 def weights(kind: str, n: int, k: int, g: torch.Generator):
@@ -49,6 +50,9 @@ def test_products_are_the_float64_ones_within_the_tolerance_and_rows_never_depen
     n, k = shape
     dense, codes = weights(kind, n, k, g)
     packed = kernels_avx2.Fp32Weight.pack(dense, codes)
+    if kind == "bf16" and k % 16:  # bf16 weights are read in blocks of 16
+        assert packed is None
+        return
     assert packed is not None and packed.kind == ("int8" if kind == "int4" else kind)
     bias = torch.randn(n, generator=g)
     x = torch.randn(9, k, generator=g)
@@ -65,6 +69,7 @@ def test_weights_it_cannot_hold_exactly_are_left_to_the_dense_path():
     g = torch.Generator().manual_seed(2)
     assert kernels_avx2.Fp32Weight.pack(torch.randn(8, 64, generator=g), None) is None  # not bf16 values
     assert kernels_avx2.Fp32Weight.pack(torch.randn(8, 60, generator=g).bfloat16().float(), None) is None  # K % 8
+    assert kernels_avx2.Fp32Weight.pack(torch.randn(8, 40, generator=g).bfloat16().float(), None) is None  # bf16: % 16
     # a layout or scale error is caught by the check at load
     dense, (_, codes, scale) = weights("int8", 16, 64, g)
     assert not kernels_avx2.Fp32Weight.pack(dense, ("int8", codes, scale * 2)).within(dense, None)
@@ -77,6 +82,7 @@ def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt
     proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True)
     assert proj.kernel == "rtk-avx2-int8" and proj.codes_own_rounding
     assert proj.nbytes == 96 * 64 + 96 * 4  # a byte a weight and the scales, not 4 bytes a weight
+    assert proj.mkl_tiles is not None and proj.weight is None  # MKL's packed weights instead of float32 ones
     x = torch.randn(5, 64, generator=g)
     kernel, rows_seen = proj.fp32_gemv, []
 
@@ -93,6 +99,25 @@ def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt
     assert torch.equal(y[2:], prompt_alone)
     assert (y[2:] - x[2:] @ dense.t()).abs().max() <= 1e-5 * y.abs().max()
     assert Projection([lin], torch.float32, pack=False, gemv_kernel=False).fp32_gemv is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_tiles_give_each_row_the_float32_product_whatever_its_call(bias):
+    """Prompt rows through MKL's packed GEMM in calls of MKL_TILE rows: any number of rows, in any split, gives
+    every row the same bits, within float32 rounding of the float64 product; the fused step's op is the same."""
+    g = torch.Generator().manual_seed(4)
+    dense = torch.randn(200, 96, generator=g).bfloat16().float()
+    b = torch.randn(200, generator=g) if bias else None
+    tiles = kernels_avx2.MklTiles.pack(dense)
+    assert tiles is not None
+    x = torch.randn(2 * kernels_avx2.MKL_TILE + 5, 96, generator=g)
+    with torch.inference_mode():
+        whole = tiles(x, b)
+        ref = x.double() @ dense.double().t() + (0 if b is None else b.double())
+        assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for a, z in [(0, 1), (3, 20), (7, 7 + kernels_avx2.MKL_TILE), (30, 69)]:
+            assert torch.equal(tiles(x[a:z], b), whole[a:z]), (a, z)
+        assert tiles(x[:0], b).shape == (0, 200)
 
 
 def test_float32_engine_greedy_tokens_equal_transformers_float32(tiny_llama_dir):
@@ -768,11 +793,14 @@ def both_builds():
     return builds
 
 
+GEMV_SHAPES = [("bf16", 960, 576), ("bf16", 77, 48), ("fp8", 64, 1536), ("int8", 33, 576), ("int4", 77, 40)]
+
+
 @needs_vnni
 def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch):
-    """On a VNNI CPU the engine takes ``rtk_vnni`` (``RTK_VNNI=0`` keeps AVX2), whose W8A8, blockwise W8A8 and
-    W4A8 products are the AVX2 build's bits at every row count (integer lane sums: one vpdpbusd there,
-    vpmaddubsw + vpmaddwd here; blockwise and W4A8 calls of 2 rows or more in 512-bit registers holding two
+    """On a VNNI CPU the engine takes ``rtk_vnni`` (``RTK_VNNI=0`` keeps AVX2), whose W8A8, blockwise W8A8,
+    W4A8 products and GEMV are the AVX2 build's bits at every row count (integer lane sums: one vpdpbusd there,
+    vpmaddubsw + vpmaddwd here; blockwise, W4A8 and GEMV calls of 2 rows or more in 512-bit registers holding two
     outputs each), and whose machine code really has the instruction, on 512-bit registers too; a SmoothQuant
     weight packed there carries its codes in the export's order for oneDNN's int8 GEMM, again the same bits."""
     import shutil
@@ -800,6 +828,8 @@ def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch)
     awq = [w4a16_linear(960, 576, 64, g), w4a16_linear(64, 1536, 128, g), w4a16_linear(33, 384, 192, g)]
     w4 = [kernels_avx2.W4A8Weight.pack(("int4", a.codes.codes, a.codes.scale)) for a in awq]
     pqs = torch.rand(576, generator=g) + 0.5
+    # the GEMV over bf16 (paired in blocks of 16), FP8 and INT8 codes (groups with a last 8), odd outputs
+    gemv_weights = [kernels_avx2.Fp32Weight.pack(*weights(kind, n, k, g)) for kind, n, k in GEMV_SHAPES]
     # 2 rows on: the VNNI build's 512-bit tiles (two outputs a register), in tiles of 4 rows and 16
     for rows in (1, 2, 3, 4, 5, 16, 37, 64):
         x384, x576, x1536 = (torch.randn(rows, k, generator=g) * 2 for k in (384, 576, 1536))
@@ -812,8 +842,13 @@ def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch)
             ("w4a8", (x1536, w4[1].codes, w4[1].scales, None)),
             ("w4a8", (x384, w4[2].codes, w4[2].scales, None)),
         ]
+        for w in gemv_weights:
+            x = torch.randn(rows, w.weights.shape[1], generator=g)
+            args = (x, w.weights, kernels_avx2.KINDS[w.kind], w.scales, None)
+            calls.append((f"gemv {w.kind} {tuple(w.weights.shape)}", args))
         for name, args in calls:
-            assert torch.equal(getattr(vnni, name)(*args), getattr(avx2, name)(*args)), (rows, name)
+            op = name.split()[0]
+            assert torch.equal(getattr(vnni, op)(*args), getattr(avx2, op)(*args)), (rows, name)
         # with the codes in the export's order too, calls of 6 rows or more take oneDNN's int8 GEMM: the same bits
         bias = torch.randn(960, generator=g)
         idot = avx2.w8a8(x576, w8.act_scale_value, w8.codes, w8.scales, bias, pqs)

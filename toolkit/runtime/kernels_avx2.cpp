@@ -38,11 +38,8 @@ constexpr int64_t kBf16 = 0, kInt8 = 1, kFp8 = 2;
 constexpr int64_t kRowBlock = 4;  // rows sharing one decode of a weight chunk
 
 template <int64_t Kind>
-inline __m256 decode8(const uint8_t* w, int64_t k) {
-  if constexpr (Kind == kBf16) {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-  } else if constexpr (Kind == kInt8) {
+inline __m256 decode8(const uint8_t* w, int64_t k) {  // int8 / fp8 codes (bf16: bf16_block)
+  if constexpr (Kind == kInt8) {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   } else {  // e4m3 sign-extended: bits 31..7 the sign, 6..0 exponent and mantissa; into float32's places
@@ -82,12 +79,21 @@ inline __m256 weights8(const uint8_t* w, __m256 scale, int64_t k) {
   return v;
 }
 
+// bf16 weights 0-7 and 8-15 of a block of 16 stored in kernels_avx2.UNPACK_ORDER (each 128-bit lane's low four
+// words are among 0-7, its high four among 8-15): unpacked against zeros, each word becomes its float32, bits << 16
+inline void bf16_block(const uint8_t* b, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+  w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+
 // out[r * out_stride] = sum_k x[r, k] * w[k] for rows r < R (R <= kRowBlock) of one output's weights:
 // group by group, inputs 16 at a time into two accumulators (a group's last 8 into the first), then
-// one fixed horizontal sum.
+// one fixed horizontal sum.  bf16 weights are one group of blocks of 16 (bf16_block), step bytes apart
+// (kernels_avx2.bf16_unpack_order: 64 where outputs are paired, 32 for an odd N's last).
 template <int64_t Kind, int64_t R>
-inline void dot_rows(const float* x, int64_t K, const uint8_t* w, const float* scales, int64_t group, float* out,
-                     int64_t out_stride) {
+inline void dot_rows(const float* x, int64_t K, const uint8_t* w, int64_t step, const float* scales, int64_t group,
+                     float* out, int64_t out_stride) {
   __m256 acc0[R], acc1[R];
   for (int64_t r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
@@ -95,42 +101,198 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* w, const float* s
     const int64_t g1 = g0 + group;
     int64_t k = g0;
     for (; k + 16 <= g1; k += 16) {
-      const __m256 w0 = weights8<Kind>(w, scale, k), w1 = weights8<Kind>(w, scale, k + 8);
+      __m256 w0, w1;
+      if constexpr (Kind == kBf16) {
+        bf16_block(w + (k / 16) * step, w0, w1);
+      } else {
+        w0 = weights8<Kind>(w, scale, k);
+        w1 = weights8<Kind>(w, scale, k + 8);
+      }
       for (int64_t r = 0; r < R; ++r) {
         acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc0[r]);
         acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc1[r]);
       }
     }
-    if (k < g1) {
-      const __m256 w0 = weights8<Kind>(w, scale, k);
-      for (int64_t r = 0; r < R; ++r) acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc0[r]);
+    if constexpr (Kind != kBf16) {
+      if (k < g1) {
+        const __m256 w0 = weights8<Kind>(w, scale, k);
+        for (int64_t r = 0; r < R; ++r) acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc0[r]);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) out[r * out_stride] = hsum(acc0[r], acc1[r]);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The VNNI build's GEMV for calls of two rows or more: one 512-bit register holds an output pair's
+// accumulators side by side (lanes 0-7 output o, 8-15 output o + 1), the pair's weights at k (bf16: one
+// 64-byte load of the pair's block, both outputs' 16 unpacked by two instructions; codes: 8 from each
+// output's row), the row's 8 inputs broadcast to both halves, the pair's group scales one to a half.  Each
+// half does, lane for lane, what dot_rows does in its 256-bit register (the same conversions, products by the
+// scale, multiply-adds in the same order, the same final sum): the same bits with half the multiply-adds and
+// input loads, and each input load shared by P pairs.
+#define RTK_WIDE_GEMV 1
+constexpr int64_t kWideGemvRows = 2;  // a call of one row keeps dot_rows (bound by the weights' bytes)
+constexpr int64_t kWideGemvPairs = 2;  // output pairs a tile: 16 accumulators (4 rows x 2 pairs x 2)
+
+template <int64_t Kind>
+inline __m512 codes8_pair(const uint8_t* w0, const uint8_t* w1, __m512 scale, int64_t k) {
+  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w0 + k)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w1 + k)));
+  __m512 v;
+  if constexpr (Kind == kInt8) {
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  } else {
+    v = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(b), 20), _mm512_set1_epi32(0x87F00000u)));
+  }
+  return _mm512_mul_ps(v, scale);
+}
+
+inline __m512 broadcast8(const float* p) {  // 8 floats into both halves
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// out[r * ldy + 2p (+1)] for rows r < R and P output pairs (w: the first pair's weights, pair_bytes apart):
+// dot_rows' arithmetic, two outputs a register.
+template <int64_t Kind, int64_t R, int64_t P>
+inline void dot_wide(const float* x, int64_t K, const uint8_t* w, int64_t pair_bytes, const float* scales,
+                     int64_t groups, int64_t group, float* y, int64_t ldy) {
+  __m512 acc0[R][P], acc1[R][P];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) acc0[r][p] = acc1[r][p] = _mm512_setzero_ps();
+  const int64_t row_bytes = pair_bytes / 2;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m512 scale[P];
+    for (int64_t p = 0; p < P; ++p)
+      scale[p] = Kind == kBf16 ? _mm512_set1_ps(1.0f)
+                               : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * p * groups + g0 / group]),
+                                                      _mm512_set1_ps(scales[(2 * p + 1) * groups + g0 / group]));
+    const int64_t g1 = g0 + group;
+    int64_t k = g0;
+    for (; k + 16 <= g1; k += 16) {
+      __m512 w0[P], w1[P];
+      for (int64_t p = 0; p < P; ++p) {
+        const uint8_t* a = w + p * pair_bytes;
+        if constexpr (Kind == kBf16) {  // lanes 0-1: output 2p's block, 2-3: output 2p + 1's (bf16_block)
+          const __m512i v = _mm512_loadu_si512(a + 4 * k);
+          w0[p] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
+          w1[p] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
+        } else {
+          w0[p] = codes8_pair<Kind>(a, a + row_bytes, scale[p], k);
+          w1[p] = codes8_pair<Kind>(a, a + row_bytes, scale[p], k + 8);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xa = broadcast8(x + r * K + k), xb = broadcast8(x + r * K + k + 8);
+        for (int64_t p = 0; p < P; ++p) {
+          acc0[r][p] = _mm512_fmadd_ps(w0[p], xa, acc0[r][p]);
+          acc1[r][p] = _mm512_fmadd_ps(w1[p], xb, acc1[r][p]);
+        }
+      }
+    }
+    if constexpr (Kind != kBf16) {
+      if (k < g1) {
+        __m512 w0[P];
+        for (int64_t p = 0; p < P; ++p) {
+          const uint8_t* a = w + p * pair_bytes;
+          w0[p] = codes8_pair<Kind>(a, a + row_bytes, scale[p], k);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512 xa = broadcast8(x + r * K + k);
+          for (int64_t p = 0; p < P; ++p) acc0[r][p] = _mm512_fmadd_ps(w0[p], xa, acc0[r][p]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < P; ++p) {
+      y[r * ldy + 2 * p] = hsum(_mm512_castps512_ps256(acc0[r][p]), _mm512_castps512_ps256(acc1[r][p]));
+      y[r * ldy + 2 * p + 1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc0[r][p]), 1)),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc1[r][p]), 1)));
+    }
+}
+#endif
+
+// Every output of R rows.  bf16 weights are paired (kernels_avx2.bf16_unpack_order): output o's block of 16 at k
+// lies at w + (o - o % 2) * row_bytes + 4k + 32 (o % 2), an odd N's last output's at w + (N - 1) * row_bytes + 2k.
+// dot_rows of a bf16 output pair (kernels_avx2.bf16_unpack_order): each 64-byte block read once, its first 32 bytes
+// output 2p's 16 weights, the rest output 2p + 1's; each output's accumulators and sums as dot_rows'.
+template <int64_t R>
+inline void dot_rows_bf16_pair(const float* x, int64_t K, const uint8_t* w, float* out, int64_t out_stride) {
+  __m256 acc0[2][R], acc1[2][R];
+  for (int64_t j = 0; j < 2; ++j)
+    for (int64_t r = 0; r < R; ++r) acc0[j][r] = acc1[j][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256 w0[2], w1[2];
+    for (int64_t j = 0; j < 2; ++j) bf16_block(w + 4 * k + 32 * j, w0[j], w1[j]);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 xa = _mm256_loadu_ps(x + r * K + k), xb = _mm256_loadu_ps(x + r * K + k + 8);
+      for (int64_t j = 0; j < 2; ++j) {
+        acc0[j][r] = _mm256_fmadd_ps(w0[j], xa, acc0[j][r]);
+        acc1[j][r] = _mm256_fmadd_ps(w1[j], xb, acc1[j][r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2; ++j) out[r * out_stride + j] = hsum(acc0[j][r], acc1[j][r]);
+}
+
 template <int64_t Kind>
 void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_t w_row_bytes, const float* scales,
                int64_t groups, int64_t group, int64_t n, float* y) {
+  const int64_t pairs = n / 2;
+  const auto one_output = [&](int64_t o, int64_t r, auto R) {  // dot_rows of output o (bf16: paired, or N's last)
+    const bool paired = o < 2 * pairs;
+    const uint8_t* wo = Kind != kBf16 || !paired ? w + o * w_row_bytes : w + (o - o % 2) * w_row_bytes + 32 * (o % 2);
+    dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, paired ? 64 : 32,
+                                       scales == nullptr ? nullptr : scales + o * groups, group, y + r * n + o, n);
+  };
+#ifdef RTK_WIDE_GEMV
+  if (rows >= kWideGemvRows) {
+    at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
+      const int64_t pe = std::min(p1, pairs);
+      for (int64_t p = p0; p < pe; p += std::min(kWideGemvPairs, pe - p)) {
+        const uint8_t* wp = w + 2 * p * w_row_bytes;
+        const float* sp = scales == nullptr ? nullptr : scales + 2 * p * groups;
+        float* yp = y + 2 * p;
+        by_row_tiles(rows, [&](auto R, int64_t r) {
+          constexpr int64_t kR = decltype(R)::value;
+          if (pe - p >= kWideGemvPairs)
+            dot_wide<Kind, kR, kWideGemvPairs>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
+          else
+            dot_wide<Kind, kR, 1>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
+        });
+      }
+      if (p1 > pairs) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(n - 1, r, R); });
+    });
+    return;
+  }
+#endif
+  if constexpr (Kind == kBf16) {
+    at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < std::min(p1, pairs); ++p)
+        by_row_tiles(rows, [&](auto R, int64_t r) {
+          dot_rows_bf16_pair<decltype(R)::value>(x + r * K, K, w + 2 * p * w_row_bytes, y + r * n + 2 * p, n);
+        });
+      if (p1 > pairs) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(n - 1, r, R); });
+    });
+    return;
+  }
   at::parallel_for(0, n, 16, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* wo = w + o * w_row_bytes;
-      const float* so = scales == nullptr ? nullptr : scales + o * groups;
-      by_row_tiles(rows, [&](auto R, int64_t r) {
-        dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, so, group, y + r * n + o, n);
-      });
-    }
+    for (int64_t o = o0; o < o1; ++o) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(o, r, R); });
   });
 }
 
-// x [R, K] float32; weights [N, K] (kind: 0 bf16 bits int16, 1 int8 codes, 2 e4m3 bits uint8);
-// scales [N, G] float32 (int8, fp8; fp8's already times 2^120) or None (bf16).
+// x [R, K] float32; weights [N, K] (kind: 0 bf16 bits int16 in kernels_avx2.bf16_unpack_order, 1 int8 codes,
+// 2 e4m3 bits uint8);// scales [N, G] float32 (int8, fp8; fp8's already times 2^120) or None (bf16).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weights, int64_t kind, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.gemv: x must be [rows, K] float32");
   TORCH_CHECK(weights.dim() == 2 && weights.is_contiguous(), "rtk_avx2.gemv: weights must be [N, K] contiguous");
   const int64_t rows = x.size(0), K = x.size(1), n = weights.size(0);
-  TORCH_CHECK(weights.size(1) == K && K % 8 == 0, "rtk_avx2.gemv: K must match the weights and be a multiple of 8");
+  TORCH_CHECK(weights.size(1) == K && K % (kind == kBf16 ? 16 : 8) == 0,
+              "rtk_avx2.gemv: K must match the weights and be a multiple of 8 (bf16: 16)");
   TORCH_CHECK(kind == kBf16 || kind == kInt8 || kind == kFp8, "rtk_avx2.gemv: unknown kind ", kind);
   TORCH_CHECK(weights.element_size() == (kind == kBf16 ? 2 : 1), "rtk_avx2.gemv: weights of the wrong width");
   at::Tensor xs = x.contiguous();
@@ -977,6 +1139,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 constexpr int64_t kW4 = 4;  // Projection32's integer path over INT4 codes (w4a8)
 
+// Rows through MKL's packed float32 GEMM in calls of exactly `tile` rows, the last padded with zeros
+// (kernels_avx2.MklTiles says why): torch's mkl::_mkl_linear (pytorch/pytorch aten/src/ATen/native/mkldnn/
+// Linear.cpp), cblas_sgemm_compute over weights packed by mkl::_mkl_reorder_linear_weight for `tile` rows.
+at::Tensor mkl_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& shape,
+                     const c10::optional<at::Tensor>& bias, int64_t tile) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkl::_mkl_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            int64_t)>();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && tile > 0, "rtk_avx2.mkl_tiles: x is [rows, K] float32");
+  const int64_t m = x.size(0), tiles = (m + tile - 1) / tile;
+  if (m == 0) return at::empty({0, shape.size(0)}, x.options());
+  at::Tensor in = x.contiguous();
+  if (m % tile) in = at::cat({in, at::zeros({tiles * tile - m, x.size(1)}, x.options())});
+  std::vector<at::Tensor> out;
+  for (int64_t t = 0; t < tiles; ++t) out.push_back(op.call(in.narrow(0, t * tile, tile), packed, shape, bias, tile));
+  at::Tensor y = tiles == 1 ? out[0] : at::cat(out);
+  return m % tile ? y.narrow(0, 0, m) : y;
+}
+
 struct Projection32 {
   bool w8a8_path = false;
   at::Tensor weights;                   // gemv: [N, K] as stored; w8a8: int8 codes
@@ -988,9 +1171,12 @@ struct Projection32 {
   double act_scale = 1.0;              // its scale (a float32 value)
   bool torch_input = false;             // quantize the input through ATen's operators, not quantize_input
   // gemv only: the float32 weights [N, K] that prompt rows multiply through at::linear (MKL), as
-  // model.Projection does, padded with zero rows to pad_rows when fewer (its _padded); none: decode rows only
+  // model.Projection does, padded with zero rows to pad_rows when fewer (its _padded); with mkl_tile, MKL's
+  // packed weights for calls of mkl_tile rows (mkl_tiles); none: decode rows only
   c10::optional<at::Tensor> dense;
   int64_t pad_rows = 1;
+  int64_t mkl_tile = 0;
+  at::Tensor mkl_shape;  // [N, K] float32 of stride 0 (kernels_avx2.MklTiles.shape)
   bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
   c10::optional<at::Tensor> plain;      // w8a8's codes in the export's order, for calls of many rows (w8a8)
 
@@ -1021,7 +1207,9 @@ struct Projection32 {
     TORCH_CHECK(dense.has_value(), "rtk_avx2.DecodeLayers: prompt rows need the projection's float32 weights");
     at::Tensor prompt = in.narrow(0, B, m - B);
     at::Tensor y;
-    if (m - B < pad_rows) {
+    if (mkl_tile > 0) {
+      y = mkl_tiles(prompt, *dense, mkl_shape, bias, mkl_tile);
+    } else if (m - B < pad_rows) {
       prompt = at::cat({prompt, at::zeros({pad_rows - (m - B), in.size(1)}, in.options())});
       y = at::linear(prompt, *dense, bias).narrow(0, 0, m - B);
     } else {
@@ -1089,19 +1277,24 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_projection(bool w8a8_path, at::Tensor weights, int64_t kind, c10::optional<at::Tensor> scales,
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
-                      int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain) {
+                      int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain,
+                      int64_t mkl_tile) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
     TORCH_CHECK(!dense.has_value() || (!w8a8_path && dense->scalar_type() == at::kFloat && dense->dim() == 2),
                 "rtk_avx2.DecodeLayers: a gemv projection's prompt weights are [N, K] float32");
+    TORCH_CHECK(mkl_tile == 0 || dense.has_value(), "rtk_avx2.DecodeLayers: MKL tiles need their packed weights");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
     TORCH_CHECK(!blockwise || w8a8_path, "rtk_avx2.DecodeLayers: blockwise is a w8a8 projection's");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
                                   act_scale.has_value() ? act_scale->item<double>() : 1.0, torch_input, dense,
-                                  pad_rows, blockwise, plain});
+                                  pad_rows, mkl_tile,
+                                  mkl_tile > 0 ? at::zeros({}, at::kFloat).expand({weights.size(0), weights.size(1)})
+                                               : at::Tensor(),
+                                  blockwise, plain});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -1326,6 +1519,7 @@ TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
   m.def("w4a8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
+  m.def("mkl_tiles(Tensor x, Tensor packed, Tensor shape, Tensor? bias, int tile) -> Tensor", &mkl_tiles);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",

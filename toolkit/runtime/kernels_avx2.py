@@ -9,7 +9,8 @@ fixed order: within :data:`TOLERANCE` of the float64 product (checked per projec
 batch-invariant (a row's sums do not depend on the other rows of its call).
 
 Decode rows always go through it and prompt rows never do (``Projection.codes_own_rounding``), so
-neither kind of row changes its numbers with what shares its step.
+neither kind of row changes its numbers with what shares its step; prompt rows take MKL's GEMM over weights
+packed once, in calls of a fixed row count (:class:`MklTiles`), instead of float32 copies of the weights.
 
 INT8 SmoothQuant (W8A8) exports take :class:`W8A8Weight` instead, for every row: the input's int8
 codes times the weights' int8 codes summed as integers (exact in any order), scaled once.  Weight-only
@@ -21,8 +22,8 @@ one C++ call.
 Where the CPU has AVX512-VNNI the same source is built a second time as ``rtk_vnni`` (:func:`library`), its
 integer lane sums one ``vpdpbusd`` each with the same bits, INT8-SQ calls of many rows (prompt chunks) take
 oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits, and
-blockwise / INT4 calls of two rows or more run in 512-bit registers holding two outputs each, every half
-doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
+GEMV, blockwise and INT4 calls of two rows or more run in 512-bit registers holding two outputs each, every
+half doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class Fp32Weight:
     """A projection's weights as stored, for :meth:`__call__`: ``x [rows, K]`` float32 -> ``[rows, N]``."""
 
     kind: str
-    weights: torch.Tensor  # [N, K]: bf16 bits (int16), int8 codes, or e4m3 bits (uint8)
+    # [N, K]: bf16 bits (int16, in :func:`bf16_unpack_order`), int8 codes, or e4m3 bits (uint8)
+    weights: torch.Tensor
     scales: torch.Tensor | None  # [N, groups] float32 (codes; FP8's times 2^120)
 
     @classmethod
@@ -127,9 +129,9 @@ class Fp32Weight:
                 kind = "int8"
             return cls(kind, weights, scale.contiguous())
         bf16 = dense.to(torch.bfloat16)
-        if not torch.equal(bf16.to(torch.float32), dense):
+        if k % 16 or not torch.equal(bf16.to(torch.float32), dense):
             return None
-        return cls("bf16", bf16.view(torch.int16).contiguous(), None)
+        return cls("bf16", bf16_unpack_order(bf16.view(torch.int16)), None)
 
     @property
     def nbytes(self) -> int:
@@ -144,14 +146,68 @@ class Fp32Weight:
         return kernels.within_and_invariant(self, dense, bias, TOLERANCE, torch.float32, rows)
 
 
-def interleave_pairs(codes: torch.Tensor) -> torch.Tensor:
+MKL_TILE = 32  # the rows of every MklTiles call
+
+
+@dataclass
+class MklTiles:
+    """A float32 projection's prompt rows through MKL's packed GEMM, in calls of exactly :data:`MKL_TILE` rows.
+
+    ``F.linear`` (MKL's sgemm) packs the weights again on every call: at 16-32 rows that is most of its time
+    (SmolLM2's layer at 24 rows: 3.6-3.9 ms against 1.0-1.2 packed once, Ice Lake, 2 threads; docs/engine.md).
+    torch's ``mkl::_mkl_linear`` (pytorch/pytorch aten/src/ATen/native/mkldnn/Linear.cpp, what inductor's frozen
+    float32 linears call) runs ``cblas_sgemm_compute`` over weights packed once, for the one row count they were
+    packed for; so every call here has that many rows, the last padded with zeros, and a row's result never depends
+    on how many rows its call had (checked at :meth:`pack`, as model.Projection probes every GEMM)."""
+
+    packed: torch.Tensor  # MKL's packed weights (an opaque mkldnn tensor)
+    shape: torch.Tensor  # [N, K] float32 of stride 0: the call reads only the shape of the weights it packed
+
+    @classmethod
+    def pack(cls, dense: torch.Tensor) -> MklTiles | None:
+        """From float32 ``dense [N, K]``; None where this torch has no MKL packing, or where a row's result in a
+        call depends on its place there (then ``F.linear`` stays)."""
+        try:
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(dense, MKL_TILE)
+            tiles = cls(packed, dense.new_zeros(()).expand(dense.shape))
+            x = torch.randn(2 * MKL_TILE, dense.shape[1], generator=torch.Generator().manual_seed(0))
+            places = ((5, MKL_TILE), (MKL_TILE - 3, 7), (1, 1))  # (first row, rows): other places in a call
+            with torch.inference_mode():
+                whole = tiles(x, None)
+                moved = [(i, tiles(x[i : i + n], None)) for i, n in places]
+        except (AttributeError, RuntimeError) as exc:  # pragma: no cover - a torch built without MKL
+            log.info("MKL's packed GEMM is not available (%s); prompt rows take F.linear", exc)
+            return None
+        if not all(torch.equal(y, whole[i : i + len(y)]) for i, y in moved):
+            log.info("MKL's packed GEMM gives a row other bits in another place of its call; prompt rows take F.linear")
+            return None
+        return tiles
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops().mkl_tiles(x, self.packed, self.shape, bias, MKL_TILE)
+
+
+def interleave_pairs(codes: torch.Tensor, block: int = 32) -> torch.Tensor:
     """``[N, K]`` codes as ``rtk_avx2.w8a8`` reads them: outputs ``2p`` and ``2p + 1`` alternate in blocks of
-    32 codes, so that the two outputs the kernel computes together stream as one sequence; an odd ``N``'s
-    last output follows unchanged."""
+    32 codes (``block``), so that the two outputs the kernel computes together stream as one sequence; an odd
+    ``N``'s last output follows unchanged."""
     n, k = codes.shape
     even = n - n % 2
-    pairs = codes[:even].reshape(even // 2, 2, k // 32, 32).transpose(1, 2).reshape(even, k)
+    pairs = codes[:even].reshape(even // 2, 2, k // block, block).transpose(1, 2).reshape(even, k)
     return torch.cat([pairs, codes[even:]])  # a new, contiguous tensor
+
+
+# Within 16 bf16 weights, the order in which unpacking each 128-bit lane's low and high four words against zeros
+# (vpunpcklwd / vpunpckhwd) yields weights 0-7 and 8-15 as float32: one instruction per 8 weights
+UNPACK_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def bf16_unpack_order(bits: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bf16 bits (int16, ``K`` a multiple of 16) as ``rtk_avx2.gemv`` reads them: each 16 of an output
+    in :data:`UNPACK_ORDER`, outputs paired in blocks of 16 (:func:`interleave_pairs`), so that one 64-byte load
+    holds an output pair's 16 weights and two unpacks make them float32 (kernels_avx2.cpp, dot_wide)."""
+    n, k = bits.shape
+    return interleave_pairs(bits.reshape(n, k // 16, 16)[:, :, UNPACK_ORDER].reshape(n, k), 16)
 
 
 def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -346,8 +402,9 @@ class DecodeLayers:
     def add_projection(self, proj, prompt_rows: bool = True) -> None:
         """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``int_products`` (qkv, o, gate_up, down).
 
-        ``prompt_rows``: a GEMV projection also takes prompt rows, through MKL over its float32 weights as
-        ``Projection`` does when its rows are batch-invariant (the engine's default); integer products always do."""
+        ``prompt_rows``: a GEMV projection also takes prompt rows, through MKL (:class:`MklTiles`, else over its float32
+        weights) as ``Projection`` does when its rows are batch-invariant (the engine's default); integer products
+        always do."""
         if proj.int_products is not None:
             w = proj.int_products
             self._layers.add_projection(
@@ -365,12 +422,17 @@ class DecodeLayers:
                 False,
                 w.blockwise,
                 w.plain,
+                0,
             )
             return
         g = proj.fp32_gemv
         act = None if proj.act_scale is None else proj.act_scale.to(torch.float32).reshape(())
         act_kind = kernels.ACT_KINDS[proj.act_kind]  # the same codes as rtk's AVX512 kernels
-        dense = proj.weight if prompt_rows and proj.weight is not None and proj.weight.dtype == torch.float32 else None
+        tiles = proj.mkl_tiles if prompt_rows else None
+        if tiles is None and prompt_rows and proj.weight is not None and proj.weight.dtype == torch.float32:
+            dense = proj.weight
+        else:
+            dense = None if tiles is None else tiles.packed
         self.takes_prompt_rows = self.takes_prompt_rows and dense is not None
         pad_rows = proj.min_rows if proj.single_rows else 1  # Projection._padded's zero rows
         self._layers.add_projection(
@@ -388,6 +450,7 @@ class DecodeLayers:
             not proj.fused_input,  # quantize_input off torch's bits for it (checked at load): ATen's operators
             False,
             None,
+            0 if tiles is None else MKL_TILE,
         )
 
     def forward(

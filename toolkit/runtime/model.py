@@ -181,6 +181,7 @@ class Projection:
         self.act_scale = first.act_quant.scale if first.act_quant is not None else None
         self.act_scale_value = 0.0 if self.act_scale is None else float(self.act_scale)
         self.packed = None
+        self.mkl_tiles: kernels_avx2.MklTiles | None = None  # a float32 GEMV's prompt rows (set below)
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
         self.weight = weight
@@ -232,6 +233,15 @@ class Projection:
                 self.int_products = self._pack_int_products(linears, weight, bias)
             if self.int_products is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
+        # the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 weights
+        if self.fp32_gemv is not None:
+            self.mkl_tiles = kernels_avx2.MklTiles.pack(weight)
+            if self.mkl_tiles is not None:
+                key = (*shape[:3], "mkl")
+                if key not in cache:
+                    cache[key] = self._probe_min_rows()
+                self.min_rows = cache[key]
+                self.weight = None
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the integer-product
         # kernels quantize their own input and never call it
         self.fused_input = (
@@ -498,6 +508,8 @@ class Projection:
         return self._onednn(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mkl_tiles is not None:
+            return self.mkl_tiles(x, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
