@@ -175,10 +175,15 @@ inline void dot_wide(const float* x, int64_t K, const uint8_t* w, int64_t pair_b
       for (int64_t p = 0; p < P; ++p) {
         const uint8_t* a = w + p * pair_bytes;
         if constexpr (Kind == kBf16) {  // lanes 0-1: output 2p's block, 2-3: output 2p + 1's (bf16_block)
+          _mm_prefetch(reinterpret_cast<const char*>(a + 4 * k + 2048), _MM_HINT_T0);  // 2 KiB ahead (streamed weights)
           const __m512i v = _mm512_loadu_si512(a + 4 * k);
           w0[p] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
           w1[p] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
         } else {
+          if (k % 64 == 0) {  // each output's codes 1 KiB ahead, a cache line a time
+            _mm_prefetch(reinterpret_cast<const char*>(a + k + 1024), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(a + row_bytes + k + 1024), _MM_HINT_T0);
+          }
           w0[p] = codes8_pair<Kind>(a, a + row_bytes, scale[p], k);
           w1[p] = codes8_pair<Kind>(a, a + row_bytes, scale[p], k + 8);
         }

@@ -199,9 +199,10 @@ class Projection:
             "packed" if self.packed is not None else "dense",
         )
         cache = probe_cache if probe_cache is not None else {}
-        if shape not in cache:
-            cache[shape] = self._probe_min_rows()
-        self.min_rows = cache[shape]
+        # a float32 engine with rtk's kernels probes below, once the GEMM of its prompt rows is known
+        fp32_kernels = gemv_kernel and dtype == torch.float32 and kernels_avx2.available()
+        if not fp32_kernels:
+            self.min_rows = self._probed(cache, shape)
         # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
         # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
@@ -228,19 +229,16 @@ class Projection:
         # float32 engines (CPUs without native bf16): rtk's AVX2 GEMV reads the weights as stored (bf16 or
         # the export's codes) instead of their float32 copies, summing in its own order
         self.fp32_gemv = self.int_products = None
-        if gemv_kernel and dtype == torch.float32 and self.quant is None and kernels_avx2.available():
+        if fp32_kernels:
             if self.act_kind == "int8" or (self.act_kind is None and blockwise_inputs):
                 self.int_products = self._pack_int_products(linears, weight, bias)
             if self.int_products is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
-        # the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 weights
-        if self.fp32_gemv is not None:
-            self.mkl_tiles = kernels_avx2.MklTiles.pack(weight)
+            # the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 ones
+            if self.fp32_gemv is not None:
+                self.mkl_tiles = kernels_avx2.MklTiles.pack(weight)
+            self.min_rows = self._probed(cache, (*shape[:3], "dense" if self.mkl_tiles is None else "mkl"))
             if self.mkl_tiles is not None:
-                key = (*shape[:3], "mkl")
-                if key not in cache:
-                    cache[key] = self._probe_min_rows()
-                self.min_rows = cache[key]
                 self.weight = None
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the integer-product
         # kernels quantize their own input and never call it
@@ -386,6 +384,12 @@ class Projection:
         except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the torch build
             log.debug("integer weight kernel unavailable for %s (%s); using dense bf16", tuple(codes.shape), exc)
             self.int8 = self.int4 = None
+
+    def _probed(self, cache: dict, key: tuple) -> int:
+        """:meth:`_probe_min_rows`, once per weight shape and GEMM (``key``) in ``cache``."""
+        if key not in cache:
+            cache[key] = self._probe_min_rows()
+        return cache[key]
 
     def _probe_min_rows(self) -> int:
         """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
