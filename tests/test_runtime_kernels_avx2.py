@@ -247,6 +247,9 @@ def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_d
     dense = Engine(hf, EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
     parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
     assert {p.kernel for p in parts} == {"rtk-avx2-w8a8"}
+    from toolkit.targets.cpu import decode_on_every_core
+
+    assert not decode_on_every_core(fast)  # served, integer products decode on all cores but one
     ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     got, want = fast.prompt_logits(ids), dense.prompt_logits(ids)
     assert torch.equal(chunked.prompt_logits(ids), got)  # 16-token chunks: the same bits

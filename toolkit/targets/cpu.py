@@ -106,7 +106,8 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
     A float32 engine whose decode step runs rtk's AVX2 kernels (``kernels_avx2.DecodeLayers``) also takes
     all cores for a lone sequence's decode steps (unless ``lone_decode_threads`` says otherwise): one row
     streams every weight, one core reads ~13 GB/s where two read ~19 on the AVX2 host, and the server's
-    processes have one response a step to handle (served ITL p50 15.9 -> 12.8 ms, docs/engine.md).
+    processes have one response a step to handle (served ITL p50 15.9 -> 12.8 ms, docs/engine.md); where
+    those kernels read float weights, for every decode step (:func:`decode_on_every_core`).
     """
     from ..runtime.engine import Engine, EngineConfig
 
@@ -122,14 +123,20 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
             "rebuild it with `rtk build SPEC --force build`"
         ) from None
     every_core = len(os.sched_getaffinity(0))
-    auto_lone = served and config.num_threads is None and config.lone_decode_threads is None
-    if served and config.num_threads is None:
+    auto_threads = served and config.num_threads is None
+    auto_lone = auto_threads and config.lone_decode_threads is None
+    if auto_threads:
         config.num_threads = served_threads()
         if config.prefill_threads is None:
             config.prefill_threads = every_core
     engine = Engine(engine_dir / CHECKPOINT_DIR, config)
     if auto_lone and lone_decode_on_every_core(engine):
         config.lone_decode_threads = every_core
+    if auto_threads and decode_on_every_core(engine):
+        import torch
+
+        config.num_threads = every_core
+        torch.set_num_threads(every_core)  # what Engine does with num_threads
     return engine
 
 
@@ -139,6 +146,23 @@ def lone_decode_on_every_core(engine) -> bool:
     from ..runtime import kernels_avx2
 
     return isinstance(engine.model.fused, kernels_avx2.DecodeLayers)
+
+
+def decode_on_every_core(engine) -> bool:
+    """Whether a served engine's decode steps of several sequences take every core by default too: where its
+    decode step is rtk's float32 AVX2 one over float weights (bf16, FP8 codes), whose GEMV of several rows is
+    bound by arithmetic, not by the weights' bytes.  Measured on the Ice Lake host (bench_peer, bf16 against
+    BF16, 2026-12-03 22:28-22:37): served tok/s 49 / 55 at 4 / 8 streams on all cores but one, 64 / 79 on
+    both.  Integer products (INT8-SQ, W8A16, INT4-AWQ) keep all cores but one: the demo's INT8-SQ build on both
+    cores gave the same tok/s at 4 and 8 streams and a longer ITL p99 at 4 (91.7 against 58.1 ms)."""
+    from ..runtime import kernels_avx2
+
+    if not isinstance(engine.model.fused, kernels_avx2.DecodeLayers):
+        return False
+    projections = [
+        p for layer in engine.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
+    ]
+    return all(p.fp32_gemv is not None for p in projections)
 
 
 def _fingerprint(d: Path) -> dict:
