@@ -23,7 +23,9 @@
   ``--prompt-words`` words whose first words differ, so neither server's prefix cache hits.
 * **Fairness.** Both servers have the whole host: llama-server runs ``--threads`` threads
   (``-t/-tb``), rtk's engine ``--rtk-threads`` (``build.num_threads``; by default rtk's served
-  default, all cores but one, leaving one to tritonserver, its python stubs and the front door).
+  default, ``targets.cpu.load_engine``: prompts and a lone stream on every core; other decode steps on all
+  cores but one, leaving one to tritonserver, its python stubs and the front door, unless they read float
+  weights on the float32 engine, then on every core too).
   llama-server has at least as many parallel slots (``-np``) as the highest concurrency.  Only
   one server is alive at a time: per format, rtk runs every concurrency level, stops, then the
   peer does; with ``--rounds`` > 1 they alternate again and samples are pooled.
@@ -491,8 +493,9 @@ def main(argv=None) -> int:
         "--rtk-threads",
         type=int,
         default=None,
-        help="rtk's build.num_threads (default: rtk's served default, all cores but one for the engine; "
-        "tritonserver, its python stubs and the front door use the rest)",
+        help="rtk's build.num_threads (default: rtk's served default, targets.cpu.load_engine: decode steps of "
+        "several streams on all cores but one, the rest for tritonserver, its python stubs and the front door, "
+        "unless they read float weights on the float32 engine)",
     )
     ap.add_argument(
         "--rtk-set",
@@ -587,7 +590,7 @@ def main(argv=None) -> int:
         print_table(fmt, kind, per, levels, n)
     log(
         f"load average {loadavg()} at end; llama-server -t/-tb {args.threads}, rtk build.num_threads "
-        f"{args.rtk_threads or 'unset (served default: all cores but one)'}"
+        f"{args.rtk_threads or 'unset (served default: targets.cpu.load_engine)'}"
         f"{''.join(f', {x}' for x in args.rtk_set)}"
         f"{', quantization.quantize_lm_head=true for ' + ' and '.join(HEAD_FORMATS) if args.quantize_lm_head else ''}"
         f"; llama-server -np {slots}, "

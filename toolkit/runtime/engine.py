@@ -265,6 +265,13 @@ class Engine:
         self.model_config = mc
         self.eos_ids = frozenset(mc.eos_token_ids)
         dtype = resolve_dtype(config.dtype)
+        # a float32 engine's prompt rows run MKL over weights packed at load (kernels_avx2.MklTiles), laid out for the
+        # threads present then: packed on one thread, a two-thread call took ~40 % longer. So it loads on the
+        # threads that prefill.
+        prompt_threads = config.prefill_threads if dtype == torch.float32 and config.cpu_kernels else None
+        decode_threads = torch.get_num_threads()
+        if prompt_threads:
+            torch.set_num_threads(prompt_threads)
         self.model = Transformer(
             ckpt,
             dtype,
@@ -277,6 +284,8 @@ class Engine:
             huge_pages=config.huge_pages,
             int4_gemv=config.int4_gemv,
         )
+        if prompt_threads:
+            torch.set_num_threads(decode_threads)
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)
         self.scheduler = Scheduler(
