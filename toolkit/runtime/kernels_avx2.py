@@ -464,8 +464,9 @@ class DecodeLayers:
     def forward_rows(self, h, plan, pool, begin: int, end: int) -> torch.Tensor:
         """Every row of a step with prompt rows (a ``model.StepPlan``) through layers ``[begin, end)`` in one call,
         where every projection takes them (:attr:`takes_prompt_rows`): decode rows as :meth:`forward`'s, prompt
-        rows through each projection as ``model.Projection`` takes them (W8A8, else MKL over the float32
-        weights) and the SDPA calls of the operator path (``model.Transformer._layers``), so with its bits."""
+        rows through each projection as ``model.Projection`` takes them (W8A8, else MKL: :class:`MklTiles`, or
+        the float32 weights) and the SDPA calls of the operator path (``model.Transformer._layers``), so with its
+        bits."""
         B = plan.num_decode
         empty = torch.empty(0, dtype=torch.int64)
         ctx = plan.decode_slots if B else empty
