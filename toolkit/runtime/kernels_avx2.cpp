@@ -1,9 +1,10 @@
 // rtk's kernels for float32 engines on CPUs without native bf16 dot products (AVX2 + FMA: Zen 1-3,
 // Haswell to Ice Lake client parts, and AVX512 server parts without BF16, Skylake-SP to Ice Lake, where
 // kernels_avx2.py builds this file with VNNI as rtk_vnni: dot4_add, and 512-bit tiles for many rows:
-// idot_wide, idot4_wide), in four parts: the decode GEMV (this header), INT8 SmoothQuant as integer
+// dot_wide, idot_wide, idot4_wide), in four parts: the decode GEMV (this header), INT8 SmoothQuant as integer
 // products (w8a8, below), weight-only INT8 and INT4 as integer products over inputs quantized per block of
-// 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers).
+// 32 (w8a8_blockwise, w4a8) and the fused decode step (DecodeLayers, whose prompt rows take MKL's packed GEMM
+// through mkl_tiles where they are not integer products).
 //
 // The decode GEMV.  Where the engine computes in float32 (model.resolve_dtype), the dense path reads
 // float32 weights: 4 bytes a weight, twice bf16's.  This kernel reads the weights as they
