@@ -132,9 +132,12 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* w, int64_t step, 
 // half does, lane for lane, what dot_rows does in its 256-bit register (the same conversions, products by the
 // scale, multiply-adds in the same order, the same final sum): the same bits with half the multiply-adds and
 // input loads, and each input load shared by P pairs.
-#define RTK_WIDE_GEMV 1
-constexpr int64_t kWideGemvRows = 2;  // a call of one row keeps dot_rows (bound by the weights' bytes)
-constexpr int64_t kWideGemvPairs = 2;  // output pairs a tile: 16 accumulators (4 rows x 2 pairs x 2)
+#define RTK_WIDE_TILES 1
+constexpr int64_t kWideRows = 2;  // a call of one row keeps dot_rows / idot / idot4 (bound by the weights' bytes)
+constexpr int64_t kWideGemvPairs = 2;  // output pairs a GEMV tile: 16 accumulators (4 rows x 2 pairs x 2)
+
+inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 template <int64_t Kind>
 inline __m512 codes8_pair(const uint8_t* w0, const uint8_t* w1, __m512 scale, int64_t k) {
@@ -213,9 +216,8 @@ inline void dot_wide(const float* x, int64_t K, const uint8_t* w, int64_t pair_b
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t p = 0; p < P; ++p) {
-      y[r * ldy + 2 * p] = hsum(_mm512_castps512_ps256(acc0[r][p]), _mm512_castps512_ps256(acc1[r][p]));
-      y[r * ldy + 2 * p + 1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc0[r][p]), 1)),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc1[r][p]), 1)));
+      y[r * ldy + 2 * p] = hsum(low_half(acc0[r][p]), low_half(acc1[r][p]));
+      y[r * ldy + 2 * p + 1] = hsum(high_half(acc0[r][p]), high_half(acc1[r][p]));
     }
 }
 #endif
@@ -254,8 +256,8 @@ void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_
     dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, paired ? 64 : 32,
                                        scales == nullptr ? nullptr : scales + o * groups, group, y + r * n + o, n);
   };
-#ifdef RTK_WIDE_GEMV
-  if (rows >= kWideGemvRows) {
+#ifdef RTK_WIDE_TILES
+  if (rows >= kWideRows) {
     at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
       const int64_t pe = std::min(p1, pairs);
       for (int64_t p = p0; p < pe; p += std::min(kWideGemvPairs, pe - p)) {
@@ -581,13 +583,9 @@ at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, 
 // instructions.  vpsignb has no 512-bit form: the input goes in as the unsigned q + 128, and each lane starts
 // from -128 * (its four codes' sum) (computed once a block for all the tile's rows), so that vpdpbusd leaves
 // exactly sum q * code, the integer idot's lanes hold.
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define RTK_WIDE_TILES 1
-constexpr int64_t kWideRows = 2;  // a call of one row keeps idot / idot4 (bound by the weights' bytes)
+#ifdef RTK_WIDE_TILES  // kWideRows, low_half, high_half: with dot_wide above
 constexpr int64_t kWidePairs = 4;  // output pairs a tile: 16 accumulators of the 32 registers
 
-inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
-inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 inline __m512i broadcast32(const int8_t* p) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

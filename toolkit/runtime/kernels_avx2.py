@@ -429,10 +429,12 @@ class DecodeLayers:
         act = None if proj.act_scale is None else proj.act_scale.to(torch.float32).reshape(())
         act_kind = kernels.ACT_KINDS[proj.act_kind]  # the same codes as rtk's AVX512 kernels
         tiles = proj.mkl_tiles if prompt_rows else None
-        if tiles is None and prompt_rows and proj.weight is not None and proj.weight.dtype == torch.float32:
+        if tiles is not None:
+            dense = tiles.packed
+        elif prompt_rows and proj.weight is not None and proj.weight.dtype == torch.float32:
             dense = proj.weight
         else:
-            dense = None if tiles is None else tiles.packed
+            dense = None
         self.takes_prompt_rows = self.takes_prompt_rows and dense is not None
         pad_rows = proj.min_rows if proj.single_rows else 1  # Projection._padded's zero rows
         self._layers.add_projection(
