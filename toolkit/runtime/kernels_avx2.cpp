@@ -805,26 +805,6 @@ inline void idot4(const int8_t* q, const float* qs, const float* corr, int64_t K
     for (int64_t o = 0; o < O; ++o) y[r * ldy + o] = hsum(total[r][o], _mm256_setzero_ps());
 }
 
-// tile(R, one_chunk, r) over a call's rows (by_row_tiles), one_chunk a std::bool_constant: whether each weight
-// group is one chunk of 64 inputs (K == 64 G), chosen once a call
-template <typename Tile>
-inline void int4_row_tiles(int64_t rows, int64_t K, int64_t G, Tile&& tile) {
-  if (K == 64 * G)
-    by_row_tiles(rows, [&](auto R, int64_t r) { tile(R, std::true_type{}, r); });
-  else
-    by_row_tiles(rows, [&](auto R, int64_t r) { tile(R, std::false_type{}, r); });
-}
-
-template <int64_t O>
-inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
-                       const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
-  const int64_t nb = K / 32;
-  int4_row_tiles(rows, K, G, [&](auto R, auto one_chunk, int64_t r) {
-    idot4<decltype(R)::value, O, decltype(one_chunk)::value>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G,
-                                                              y + r * ldy, ldy);
-  });
-}
-
 #ifdef RTK_WIDE_TILES
 // idot4's arithmetic for R rows by P output pairs, two outputs a 512-bit register as idot_wide: one load of a
 // pair's chunk gives both outputs' nibbles, and each half does lane for lane what idot4 does (the same bits).
@@ -885,16 +865,25 @@ inline void idot4_wide(const int8_t* q, const float* qs, const float* corr, int6
     }
 }
 
-template <int64_t P>
-inline void idot4_wide_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
-                            const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
+#endif
+
+// A call's rows (by_row_tiles) through idot4<R, O, OneChunk>, or with Wide idot4_wide<R, O, OneChunk> (O output pairs)
+template <bool Wide, int64_t O, bool OneChunk>
+inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int64_t rows, int64_t K,
+                       const uint8_t* w, const float* gs, int64_t G, float* y, int64_t ldy) {
   const int64_t nb = K / 32;
-  int4_row_tiles(rows, K, G, [&](auto R, auto one_chunk, int64_t r) {
-    idot4_wide<decltype(R)::value, P, decltype(one_chunk)::value>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G,
-                                                                   y + r * ldy, ldy);
+  by_row_tiles(rows, [&](auto R, int64_t r) {
+    constexpr int64_t Rows = decltype(R)::value;
+#ifdef RTK_WIDE_TILES
+    if constexpr (Wide)
+      idot4_wide<Rows, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
+    else
+#else
+    static_assert(!Wide, "idot4_rows: the wide tiles are in the VNNI build only");
+#endif
+      idot4<Rows, O, OneChunk>(q + r * K, qs + r * nb, corr + r * G, K, w, gs, G, y + r * ldy, ldy);
   });
 }
-#endif
 
 // x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
 // float32, G dividing K into groups of a multiple of 64 inputs.
@@ -917,33 +906,39 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const float* gs = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int64_t rt = std::min(kRowTile, rows - r0);
-      const int8_t* qr = in.q.data() + r0 * K;
-      const float* sr = in.qs.data() + r0 * nb;
-      const float* cr = corr.data() + r0 * G;
-      int64_t p = p0;
-#ifdef RTK_WIDE_TILES
-      if (rows >= kWideRows) {
-        const int64_t pe = std::min(p1, pairs);
+  // each weight group one chunk of 64 inputs (K == 64 G) or several: chosen once a call
+  const auto by_pairs = [&](auto one_chunk) {
+    constexpr bool OneChunk = decltype(one_chunk)::value;
+    at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int64_t rt = std::min(kRowTile, rows - r0);
+        const int8_t* qr = in.q.data() + r0 * K;
+        const float* sr = in.qs.data() + r0 * nb;
+        const float* cr = corr.data() + r0 * G;
         float* yr = yp + r0 * n;
-        if (K == 64 * G)  // one chunk a group: 4 pairs a tile; otherwise the group sums take registers too
-          for (; p + 4 <= pe; p += 4)
-            idot4_wide_rows<4>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
-        else
-          for (; p + 2 <= pe; p += 2)
-            idot4_wide_rows<2>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
-        for (; p < pe; ++p)
-          idot4_wide_rows<1>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
-      }
+        int64_t p = p0;
+#ifdef RTK_WIDE_TILES
+        if (rows >= kWideRows) {
+          const int64_t pe = std::min(p1, pairs);
+          // one chunk a group: 4 pairs a tile; otherwise the group sums take registers too
+          constexpr int64_t P = OneChunk ? 4 : 2;
+          for (; p + P <= pe; p += P)
+            idot4_rows<true, P, OneChunk>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
+          for (; p < pe; ++p)
+            idot4_rows<true, 1, OneChunk>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
+        }
 #endif
-      for (; p < std::min(p1, pairs); ++p)
-        idot4_rows<2>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yp + r0 * n + 2 * p, n);
-      if (p1 > pairs)
-        idot4_rows<1>(qr, sr, cr, rt, K, w + (n - 1) * half, gs + (n - 1) * G, G, yp + r0 * n + n - 1, n);
-    }
-  });
+        for (; p < std::min(p1, pairs); ++p)
+          idot4_rows<false, 2, OneChunk>(qr, sr, cr, rt, K, w + 2 * p * half, gs + 2 * p * G, G, yr + 2 * p, n);
+        if (p1 > pairs)
+          idot4_rows<false, 1, OneChunk>(qr, sr, cr, rt, K, w + (n - 1) * half, gs + (n - 1) * G, G, yr + n - 1, n);
+      }
+    });
+  };
+  if (K == 64 * G)
+    by_pairs(std::true_type{});
+  else
+    by_pairs(std::false_type{});
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y;
 }
