@@ -213,7 +213,7 @@ class Projection:
                 packed = kernels.pack(weight)
                 key = (*shape[:3], "gemv")
                 if key not in cache:
-                    cache[key] = kernels.agrees(self._onednn, packed, self.out_features, bias)
+                    cache[key] = kernels.agrees(self._library_gemm, packed, self.out_features, bias)
                     if not cache[key]:
                         log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
                 self.gemv = packed if cache[key] else None
@@ -237,6 +237,9 @@ class Projection:
             # the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 ones
             if self.fp32_gemv is not None:
                 self.mkl_tiles = kernels_avx2.MklTiles.pack(weight)
+            if self.mkl_tiles is not None and self._probed(cache, (*shape[:3], "mkl")) > 1:
+                log.info("MKL's packed GEMM gives rows of %s other bits in other calls; F.linear takes them", shape[:2])
+                self.mkl_tiles = None
             self.min_rows = self._probed(cache, (*shape[:3], "dense" if self.mkl_tiles is None else "mkl"))
             if self.mkl_tiles is not None:
                 self.weight = None
@@ -298,7 +301,7 @@ class Projection:
                 return quant
             log.info("rtk's int4-dot GEMV is off the float32 product for %s; oneDNN computes it", tuple(weight.shape))
             return None
-        if not quant.agrees(weight, self._onednn, bias):
+        if not quant.agrees(weight, self._library_gemm, bias):
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
             return None
         return quant
@@ -509,9 +512,10 @@ class Projection:
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1 and not self.codes_own_rounding:
             return self._gemv(x)
-        return self._onednn(x)
+        return self._library_gemm(x)
 
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+    def _library_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM of a library: MKL over packed weights (float32 engines), oneDNN's bf16 one, else F.linear."""
         if self.mkl_tiles is not None:
             return self.mkl_tiles(x, self.bias)
         if self.packed is not None:
