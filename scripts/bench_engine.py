@@ -254,13 +254,19 @@ def main() -> int:
     # Prefix reuse off: repeats of the same prompt must not be served from the cache (reuse has its own row).
     base = {
         "max_batch_size": 8,
+        "max_num_tokens": 512,
         "max_input_len": 1024,
         "max_seq_len": 2048,
         "tokens_per_block": 32,
         "num_threads": args.threads,
         "enable_kv_cache_reuse": False,
     }
-    engine = Engine(ckpt, EngineConfig(max_num_tokens=512, **base))
+
+    def config(**changes) -> EngineConfig:
+        """The benchmark's engine settings with ``changes``."""
+        return EngineConfig(**{**base, **changes})
+
+    engine = Engine(ckpt, config())
     if args.profile:
         profile_decode(engine, prompts(tok, 8, args.prompt))
         return 0
@@ -282,19 +288,19 @@ def main() -> int:
         b1_e.append(engine_run(engine, one, args.new))
         b1_h.append(hf_run(hf, one, args.new))
     # the same engine on torch's operators only (EngineConfig.cpu_kernels False): what rtk's kernels add
-    plain = Engine(ckpt, EngineConfig(max_num_tokens=512, cpu_kernels=False, **base))
+    plain = Engine(ckpt, config(cpu_kernels=False))
     engine_run(plain, one, 8)
     b1_plain = [engine_run(plain, one, args.new) for _ in range(R)]
     conc_plain = [engine_concurrent(plain, eight, args.new) for _ in range(R)]
     del plain
-    reuse_engine = Engine(ckpt, EngineConfig(max_num_tokens=512, **{**base, "enable_kv_cache_reuse": True}))
+    reuse_engine = Engine(ckpt, config(enable_kv_cache_reuse=True))
     engine_run(reuse_engine, one, 1)  # the prompt's blocks are now cached
     ttft_reuse = [engine_run(reuse_engine, one, 1)[0] for _ in range(R)]
     del reuse_engine
     conc_e, conc_h = [], []
     hf_batched(hf, eight, 4)  # warm-up at batch 8
-    invariant = Engine(ckpt, EngineConfig(max_num_tokens=512, decode_batching="exact", **base))
-    full = Engine(ckpt, EngineConfig(max_num_tokens=512, decode_batching="full", **base))
+    invariant = Engine(ckpt, config(decode_batching="exact"))
+    full = Engine(ckpt, config(decode_batching="full"))
     conc_inv, conc_full = [], []
     for _ in range(R):
         conc_e.append(engine_concurrent(engine, eight, args.new))
@@ -303,16 +309,16 @@ def main() -> int:
         conc_full.append(engine_concurrent(full, eight, args.new))
     del invariant, full
     # 8 streams + the long prompt run together: room for 9 sequences
-    itl_base = {**base, "max_batch_size": 16, "max_input_len": max(1024, args.long)}
-    itl_engine = Engine(ckpt, EngineConfig(max_num_tokens=max(args.itl_budget, 16), **itl_base))
-    whole_engine = Engine(ckpt, EngineConfig(max_num_tokens=args.long + 16, enable_chunked_context=False, **itl_base))
+    itl_base = {"max_batch_size": 16, "max_input_len": max(1024, args.long)}
+    itl_engine = Engine(ckpt, config(max_num_tokens=max(args.itl_budget, 16), **itl_base))
+    whole_engine = Engine(ckpt, config(max_num_tokens=args.long + 16, enable_chunked_context=False, **itl_base))
     long_prompt = prompts(tok, 1, args.long)[0]
     streams = prompts(tok, 8, 32)
     timed_engine = None
     if args.itl_step_ms:
         timed_engine = Engine(
             ckpt,
-            EngineConfig(
+            config(
                 max_num_tokens=max(args.itl_budget, 16),
                 step_budget_ms=args.itl_step_ms,
                 context_chunk_unit=8,
@@ -328,7 +334,7 @@ def main() -> int:
 
     quant_rows = []
     for qdir in args.quantized:
-        qeng = Engine(qdir, EngineConfig(max_num_tokens=512, **base))
+        qeng = Engine(qdir, config())
         kernels = sorted(
             {
                 p.kernel
