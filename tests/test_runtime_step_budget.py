@@ -168,8 +168,9 @@ def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_
     budget = dict(max_num_tokens=64, step_budget_ms=1e-3, context_chunk_unit=unit)
     eng = Engine(tiny_llama_dir, config(enable_kv_cache_reuse=False, **budget))
     run(eng, [greedy(prompt(8, 70 + i), n=6) for i in range(4)], arrivals={1: 1, 2: 2, 3: 3})  # the fit's data
-    assert eng.scheduler.step_times.ready
-    # the tiny model's rows cost microseconds, so its fit's cut is noise: hold the cost at one we know
+    # the engine fed the fit both kinds of step; the tiny model's rows cost microseconds, so the fit itself is noise
+    # (on a busy host prompt rows can even look free, and it declines to predict): hold the cost at one we know
+    assert min(eng.scheduler.step_times.observed) >= MIN_STEPS
     hold_cost(eng.scheduler.step_times, (5.0, 1.0, 2.0, 0.0))
     chunks: list[int] = []
     forward = eng.model.forward

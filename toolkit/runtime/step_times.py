@@ -64,6 +64,11 @@ class StepTimes:
     def ready(self) -> bool:
         return self.coef is not None
 
+    @property
+    def observed(self) -> tuple[int, int]:
+        """Steps in the fit's windows: with prompt rows, without."""
+        return len(self._with_prompt), len(self._without)
+
     def observe(self, decode_rows: int, prompt_rows: int, attention: float, ms: float) -> None:
         """Record a step: its decode rows, prompt rows, chunks' :func:`attention_rows` summed, and time."""
         (self._with_prompt if prompt_rows else self._without).append((decode_rows, prompt_rows, attention, ms))
