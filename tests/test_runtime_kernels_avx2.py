@@ -803,7 +803,7 @@ GEMV_SHAPES = [("bf16", 960, 576), ("bf16", 77, 48), ("fp8", 64, 1536), ("int8",
 def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch):
     """On a VNNI CPU the engine takes ``rtk_vnni`` (``RTK_VNNI=0`` keeps AVX2), whose W8A8, blockwise W8A8,
     W4A8 products and GEMV are the AVX2 build's bits at every row count (integer lane sums: one vpdpbusd there,
-    vpmaddubsw + vpmaddwd here; blockwise, W4A8 and GEMV calls of 2 rows or more in 512-bit registers holding two
+    vpmaddubsw + vpmaddwd here; GEMV calls, blockwise and W4A8 ones of 2 rows or more in 512-bit registers holding two
     outputs each), and whose machine code really has the instruction, on 512-bit registers too; a SmoothQuant
     weight packed there carries its codes in the export's order for oneDNN's int8 GEMM, again the same bits."""
     import shutil

@@ -22,8 +22,8 @@ one C++ call.
 Where the CPU has AVX512-VNNI the same source is built a second time as ``rtk_vnni`` (:func:`library`), its
 integer lane sums one ``vpdpbusd`` each with the same bits, INT8-SQ calls of many rows (prompt chunks) take
 oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits, and
-GEMV, blockwise and INT4 calls of two rows or more run in 512-bit registers holding two outputs each, every
-half doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
+GEMV calls (one row too) and blockwise and INT4 calls of two rows or more run in 512-bit registers holding two
+outputs each, every half doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
 """
 
 from __future__ import annotations
