@@ -257,26 +257,24 @@ void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_
                                        scales == nullptr ? nullptr : scales + o * groups, group, y + r * n + o, n);
   };
 #ifdef RTK_WIDE_TILES
-  {  // every row count, one row too: 1.27-1.36x the 256-bit kernel over a model's FP8 or bf16 weights
-    at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
-      const int64_t pe = std::min(p1, pairs);
-      for (int64_t p = p0; p < pe; p += std::min(kWideGemvPairs, pe - p)) {
-        const uint8_t* wp = w + 2 * p * w_row_bytes;
-        const float* sp = scales == nullptr ? nullptr : scales + 2 * p * groups;
-        float* yp = y + 2 * p;
-        by_row_tiles(rows, [&](auto R, int64_t r) {
-          constexpr int64_t kR = decltype(R)::value;
-          if (pe - p >= kWideGemvPairs)
-            dot_wide<Kind, kR, kWideGemvPairs>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
-          else
-            dot_wide<Kind, kR, 1>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
-        });
-      }
-      if (p1 > pairs) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(n - 1, r, R); });
-    });
-    return;
-  }
-#endif
+  // every row count, one row too: 1.27-1.36x the 256-bit kernel over a model's FP8 or bf16 weights
+  at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
+    const int64_t pe = std::min(p1, pairs);
+    for (int64_t p = p0; p < pe; p += std::min(kWideGemvPairs, pe - p)) {
+      const uint8_t* wp = w + 2 * p * w_row_bytes;
+      const float* sp = scales == nullptr ? nullptr : scales + 2 * p * groups;
+      float* yp = y + 2 * p;
+      by_row_tiles(rows, [&](auto R, int64_t r) {
+        constexpr int64_t kR = decltype(R)::value;
+        if (pe - p >= kWideGemvPairs)
+          dot_wide<Kind, kR, kWideGemvPairs>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
+        else
+          dot_wide<Kind, kR, 1>(x + r * K, K, wp, 2 * w_row_bytes, sp, groups, group, yp + r * n, n);
+      });
+    }
+    if (p1 > pairs) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(n - 1, r, R); });
+  });
+#else
   if constexpr (Kind == kBf16) {
     at::parallel_for(0, pairs + n % 2, 8, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < std::min(p1, pairs); ++p)
@@ -290,6 +288,7 @@ void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_
   at::parallel_for(0, n, 16, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) by_row_tiles(rows, [&](auto R, int64_t r) { one_output(o, r, R); });
   });
+#endif
 }
 
 // x [R, K] float32; weights [N, K] (kind: 0 bf16 bits int16 in kernels_avx2.bf16_unpack_order, 1 int8 codes,
