@@ -150,6 +150,37 @@ def test_prompt_logits_match_transformers(engine, hf_model):
     assert engine.kv_stats()["blocks_used"] == 0
 
 
+def test_int8_lm_head_is_transformers_with_a_per_row_int8_head_and_the_embedding_untouched(tmp_path, tiny_llama_dir):
+    """``lm_head: int8`` (dense path: cpu_kernels off, so the head's weights alone change): transformers with its
+    head replaced by ``int8_rows`` of it, untied, gives the same logits; the tied embedding keeps its bf16 values."""
+    from toolkit.runtime.checkpoint import Linear, int8_rows, load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    head = int8_rows(ckpt.lm_head)
+    codes, scale = head.codes.codes, head.codes.scale
+    nonzero = ckpt.lm_head.weight.abs().amax(1) > 0  # the tiny model's padding row is zeros: it stays zeros
+    assert codes.dtype == torch.int8 and bool((codes.abs().amax(1) == torch.where(nonzero, 127, 0)).all())
+    step = scale[:, None] / 2 * (1 + 1e-5)  # bf16 weights give exact ties: half a step off
+    assert bool(((head.weight - ckpt.lm_head.weight).abs() <= step).all())
+    assert head.weight.shape == ckpt.lm_head.weight.shape and not torch.equal(head.weight, ckpt.lm_head.weight)
+    assert int8_rows(Linear(weight=torch.zeros(2, 8))).weight.abs().sum() == 0  # an all-zero row stays zero
+
+    dense = dict(cpu_kernels=False, int_weight_kernels=False)  # the dense path: only the head's weights differ
+    eng = Engine(tiny_llama_dir, config(lm_head="int8", **dense))
+    assert eng.model.lm_head.kernel in ("dense", "packed")
+    ref = transformers_model(tiny_llama_dir)
+    ref.config.tie_word_embeddings = False
+    ref.lm_head.weight = torch.nn.Parameter(head.weight.to(torch.bfloat16))
+    assert torch.equal(ref.model.embed_tokens.weight.float(), ckpt.embed_tokens.to(torch.bfloat16).float())
+    ids = prompt(40, 31)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    assert torch.equal(eng.prompt_logits(ids), want)
+    assert eng.generate(greedy(ids)) == hf_greedy(ref, ids)
+    exported = Engine(tiny_llama_dir, config(**dense)).prompt_logits(ids)
+    assert not torch.equal(exported, want)  # the option changed the head
+
+
 # -- in-flight batching --------------------------------------------------------------------------------
 
 
@@ -544,6 +575,7 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(prefill_threads=0), "prefill_threads"),
         (dict(lone_decode_threads=0), "lone_decode_threads"),
         (dict(int4_gemv="fast"), "int4_gemv"),
+        (dict(lm_head="fp8"), "lm_head"),
         (dict(step_budget_ms=0.0), "step_budget_ms"),
         (dict(step_budget_ms=40.0, enable_chunked_context=False), "step_budget_ms"),
         (dict(context_chunk_unit=24), "context_chunk_unit"),
@@ -630,9 +662,11 @@ def test_engine_config_from_build_spec():
             "lone_decode_threads": 2,
             "step_budget_ms": 40,
             "context_chunk_unit": 8,
+            "lm_head": "int8",
         },
     )
     c = EngineConfig.from_build(spec.build)
+    assert c.lm_head == "int8" and EngineConfig.from_build(spec_for("t", "x").build).lm_head == "exported"
     assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
     assert (c.step_budget_ms, c.context_chunk_unit) == (40.0, 8)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (

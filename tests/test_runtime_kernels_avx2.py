@@ -437,6 +437,28 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     assert ppl == pytest.approx(report["quantized_ppl"], rel=5e-3)  # the issue's bound for faster kernels
 
 
+def test_float32_engine_reads_an_int8_lm_head_made_at_load(tiny_llama_dir):
+    """``lm_head: int8`` on a bf16 checkpoint: the float32 engine's head runs the W8A16 head's kernel (blockwise
+    integer products) over codes made at load; logits stay within that rounding's reach of the exported head's
+    dense path, and every greedy token is that path's best or within that reach of it."""
+    from test_runtime_engine import greedy
+
+    cfg = dict(max_batch_size=4, max_input_len=128, max_seq_len=256, tokens_per_block=16, dtype="float32")
+    fast = Engine(tiny_llama_dir, EngineConfig(**cfg, lm_head="int8"))
+    dense = Engine(tiny_llama_dir, EngineConfig(**cfg, cpu_kernels=False))
+    assert fast.model.lm_head.kernel == "rtk-avx2-w8a8-blockwise" and dense.model.lm_head.kernel == "dense"
+    assert Engine(tiny_llama_dir, EngineConfig(**cfg)).model.lm_head.kernel == "rtk-avx2-bf16"
+    ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, want = fast.prompt_logits(ids), dense.prompt_logits(ids)
+    reach = (got - want).abs().max()
+    assert 0 < reach <= 0.02 * want.abs().max()
+    for n in (5, 33, 70):
+        tokens = fast.generate(greedy(ids[:n]))
+        forced = dense.prompt_logits(ids[:n] + tokens)[n - 1 : -1]
+        chosen = forced.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert bool((chosen >= forced.max(-1).values - 2 * reach).all())
+
+
 # -- decode attention over the float32 paged pool (kernels_avx2.decode_attention) ----------------------
 
 

@@ -214,6 +214,15 @@ class BuildSpec(Section):
         "exact = the dense path's weights, bit for bit (about 1.1x)",
     )
 
+    lm_head: Literal["exported", "int8"] = Field(
+        "exported",
+        description="cpu: the LM head the engine reads. exported = as the export holds it (bf16 unless "
+        "quantization.quantize_lm_head); int8 = a bf16 head quantized by the engine at load, int8 codes per output "
+        "row (weight-only, as quantize_lm_head's W8A16 head): half its bytes a token, the largest weight of a small "
+        "model (SmolLM2-135M: 57 -> 28 MB, as llama.cpp's Q8_0 file holds it). The export and its quality report "
+        "are unchanged; the head's rounding is a stated difference (docs/engine.md, 'An int8 LM head at load')",
+    )
+
     @field_validator("tokens_per_block")
     @classmethod
     def _tpb_power_of_two(cls, v: int) -> int:
@@ -836,6 +845,12 @@ class Spec(Section):
                 "build.step_budget_ms",
                 f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in tokens "
                 "only: drop step_budget_ms and size build.max_num_tokens",
+            )
+        if b.lm_head != "exported" and b.target != "cpu":
+            raise _Rule(
+                "build.lm_head",
+                f"'{b.lm_head}' is rtk's cpu engine's; on the {b.target} target use quantization.quantize_lm_head "
+                "(int8_sq, int4_awq) or leave lm_head unset",
             )
         if b.context_chunk_unit is not None:
             u, room = b.context_chunk_unit, b.max_num_tokens - b.max_batch_size + 1

@@ -314,6 +314,22 @@ def unpack_fp4_cols(packed: torch.Tensor) -> torch.Tensor:
     return E2M1_LUT[codes]
 
 
+def int8_rows(linear: Linear) -> Linear:
+    """A weight-only INT8 (W8A16) copy of a float projection: per output row, scale ``max |w| / 127`` and codes
+    ``round(w / scale)`` (ModelOpt's per-channel INT8 weight quantizer, the ``W8A16`` head of
+    ``quantization.quantize_lm_head``).  The CPU engine's ``lm_head: int8`` (a bf16 head read at half the bytes)."""
+    w = linear.weight.to(torch.float32)
+    scale = w.abs().amax(dim=1) / 127.0  # a row of zeros: codes 0, scale 0
+    codes = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp(-127, 127).to(torch.int8)
+    return Linear(
+        weight=codes.to(torch.float32) * scale[:, None],
+        bias=linear.bias,
+        pre_quant_scale=linear.pre_quant_scale,
+        act_quant=linear.act_quant,
+        codes=WeightCodes(8, codes, scale),
+    )
+
+
 def _dequant_weight(
     t: _Tensors, prefix: str, algo: str | None, group_size: int | None, path: Path
 ) -> tuple[torch.Tensor, WeightCodes | None]:

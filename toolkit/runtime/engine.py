@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,7 @@ __all__ = [
 
 
 DECODE_BATCHING = ("exact", "attention", "full")
+LM_HEADS = ("exported", "int8")
 
 
 @dataclass
@@ -105,6 +106,11 @@ class EngineConfig:
     # stated tolerance of the float32 product, not the dense path's bits; docs/engine.md); "exact"
     # rebuilds the dense path's bf16 weights bf16(code x scale) in registers (its bits)
     int4_gemv: str = "dot"
+    # The LM head the engine reads: "exported" = as the checkpoint holds it (bf16 unless the export quantized it,
+    # quantization.quantize_lm_head); "int8" = a bf16 head re-quantized at load to int8 codes per output row
+    # (checkpoint.int8_rows, W8A16): half the bytes a token (SmolLM2-135M: 57 -> 28 MB), rounding as the
+    # W8A16 head does (docs/engine.md, "An int8 LM head at load").  A head already quantized stays as it is.
+    lm_head: str = "exported"
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
     # request's bits never depend on the batch); "attention" = one masked attention call for all
@@ -139,6 +145,7 @@ class EngineConfig:
             prefill_threads=build.prefill_threads,
             lone_decode_threads=build.lone_decode_threads,
             int4_gemv=build.int4_gemv,
+            lm_head=build.lm_head,
         )
         return cls(**{**fields, **overrides})
 
@@ -202,6 +209,8 @@ class EngineConfig:
             bad("decode_batching", f"'{self.decode_batching}' is not one of {', '.join(DECODE_BATCHING)}")
         if self.int4_gemv not in ("dot", "exact"):
             bad("int4_gemv", f"'{self.int4_gemv}' is not 'dot' or 'exact'")
+        if self.lm_head not in LM_HEADS:
+            bad("lm_head", f"'{self.lm_head}' is not one of {', '.join(LM_HEADS)}")
         if self.attention_dtype not in ("float32", "model"):
             bad("attention_dtype", f"'{self.attention_dtype}' is not 'float32' or 'model'")
         if self.num_threads is not None and self.num_threads < 1:
@@ -248,7 +257,7 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint | str | Path, config: EngineConfig):
         import torch
 
-        from .checkpoint import load_checkpoint
+        from .checkpoint import int8_rows, load_checkpoint
         from .model import Transformer, resolve_dtype
 
         config.validate()
@@ -256,6 +265,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         ckpt = load_checkpoint(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
+        if config.lm_head == "int8" and ckpt.lm_head.codes is None:
+            ckpt = replace(ckpt, lm_head=int8_rows(ckpt.lm_head))
         mc = ckpt.config
         if config.max_seq_len > mc.max_position_embeddings:
             raise UsageError(
