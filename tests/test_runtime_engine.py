@@ -150,7 +150,7 @@ def test_prompt_logits_match_transformers(engine, hf_model):
     assert engine.kv_stats()["blocks_used"] == 0
 
 
-def test_int8_lm_head_is_transformers_with_a_per_row_int8_head_and_the_embedding_untouched(tmp_path, tiny_llama_dir):
+def test_int8_lm_head_is_transformers_with_a_per_row_int8_head_and_the_embedding_untouched(tiny_llama_dir):
     """``lm_head: int8`` (dense path: cpu_kernels off, so the head's weights alone change): transformers with its
     head replaced by ``int8_rows`` of it, untied, gives the same logits; the tied embedding keeps its bf16 values."""
     from toolkit.runtime.checkpoint import Linear, int8_rows, load_checkpoint
