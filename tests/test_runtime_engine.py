@@ -799,3 +799,22 @@ def test_a_kernel_build_is_keyed_on_its_source_the_headers_it_includes_and_its_f
     assert kernels.build_dir(source, ["-O2"]) != kernels.build_dir(source, ["-O3"])
     for real in (kernels.SOURCE, kernels_avx2.SOURCE):
         assert '#include "decode_plan.h"' in real.read_text()  # both DecodeLayers share its checks
+
+
+def test_a_kernel_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's builder waits for ``<build dir>/lock`` without a timeout: one left by a killed build (older than
+    any build takes) must not hang every later load; one a running build holds must stay."""
+    import os
+    import time
+
+    from toolkit.runtime import kernels
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels.clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    kernels.clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    kernels.clear_stale_lock(tmp_path)  # no lock: nothing to do

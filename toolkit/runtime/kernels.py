@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,24 @@ def build_dir(source: Path = SOURCE, flags: list[str] = FLAGS) -> Path:
     return cache / "rtk" / "kernels" / f"{source.stem}-{key}-torch{torch.__version__.replace('+', '_')}"
 
 
+# torch's builder holds ``<build dir>/lock`` while it compiles and waits, without a timeout, for any lock it
+# finds; a build that was killed leaves its lock behind.  A build takes 15-60 s on 2 cores.
+STALE_LOCK_SECONDS = 300
+
+
+def clear_stale_lock(build: Path) -> None:
+    """Remove the build lock a killed build left (older than :data:`STALE_LOCK_SECONDS`), so that loading the
+    kernels does not wait for it forever."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def build_and_load(name: str, source: Path, flags: list[str]) -> bool:
     """Compile ``source`` (first use on this host) into rtk's cache and load it as ``torch.ops.<name>``;
     False, logged, where it cannot be (no compiler, a build error): the engine keeps torch's operators."""
@@ -81,6 +100,7 @@ def build_and_load(name: str, source: Path, flags: list[str]) -> bool:
 
     out = build_dir(source, flags)
     out.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(out)
     # torch's builder runs ninja from PATH: the one installed beside this interpreter (pip's ninja) counts
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
