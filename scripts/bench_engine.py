@@ -211,7 +211,7 @@ def one_token_a_step(qdir: Path) -> Engine:
     for layer in eng.model.layers:
         for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
             for proj in group.parts:
-                proj.codes_own_rounding = False
+                proj.own_rounding = False
     return eng
 
 

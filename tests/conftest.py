@@ -11,6 +11,7 @@ Artifacts made by fixtures live under the session's temporary directory, never i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,23 @@ TINY_CONFIG = dict(
     eos_token_id=2,
     pad_token_id=2,
 )
+
+
+@functools.cache
+def gemv_rounds_its_own_way() -> bool:
+    """Whether rtk's bf16 GEMV rounds apart from oneDNN's one-row kernel here (oneDNN's AMX kernel, Intel
+    Sapphire Rapids and later): the engine's bf16 decode rows are then not transformers' bits, but within the
+    GEMV's tolerance (docs/engine.md, "Intel CPUs with AMX")."""
+    import torch
+
+    from toolkit.runtime import kernels
+    from toolkit.runtime.checkpoint import Linear
+    from toolkit.runtime.model import Projection, bf16_is_fast
+
+    if not (bf16_is_fast() and kernels.available()):
+        return False
+    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(0))
+    return Projection([Linear(weight=weight)], torch.bfloat16, pack=True, gemv_kernel=True).own_rounding
 
 
 def make_tiny_llama(dest: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:

@@ -165,7 +165,9 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
         return check
 
     zen4 = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"])
-    assert zen4.status == "ok" and "bf16" in zen4.found
+    assert zen4.status == "ok" and "bf16" in zen4.found and "AMX" not in zen4.found
+    sapphire_rapids = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "amx_bf16"])
+    assert sapphire_rapids.status == "ok" and "apart from oneDNN" in sapphire_rapids.found
     zen3 = engine_check(["avx2", "fma"])
     assert zen3.status == "warn" and "float32" in zen3.found and "AVX2 kernels" in zen3.found
     assert "int8_sq" in zen3.fix and "docs/engine.md" in zen3.fix and "VNNI" not in zen3.found

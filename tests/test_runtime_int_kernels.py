@@ -172,7 +172,8 @@ def step_logits(engine, prompts: list[list[int]], new_tokens: int = 10) -> list[
 def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama_dir, fmt):
     """A real ModelOpt export (tiny Llama): decoding through rtk's GEMV over the codes and its fused decode
     step, alone and three sequences together, gives every step the logits of the dense bf16 path
-    (torch's operators) exactly."""
+    (torch's operators) exactly; where rtk's GEMV rounds its own way (AMX hosts; its codes kernels then give
+    its bf16 GEMV's bits, tests/test_runtime_kernels.py), the same tokens and logits within a tolerance."""
     from conftest import spec_for
 
     from toolkit.quantize import quantize
@@ -205,7 +206,11 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     got, want = step_logits(fast, prompts), step_logits(dense, prompts)
     assert len(got) == len(want) > 15
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a, b), f"step {step}"
+        if not fast.model.gemv_own_rounding:
+            assert torch.equal(a, b), f"step {step}"
+            continue
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {step}"
+        assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max(), f"step {step}"
 
 
 def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_path, tiny_llama_dir):
@@ -233,7 +238,7 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
     parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
     assert {p.kernel for p in parts} == {"rtk-int4-dot"}
     for p in parts:  # the prompt's one-row calls through the group sums too, as decode rows
-        p.codes_own_rounding = False
+        p.own_rounding = False
     ids = torch.randint(3, 1000, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     assert_as_faithful_as_dense_bf16(fast.prompt_logits(ids), dense.prompt_logits(ids), exact.prompt_logits(ids))
     # batch invariance: each request's greedy tokens alone equal its tokens while the three decode together
@@ -269,7 +274,8 @@ def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
         assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == GEMV_MAX_ROWS
     else:
         assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None and proj.codes_max_rows == QUANT_MAX_ROWS
-    dense = Projection([lin], torch.bfloat16, pack=True)  # oneDNN over the dequantized bf16 weights
+    # oneDNN over the dequantized bf16 weights; where rtk's GEMV rounds its own way (AMX hosts), that GEMV over them
+    dense = Projection([Linear(weight=lin.weight)], torch.bfloat16, pack=True, gemv_kernel=proj.own_rounding)
     n = GEMV_MAX_ROWS + 2
     x = torch.randn(n, 1536, generator=torch.Generator().manual_seed(4)).bfloat16()
     with torch.inference_mode():

@@ -80,7 +80,7 @@ def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt
     dense, (_, codes, scale) = weights("int8", 96, 64, g)
     lin = Linear(weight=dense, codes=WeightCodes(bits=8, codes=codes, scale=scale))
     proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True)
-    assert proj.kernel == "rtk-avx2-int8" and proj.codes_own_rounding
+    assert proj.kernel == "rtk-avx2-int8" and proj.own_rounding
     assert proj.nbytes == 96 * 64 + 96 * 4  # a byte a weight and the scales, not 4 bytes a weight
     assert proj.mkl_tiles is not None and proj.weight is None  # MKL's packed weights instead of float32 ones
     x = torch.randn(5, 64, generator=g)

@@ -140,6 +140,13 @@ def test_fp8_export_perplexity_through_the_engine_equals_the_quality_report(smol
     assert engine_ppl("auto") == pytest.approx(want, rel=0.05)
 
 
+# rtk's GEMV with its own rounding against oneDNN's (AMX hosts): a few bf16 outputs a projection one ulp apart,
+# carried through 30 layers; relative to the step's largest logit.  FP8's activation quantization turns an
+# input that crosses an e4m3 rounding boundary into a step of 1/8 of its value (measured on an AMX host,
+# 2026-12-04: 0.041 bf16, 0.21 FP8)
+LOGITS_TOLERANCE = {"bf16": 0.1, "fp8": 0.3}
+
+
 def smollm2_checkpoint(request, checkpoint: str):
     """The real model's bf16 checkpoint, or its FP8 export's hf/ directory."""
     if checkpoint == "bf16":
@@ -151,8 +158,9 @@ def smollm2_checkpoint(request, checkpoint: str):
 def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokenizer):
     """Every step's logits with rtk's kernels (GEMV, over bf16 or the FP8 export's codes; input
     quantization; K/V gather) equal torch's operators' bit for bit: a lone request, then four decoding
-    together (two joining mid-way: multi-row GEMV calls).  The fused decode step is off here (its own
-    test: test_fused_decode_gives_the_operators_bits)."""
+    together (two joining mid-way: multi-row GEMV calls).  Where rtk's GEMV rounds apart from oneDNN's
+    one-row kernel (its AMX one), every token is the same and the logits within a stated tolerance.  The
+    fused decode step is off here (its own test: test_fused_decode_gives_the_operators_bits)."""
     from toolkit.runtime import kernels
 
     if not kernels.available():
@@ -173,6 +181,8 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
             ),
         )
         assert bool(engine.model.gemv_shapes) == on
+        if on:
+            own_rounding = engine.model.gemv_own_rounding
         if checkpoint == "fp8":
             assert (engine.model.layers[0].qkv.parts[0].kernel == "rtk-fp8-table") == on
         steps: list[torch.Tensor] = []
@@ -195,8 +205,15 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
             engine.step()
         seen[on] = steps
     assert len(seen[True]) == len(seen[False]) > 20
+    worst = 0.0  # the largest logit difference of a step, relative to its largest logit
     for a, b in zip(seen[True], seen[False], strict=True):
-        assert torch.equal(a, b)
+        if not own_rounding:
+            assert torch.equal(a, b)
+            continue
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
+    print(f"largest logit difference / largest logit: {worst:.4f}")
+    assert worst <= LOGITS_TOLERANCE[checkpoint], worst
 
 
 @pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])

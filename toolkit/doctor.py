@@ -265,6 +265,15 @@ def _cpu_engine(host: HostInfo) -> Check:
     """How rtk's CPU engine will compute here (toolkit/runtime/kernels.py, kernels_avx2.py)."""
     flags = set(host.cpu_flags)
     need = "AVX512-BF16 + AVX512-VBMI (AMD Zen 4+, Intel Sapphire Rapids+): bf16 compute with rtk's kernels"
+    if set(BF16_KERNEL_FLAGS) <= flags and "amx_bf16" in flags:
+        return Check(
+            "CPU engine",
+            "ok",
+            "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels; their decode rows round apart from oneDNN's AMX one-row "
+            "kernel (within each output's bf16 rounding), oneDNN's prompt rows run in calls of 32 rows "
+            "(docs/engine.md, 'Intel CPUs with AMX')",
+            need,
+        )
     if set(BF16_KERNEL_FLAGS) <= flags:
         return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels", need)
     if set(AVX2_KERNEL_FLAGS) <= flags:

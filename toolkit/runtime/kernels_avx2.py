@@ -8,7 +8,7 @@ each back into exactly the dense path's float32 weight in registers, and sums in
 fixed order: within :data:`TOLERANCE` of the float64 product (checked per projection at load), and
 batch-invariant (a row's sums do not depend on the other rows of its call).
 
-Decode rows always go through it and prompt rows never do (``Projection.codes_own_rounding``), so
+Decode rows always go through it and prompt rows never do (``Projection.own_rounding``), so
 neither kind of row changes its numbers with what shares its step; prompt rows take MKL's GEMM over weights
 packed once, in calls of a fixed row count (:class:`MklTiles`), instead of float32 copies of the weights.
 

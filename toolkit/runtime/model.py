@@ -31,6 +31,7 @@ compute dtype, SDPA) and are batch-invariant (see :class:`Projection`), so greed
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -107,6 +108,12 @@ ROWWISE_MAX_BYTES = 4 << 20  # a weight this small stays cache-resident across o
 
 MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is worth
 
+# oneDNN's bf16 GEMM with AMX (Intel Sapphire Rapids and later) gives a row other bits in calls of other sizes,
+# beyond any row count (SmolLM2's down projection, 2 threads: a 64-row call's rows differ from the same rows in
+# a 256-row one), but within calls of one size a row's bits do not depend on its place or its neighbours: where
+# the probe finds that, every call of the projection has this many rows, the last padded with zeros
+LIBRARY_TILE_ROWS = 32
+
 # torch's W8A16 / W4A16 CPU kernels read a half / a quarter of bf16's bytes, but their cost grows
 # fast with rows (at 8 rows a SmolLM2 INT8 decode step took 45 ms against 30 ms in bf16; a 60-token
 # INT8 prefill twice bf16's).  So prompt rows always use the bf16 weights, kept besides the codes,
@@ -144,7 +151,15 @@ class Projection:
     * ``pad`` (larger weights, where re-reading them per row would cost too much): every call
       with fewer than ``min_rows`` rows is padded to ``min_rows``.
 
-    Either way a sequence's numbers do not depend on what else is in the batch.
+    Either way a sequence's numbers do not depend on what else is in the batch.  Where no row count
+    gives every larger call's bits (oneDNN's AMX GEMM), every call has ``tile_rows`` rows
+    (:data:`LIBRARY_TILE_ROWS`, the last tile padded).
+
+    rtk's GEMV (``kernels.py``) sums in the order of oneDNN's AVX512-BF16 one-row kernel.  Where oneDNN
+    picks another one-row kernel (its AMX one, on Intel Sapphire Rapids and later) the bits part in a few
+    outputs; there the GEMV runs with its own rounding (``own_rounding``), checked at load to be the float
+    product within ``kernels.GEMV_TOLERANCE`` and batch-invariant: decode rows always take it, prompt rows
+    never do.
     """
 
     def __init__(
@@ -185,6 +200,7 @@ class Projection:
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
         self.weight = weight
+        self.tile_rows: int | None = None  # set by the row probe where calls of one size are needed
         self.int8 = self.int4 = self.int_max_rows = None
         if pack:
             try:
@@ -206,17 +222,23 @@ class Projection:
         # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
         # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
+        gemv_rounding = None  # "library": oneDNN's one-row bits; "own": its own (see the class docstring)
         if usable:
-            self.quant = self._pack_codes(linears, weight, bias)
-            if self.codes_max_rows < GEMV_MAX_ROWS:
+            packed = kernels.pack(weight)
+            key = (*shape[:3], "gemv")
+            if key not in cache:
+                cache[key] = self._gemv_rounding(packed, weight, bias)
+            gemv_rounding = cache[key]
+            # the codes kernel must give the bits its decode rows would get from the bf16 GEMV
+            reference = (
+                functools.partial(kernels.gemv, packed=packed, out_features=self.out_features, bias=bias)
+                if gemv_rounding == "own"
+                else self._library_gemm
+            )
+            self.quant = self._pack_codes(linears, weight, bias, reference)
+            if gemv_rounding and self.codes_max_rows < GEMV_MAX_ROWS:
                 # the bf16 copy too: decode calls of more rows than the codes kernel takes read it
-                packed = kernels.pack(weight)
-                key = (*shape[:3], "gemv")
-                if key not in cache:
-                    cache[key] = kernels.agrees(self._library_gemm, packed, self.out_features, bias)
-                    if not cache[key]:
-                        log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape[:2])
-                self.gemv = packed if cache[key] else None
+                self.gemv = packed
         if self.quant is None and int_kernels and dtype == torch.bfloat16:
             # torch's integer kernels where rtk's GEMV does not read the codes: decode rows through the
             # integer kernel (one call: its rows are batch-invariant), prompt rows through the bf16
@@ -255,9 +277,11 @@ class Projection:
         # through them and prompt rows never do, so neither kind of row changes numbers with what shares its
         # call.  False lets one-row prompt calls through them too (to measure their numerics over a prompt,
         # one token a step).
-        self.codes_own_rounding = (
-            self.quant is not None and self.quant.kind == "int4-dot"
-        ) or self.fp32_gemv is not None
+        self.own_rounding = (
+            (self.quant is not None and self.quant.kind == "int4-dot")
+            or self.fp32_gemv is not None
+            or (gemv_rounding == "own" and (self.quant is not None or self.gemv is not None))
+        )
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
@@ -284,8 +308,27 @@ class Projection:
             return "rtk-avx2-w8a8-blockwise" if self.int_products.blockwise else "rtk-avx2-w8a8"
         return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
 
-    def _pack_codes(self, linears: list[Linear], weight: torch.Tensor, bias) -> kernels.QuantizedWeight | None:
-        """The codes packed for rtk's GEMV, where its weights are exactly ``weight`` and its products oneDNN's."""
+    def _gemv_rounding(self, packed: torch.Tensor, weight: torch.Tensor, bias) -> str | None:
+        """How rtk's bf16 GEMV over ``packed`` rounds here: ``"library"`` (oneDNN's one-row bits), ``"own"``
+        (apart from them, but the float product within ``kernels.GEMV_TOLERANCE`` and batch-invariant), or
+        None (neither: oneDNN computes the projection)."""
+        if kernels.agrees(self._library_gemm, packed, self.out_features, bias):
+            return "library"
+        shape = (self.out_features, self.in_features)
+        gemv = functools.partial(kernels.gemv, packed=packed, out_features=self.out_features)
+        if kernels.within_and_invariant(
+            lambda x, b: gemv(x, bias=b), weight.float(), bias, kernels.GEMV_TOLERANCE, torch.bfloat16
+        ):
+            log.info("rtk's GEMV rounds apart from oneDNN's one-row kernel for %s; decode rows take it", shape)
+            return "own"
+        log.info("rtk's GEMV differs from oneDNN for %s; oneDNN computes it", shape)
+        return None
+
+    def _pack_codes(
+        self, linears: list[Linear], weight: torch.Tensor, bias, reference
+    ) -> kernels.QuantizedWeight | None:
+        """The codes packed for rtk's GEMV, where its weights are exactly ``weight`` and its products those of
+        ``reference`` (a one-row call: oneDNN's, or rtk's bf16 GEMV where that rounds its own way)."""
         stored = _stored_codes(linears)
         if stored is None:
             return None
@@ -301,7 +344,7 @@ class Projection:
                 return quant
             log.info("rtk's int4-dot GEMV is off the float32 product for %s; oneDNN computes it", tuple(weight.shape))
             return None
-        if not quant.agrees(weight, self._library_gemm, bias):
+        if not quant.agrees(weight, reference, bias):
             log.info("rtk's %s GEMV differs from the dense weights of %s; oneDNN computes it", quant.kind, weight.shape)
             return None
         return quant
@@ -389,10 +432,12 @@ class Projection:
             self.int8 = self.int4 = None
 
     def _probed(self, cache: dict, key: tuple) -> int:
-        """:meth:`_probe_min_rows`, once per weight shape and GEMM (``key``) in ``cache``."""
+        """:meth:`_probe_min_rows`, once per weight shape and GEMM (``key``) in ``cache``; sets ``tile_rows``."""
         if key not in cache:
-            cache[key] = self._probe_min_rows()
-        return cache[key]
+            min_rows = self._probe_min_rows()
+            cache[key] = (min_rows, self.tile_rows)
+        min_rows, self.tile_rows = cache[key]
+        return min_rows
 
     def _probe_min_rows(self) -> int:
         """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
@@ -409,6 +454,18 @@ class Projection:
                 return all(torch.equal(self._matmul(x[i : i + m]), ref[i : i + m]) for i in range(0, n, m))
 
             agree = [agrees(m) for m in counts]
+            if (not agree[-1] or not all(agree[MAX_PAD_ROWS:])) and self.packed is not None:
+                self.tile_rows = LIBRARY_TILE_ROWS  # calls of one size: row counts stop mattering if rows agree
+                ref = self._matmul(x)
+                if all(agrees(m) for m in counts) and torch.equal(self._matmul(x.flip(0)), ref.flip(0)):
+                    log.info(
+                        "oneDNN's GEMM of shape %s gives rows other bits in calls of other sizes; its calls take "
+                        "%d rows",
+                        (self.out_features, self.in_features),
+                        self.tile_rows,
+                    )
+                    return 1
+                self.tile_rows = None
         if not agree[-1] or not all(agree[MAX_PAD_ROWS:]):
             log.warning(
                 "GEMM of shape %s is not row-invariant for large batches here; batching may change results "
@@ -452,13 +509,13 @@ class Projection:
         # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums): decode rows
         # through the kernel, prompt rows through the bf16 weights; with decode_batching "full"
         # (singles=None), by the call's row count.
-        if self.int8 is not None or self.int4 is not None or self.codes_own_rounding:
-            own, limit = (
-                (self._gemv, GEMV_MAX_ROWS) if self.codes_own_rounding else (self._int_matmul, self.int_max_rows)
-            )
+        if self.int8 is not None or self.int4 is not None or self.own_rounding:
+            own, limit = (self._gemv, GEMV_MAX_ROWS) if self.own_rounding else (self._int_matmul, self.int_max_rows)
             if singles is None:
                 return own(x) if x.shape[0] <= limit else self._matmul(x)
-            parts = [own(x[:singles])] if singles else []
+            if not singles:
+                return self._padded(x) if self.single_rows else self._matmul(x)
+            parts = [own(x[:singles])]
             if x.shape[0] > singles:
                 parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -510,7 +567,7 @@ class Projection:
         return kernels.gemv(x, self.gemv, self.out_features, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1 and not self.codes_own_rounding:
+        if (self.gemv is not None or self.quant is not None) and x.shape[0] == 1 and not self.own_rounding:
             return self._gemv(x)
         return self._library_gemm(x)
 
@@ -519,7 +576,16 @@ class Projection:
         if self.mkl_tiles is not None:
             return self.mkl_tiles(x, self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self.tile_rows is None or x.shape[0] in (0, self.tile_rows):
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            rows, tile = x.shape[0], self.tile_rows
+            if rows % tile:
+                x = torch.cat([x, x.new_zeros(tile - rows % tile, x.shape[1])])
+            tiles = [
+                torch.ops.mkldnn._linear_pointwise(x[i : i + tile], self.packed, self.bias, "none", [], "")
+                for i in range(0, x.shape[0], tile)
+            ]
+            return torch.cat(tiles)[:rows]
         return F.linear(x, self.weight, self.bias)
 
 
@@ -816,8 +882,17 @@ class Transformer:
         # K/V reads for float32 attention through rtk's gather kernel (a plain copy: no check needed)
         self.fast_gather = cpu_kernels and dtype == torch.bfloat16 and kernels.available()
         # min_rows per weight shape, and the shapes whose one-row calls run rtk's GEMV
-        self.single_row_modes = {f"{o}x{i} {k}": m for (o, i, _, k), m in probes.items() if k != "gemv"}
-        self.gemv_shapes = sorted(f"{o}x{i}" for (o, i, _, k), ok in probes.items() if k == "gemv" and ok)
+        self.single_row_modes = {
+            f"{o}x{i} {k}": f"{m[0]}" + (f", tiles of {m[1]}" if m[1] else "")
+            for (o, i, _, k), m in probes.items()
+            if k != "gemv"
+        }
+        self.gemv_own_rounding = any(how == "own" for (_, _, _, k), how in probes.items() if k == "gemv")
+        self.gemv_shapes = sorted(
+            f"{o}x{i}" + (" (own rounding)" if how == "own" else "")
+            for (o, i, _, k), how in probes.items()
+            if k == "gemv" and how
+        )
         self.cos, self.sin = rope_tables(cfg, max_positions, dtype)
         half = cfg.head_dim // 2
         self.rope_swap = torch.cat([torch.arange(half, cfg.head_dim), torch.arange(half)])
