@@ -108,15 +108,16 @@ def test_served_engine_threads_follow_its_decode_step_unless_the_spec_says(tmp_p
         ).path
         assert load_engine(unset).config.num_threads is None  # the engine alone: torch's default, all cores
         served = load_engine(unset, served=True)
-        # a lone stream's decode steps: every core where the step is the float32 AVX2 one, else num_threads; every
-        # decode step where that step reads float weights (bf16 here)
+        # a lone stream's decode steps: every core where the step is one of rtk's fused ones, else num_threads;
+        # every decode step where that step is the float32 AVX2 one over float weights (bf16 here)
         from toolkit.runtime import kernels_avx2
 
-        avx2_step = served.model.dtype == torch.float32 and kernels_avx2.available() and served.model.fused is not None
+        fused = served.model.fused is not None
+        avx2_step = served.model.dtype == torch.float32 and kernels_avx2.available() and fused
         decode = cores if avx2_step else max(1, cores - 1)
         assert served.config.num_threads == decode and torch.get_num_threads() == decode
         assert served.config.prefill_threads == cores  # prompts prefill on every core
-        assert served.config.lone_decode_threads == (cores if avx2_step else None)
+        assert served.config.lone_decode_threads == (cores if fused else None)
         assert load_engine(unset, served=True, lone_decode_threads=1).config.lone_decode_threads == 1
         spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 2})
         config = load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config

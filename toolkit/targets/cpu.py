@@ -103,11 +103,11 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
     ``served``: the engine runs inside tritonserver, so without a ``num_threads`` it takes
     :func:`served_threads` for decode steps, and all cores for steps that prefill prompts (unless
     ``prefill_threads`` says otherwise): while a prompt is prefilled the server's processes mostly wait.
-    A float32 engine whose decode step runs rtk's AVX2 kernels (``kernels_avx2.DecodeLayers``) also takes
-    all cores for a lone sequence's decode steps (unless ``lone_decode_threads`` says otherwise): one row
-    streams every weight, one core reads ~13 GB/s where two read ~19 on the AVX2 host, and the server's
-    processes have one response a step to handle (served ITL p50 15.9 -> 12.8 ms, docs/engine.md); where
-    those kernels read float weights, for every decode step (:func:`decode_on_every_core`).
+    An engine whose decode step is one of rtk's fused ones (``kernels_avx2.DecodeLayers``, ``kernels.DecodeLayers``)
+    also takes all cores for a lone sequence's decode steps (unless ``lone_decode_threads`` says otherwise): one
+    row streams every weight, one core reads ~13 GB/s where two read ~19 on the AVX2 host, and the server's
+    processes have one response a step to handle (:func:`lone_decode_on_every_core`); where the float32 AVX2
+    kernels read float weights, for every decode step (:func:`decode_on_every_core`).
     """
     from ..runtime.engine import Engine, EngineConfig
 
@@ -141,11 +141,12 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
 
 
 def lone_decode_on_every_core(engine) -> bool:
-    """Whether a served engine's lone decode steps take every core by default: where its decode step is rtk's
-    float32 AVX2 one (measured there; the bf16 AVX512 step keeps ``num_threads`` until measured)."""
-    from ..runtime import kernels_avx2
-
-    return isinstance(engine.model.fused, kernels_avx2.DecodeLayers)
+    """Whether a served engine's lone decode steps take every core by default: where its decode step is one of
+    rtk's fused ones, the float32 AVX2 step or the bf16 AVX512 one.  Measured served at one stream (bench_peer,
+    bf16 SmolLM2, 2 cores): ITL p50 15.9 -> 12.8 ms with the AVX2 step (2026-12-02), 24.4-25.6 -> 15.5-16.9 ms
+    with the bf16 step on an AMX host (2026-12-04, two alternated pairs); oneDNN's own one-row GEMM did not
+    read faster on two cores there, so an engine without a fused step keeps ``num_threads``."""
+    return engine.model.fused is not None
 
 
 def decode_on_every_core(engine) -> bool:
