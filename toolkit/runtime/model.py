@@ -219,8 +219,9 @@ class Projection:
         fp32_kernels = gemv_kernel and dtype == torch.float32 and kernels_avx2.available()
         if not fp32_kernels:
             self.min_rows = self._probed(cache, shape)
-        # one-row calls through rtk's GEMV (kernels.py) where it gives oneDNN's bits: over the codes of
-        # a quantized export (checked per projection: its weights and products), else over bf16 (per shape)
+        # decode rows through rtk's GEMV (kernels.py) where it gives oneDNN's one-row bits, or on AMX hosts its
+        # own (class docstring): over the codes of a quantized export (checked per projection: its weights and
+        # products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
         gemv_rounding = None  # "library": oneDNN's one-row bits; "own": its own (see the class docstring)
         if usable:
@@ -506,9 +507,9 @@ class Projection:
                 x = x * self.pre_quant_scale
             if self.act_kind is not None:
                 x = fake_quant(x, self.act_kind, self.act_scale)
-        # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums): decode rows
-        # through the kernel, prompt rows through the bf16 weights; with decode_batching "full"
-        # (singles=None), by the call's row count.
+        # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums, the AVX2 GEMV, rtk's
+        # GEMV on AMX hosts): decode rows through the kernel, prompt rows through the library's GEMM; with
+        # decode_batching "full" (singles=None), by the call's row count.
         if self.int8 is not None or self.int4 is not None or self.own_rounding:
             own, limit = (self._gemv, GEMV_MAX_ROWS) if self.own_rounding else (self._int_matmul, self.int_max_rows)
             if singles is None:
