@@ -14,7 +14,6 @@ engine checks at load on such hosts (``model.Projection``, own rounding).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
@@ -49,13 +48,12 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@functools.cache
 def onednn_one_row_bits() -> bool:
-    """Whether rtk's GEMV gives oneDNN's one-row bits on this host, on one of SmolLM2's shapes (false where
-    oneDNN's one-row kernel is its AMX one)."""
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(576, 1536, generator=g).to(torch.bfloat16)
-    return kernels.agrees(lambda x: onednn(x, weight, None), kernels.pack(weight), 576, None)
+    """Whether rtk's GEMV gives oneDNN's one-row bits on this host (false where oneDNN's one-row kernel is its
+    AMX one): what the engine's load-time check finds (``conftest.gemv_rounds_its_own_way``)."""
+    from conftest import gemv_rounds_its_own_way
+
+    return not gemv_rounds_its_own_way()
 
 
 def assert_one_row_result(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
