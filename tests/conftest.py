@@ -54,6 +54,16 @@ def gemv_rounds_its_own_way() -> bool:
     return Projection([Linear(weight=weight)], torch.bfloat16, pack=True, gemv_kernel=True).own_rounding
 
 
+def same_tokens_logit_gap(got, want) -> float:
+    """Asserts that two steps' logits pick the same token at every position and returns their largest
+    difference relative to ``want``'s largest logit: how far apart two roundings of one step are where they
+    cannot be bit-equal (rtk's GEMV with its own rounding, integer kernels)."""
+    import torch
+
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 def make_tiny_llama(dest: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Write a random tiny Llama checkpoint (bf16 safetensors) with the given tokenizer files."""
     import shutil
