@@ -235,28 +235,32 @@ def test_projection_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
 
 
-def test_library_tiles_give_a_row_the_bits_of_its_own_padded_call():
-    """Where the row probe sets ``tile_rows`` (oneDNN's AMX GEMM), every call has that many rows: a call of any
-    size is cut into tiles, the last padded with zero rows, and each row gets what a tile of it alone gives."""
+@pytest.mark.parametrize("least, tile", [(1, 32), (32, 32), (40, 128)])
+def test_library_tiles_give_a_row_the_bits_of_its_own_tile(least, tile):
+    """Where the row probe sets ``tile_rows`` and ``pad_rows`` (oneDNN's AMX GEMM), every call has that many rows:
+    a longer call is cut into tiles, a shorter one (or last tile) padded with zero rows, and each row gets what a
+    call of its tile alone gives."""
     from toolkit.runtime.checkpoint import Linear
-    from toolkit.runtime.model import LIBRARY_TILE_ROWS, Projection
+    from toolkit.runtime.model import Projection
 
     g = torch.Generator().manual_seed(1)
     proj = Projection([Linear(weight=torch.randn(200, 576, generator=g) * 0.05)], torch.bfloat16, pack=True)
     if proj.packed is None:
         pytest.skip("oneDNN's packed bf16 weights are not available on this host")
-    proj.tile_rows = tile = LIBRARY_TILE_ROWS
+    proj.tile_rows, proj.pad_rows = tile, least
     x = torch.randn(2 * tile + 6, 576, generator=g).to(torch.bfloat16)
 
-    def alone(rows: torch.Tensor) -> torch.Tensor:  # one call of exactly ``tile`` rows, zero-padded
-        padded = torch.cat([rows, rows.new_zeros(tile - rows.shape[0], rows.shape[1])])
-        return torch.ops.mkldnn._linear_pointwise(padded, proj.packed, None, "none", [], "")[: rows.shape[0]]
+    def alone(rows: torch.Tensor) -> torch.Tensor:  # one call of a tile's rows, zero-padded to ``least`` rows
+        n = rows.shape[0]
+        rows = torch.cat([rows, rows.new_zeros(max(0, least - n), rows.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(rows, proj.packed, None, "none", [], "")[:n]
 
     with torch.inference_mode():
         got = proj(x)
         want = torch.cat([alone(x[:tile]), alone(x[tile : 2 * tile]), alone(x[2 * tile :])])
         assert got.shape == (2 * tile + 6, 200) and torch.equal(got, want)
         assert torch.equal(proj(x[3:9]), alone(x[3:9]))
+        assert torch.equal(proj(x[: tile + 1]), torch.cat([alone(x[:tile]), alone(x[tile : tile + 1])]))
         assert proj(x[:0]).shape == (0, 200)
 
 

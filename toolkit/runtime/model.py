@@ -110,8 +110,12 @@ MAX_PAD_ROWS = 16  # beyond this, padding small calls would cost more than it is
 
 # oneDNN's bf16 GEMM with AMX (Intel Sapphire Rapids and later) gives a row other bits in calls of other sizes,
 # beyond any row count (SmolLM2's down projection, 2 threads: a 64-row call's rows differ from the same rows in
-# a 256-row one), but within calls of one size a row's bits do not depend on its place or its neighbours: where
-# the probe finds that, every call of the projection has this many rows, the last padded with zeros
+# a 256-row one), but calls whose row counts lie in one of its kernels' ranges give a row the same bits whatever
+# its place or neighbours (there, every SmolLM2 shape, 1 and 2 threads: 1 to 32 rows; 37 to 192 rows for the
+# down projection, 33 to 256 for the others).  Where the probe finds that, every call of the projection has
+# between ``pad_rows`` and ``tile_rows`` rows: a longer one is cut into tiles, a shorter one (or last tile)
+# padded with zero rows.  Ranges tried, in order: up to 32 rows (the range of transformers' one-row decode calls
+# and short prompts, so a prompt of up to 32 tokens gets their bits); else exactly 32 (the last tile padded).
 LIBRARY_TILE_ROWS = 32
 
 # torch's W8A16 / W4A16 CPU kernels read a half / a quarter of bf16's bytes, but their cost grows
@@ -152,8 +156,8 @@ class Projection:
       with fewer than ``min_rows`` rows is padded to ``min_rows``.
 
     Either way a sequence's numbers do not depend on what else is in the batch.  Where no row count
-    gives every larger call's bits (oneDNN's AMX GEMM), every call has ``tile_rows`` rows
-    (:data:`LIBRARY_TILE_ROWS`, the last tile padded).
+    gives every larger call's bits (oneDNN's AMX GEMM), every call has ``pad_rows`` to ``tile_rows`` rows
+    (:data:`LIBRARY_TILE_ROWS`): longer ones are cut into tiles, shorter ones padded.
 
     rtk's GEMV (``kernels.py``) sums in the order of oneDNN's AVX512-BF16 one-row kernel.  Where oneDNN
     picks another one-row kernel (its AMX one, on Intel Sapphire Rapids and later) the bits part in a few
@@ -200,7 +204,8 @@ class Projection:
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
         self.weight = weight
-        self.tile_rows: int | None = None  # set by the row probe where calls of one size are needed
+        self.tile_rows: int | None = None  # set by the row probe where calls must lie in a range of sizes
+        self.pad_rows = 1  # ... and the range's smallest size (shorter calls are padded to it)
         self.int8 = self.int4 = self.int_max_rows = None
         if pack:
             try:
@@ -225,11 +230,15 @@ class Projection:
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
         gemv_rounding = None  # "library": oneDNN's one-row bits; "own": its own (see the class docstring)
         if usable:
-            packed = kernels.pack(weight)
+            # the bf16 weight packed for rtk's GEMV: for the probe (once per shape), the codes kernel's reference
+            # where the GEMV rounds its own way, and decode calls the codes kernel does not take (below)
             key = (*shape[:3], "gemv")
+            packed = kernels.pack(weight) if key not in cache else None
             if key not in cache:
                 cache[key] = self._gemv_rounding(packed, weight, bias)
             gemv_rounding = cache[key]
+            if gemv_rounding == "own" and packed is None:
+                packed = kernels.pack(weight)
             # the codes kernel must give the bits its decode rows would get from the bf16 GEMV
             reference = (
                 functools.partial(kernels.gemv, packed=packed, out_features=self.out_features, bias=bias)
@@ -239,7 +248,7 @@ class Projection:
             self.quant = self._pack_codes(linears, weight, bias, reference)
             if gemv_rounding and self.codes_max_rows < GEMV_MAX_ROWS:
                 # the bf16 copy too: decode calls of more rows than the codes kernel takes read it
-                self.gemv = packed
+                self.gemv = packed if packed is not None else kernels.pack(weight)
         if self.quant is None and int_kernels and dtype == torch.bfloat16:
             # torch's integer kernels where rtk's GEMV does not read the codes: decode rows through the
             # integer kernel (one call: its rows are batch-invariant), prompt rows through the bf16
@@ -433,15 +442,18 @@ class Projection:
             self.int8 = self.int4 = None
 
     def _probed(self, cache: dict, key: tuple) -> int:
-        """:meth:`_probe_min_rows`, once per weight shape and GEMM (``key``) in ``cache``; sets ``tile_rows``."""
+        """``min_rows`` by :meth:`_probe_rows`, once per weight shape and GEMM (``key``) in ``cache``; sets
+        ``tile_rows`` and ``pad_rows`` to the probe's."""
         if key not in cache:
-            min_rows = self._probe_min_rows()
-            cache[key] = (min_rows, self.tile_rows)
-        min_rows, self.tile_rows = cache[key]
+            cache[key] = self._probe_rows()
+        min_rows, self.tile_rows, self.pad_rows = cache[key]
         return min_rows
 
-    def _probe_min_rows(self) -> int:
-        """Smallest row count from which a call gives each row the bits a 256-row call gives it."""
+    def _probe_rows(self) -> tuple[int, int | None, int]:
+        """``(min_rows, tile_rows, pad_rows)``: the smallest row count from which a call gives each row the bits
+        a larger call gives it; where no count does but calls in a range of sizes agree (oneDNN's AMX GEMM), the
+        range's largest and smallest size (``min_rows`` then 1).  The tile settings are set while probed."""
+        self.tile_rows, self.pad_rows = None, 1
         g = torch.Generator().manual_seed(0)
         x = torch.randn(128, self.in_features, generator=g).to(self.dtype)
         counts = list(range(1, MAX_PAD_ROWS + 1)) + [24, 32, 64]
@@ -456,26 +468,32 @@ class Projection:
 
             agree = [agrees(m) for m in counts]
             if (not agree[-1] or not all(agree[MAX_PAD_ROWS:])) and self.packed is not None:
-                self.tile_rows = LIBRARY_TILE_ROWS  # calls of one size: row counts stop mattering if rows agree
-                ref = self._matmul(x)
-                if all(agrees(m) for m in counts) and torch.equal(self._matmul(x.flip(0)), ref.flip(0)):
-                    log.info(
-                        "oneDNN's GEMM of shape %s gives rows other bits in calls of other sizes; its calls take "
-                        "%d rows",
-                        (self.out_features, self.in_features),
-                        self.tile_rows,
-                    )
-                    return 1
-                self.tile_rows = None
+                # calls in a range of sizes: row counts stop mattering if rows agree whatever the call's size,
+                # place and neighbours
+                for lo, hi in [(1, LIBRARY_TILE_ROWS), (LIBRARY_TILE_ROWS, LIBRARY_TILE_ROWS)]:
+                    self.pad_rows, self.tile_rows = lo, hi
+                    ref = self._matmul(x)
+                    sizes = [*range(1, hi + 1), hi + 1, hi + lo - 1, 2 * hi - 1]
+                    ok = all(agrees(m) for m in sizes) and torch.equal(self._matmul(x.flip(0)), ref.flip(0))
+                    self.tile_rows, self.pad_rows = None, 1
+                    if ok:
+                        log.info(
+                            "oneDNN's GEMM of shape %s gives rows other bits in calls of other sizes; its calls "
+                            "take %d to %d rows",
+                            (self.out_features, self.in_features),
+                            lo,
+                            hi,
+                        )
+                        return 1, hi, lo
         if not agree[-1] or not all(agree[MAX_PAD_ROWS:]):
             log.warning(
                 "GEMM of shape %s is not row-invariant for large batches here; batching may change results "
                 "in the last bit",
                 (self.out_features, self.in_features),
             )
-            return 1
+            return 1, None, 1
         first_bad_from_end = max((i for i, ok in enumerate(agree) if not ok), default=-1)
-        return counts[first_bad_from_end + 1] if first_bad_from_end >= 0 else 1
+        return (counts[first_bad_from_end + 1] if first_bad_from_end >= 0 else 1), None, 1
 
     @property
     def nbytes(self) -> int:
@@ -577,11 +595,11 @@ class Projection:
         if self.mkl_tiles is not None:
             return self.mkl_tiles(x, self.bias)
         if self.packed is not None:
-            if self.tile_rows is None or x.shape[0] in (0, self.tile_rows):
+            rows, tile, least = x.shape[0], self.tile_rows, self.pad_rows
+            if tile is None or rows == 0 or least <= rows <= tile:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            rows, tile = x.shape[0], self.tile_rows
-            if rows % tile:
-                x = torch.cat([x, x.new_zeros(tile - rows % tile, x.shape[1])])
+            if 0 < rows % tile < least:  # the last tile (or a short call) padded with zero rows
+                x = torch.cat([x, x.new_zeros(least - rows % tile, x.shape[1])])
             tiles = [
                 torch.ops.mkldnn._linear_pointwise(x[i : i + tile], self.packed, self.bias, "none", [], "")
                 for i in range(0, x.shape[0], tile)
@@ -884,7 +902,7 @@ class Transformer:
         self.fast_gather = cpu_kernels and dtype == torch.bfloat16 and kernels.available()
         # min_rows per weight shape, and the shapes whose one-row calls run rtk's GEMV
         self.single_row_modes = {
-            f"{o}x{i} {k}": f"{m[0]}" + (f", tiles of {m[1]}" if m[1] else "")
+            f"{o}x{i} {k}": f"{m[0]}" + (f", calls of {m[2]} to {m[1]} rows" if m[1] else "")
             for (o, i, _, k), m in probes.items()
             if k != "gemv"
         }
