@@ -270,7 +270,7 @@ def _cpu_engine(host: HostInfo) -> Check:
             "CPU engine",
             "ok",
             "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels; their decode rows round apart from oneDNN's AMX one-row "
-            "kernel (within each output's bf16 rounding), oneDNN's prompt rows run in calls of 32 rows "
+            "kernel (within each output's bf16 rounding), oneDNN's prompt rows run in calls of at most 32 rows "
             "(docs/engine.md, 'Intel CPUs with AMX')",
             need,
         )
