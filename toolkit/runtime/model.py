@@ -233,8 +233,9 @@ class Projection:
             # the bf16 weight packed for rtk's GEMV: for the probe (once per shape), the codes kernel's reference
             # where the GEMV rounds its own way, and decode calls the codes kernel does not take (below)
             key = (*shape[:3], "gemv")
-            packed = kernels.pack(weight) if key not in cache else None
+            packed = None
             if key not in cache:
+                packed = kernels.pack(weight)
                 cache[key] = self._gemv_rounding(packed, weight, bias)
             gemv_rounding = cache[key]
             if gemv_rounding == "own" and packed is None:
@@ -473,7 +474,7 @@ class Projection:
                 for lo, hi in [(1, LIBRARY_TILE_ROWS), (LIBRARY_TILE_ROWS, LIBRARY_TILE_ROWS)]:
                     self.pad_rows, self.tile_rows = lo, hi
                     ref = self._matmul(x)
-                    sizes = [*range(1, hi + 1), hi + 1, hi + lo - 1, 2 * hi - 1]
+                    sizes = [*range(1, hi + 1), hi + 1, 2 * hi - 1]  # every call, and tiles with a short last one
                     ok = all(agrees(m) for m in sizes) and torch.equal(self._matmul(x.flip(0)), ref.flip(0))
                     self.tile_rows, self.pad_rows = None, 1
                     if ok:
