@@ -216,6 +216,46 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
     assert model.resolve_dtype("bfloat16") == torch.bfloat16  # asked for: given, native or not
 
 
+def test_auto_dtype_is_float32_for_integer_codes_where_the_vnni_kernels_run(monkeypatch):
+    """rtk's integer products (INT8-SQ, W8A16, INT4-AWQ) run on float32 engines only, so on a CPU with native bf16
+    and AVX512-VNNI an export of int8 / int4 codes computes in float32; FP8 codes and bf16 weights keep bf16, and
+    so does everything where the VNNI build is not wanted (``RTK_VNNI=0``), not built, or rtk's kernels are off."""
+    from types import SimpleNamespace
+
+    from toolkit import hostinfo
+    from toolkit.runtime import kernels_avx2, model
+    from toolkit.runtime.checkpoint import Linear, WeightCodes
+
+    if not model.onednn_bf16():
+        pytest.skip("oneDNN has no bf16 here, so no CPU counts as native bf16")
+
+    def export(codes: torch.Tensor | None) -> SimpleNamespace:
+        weight = torch.ones(8, 32)
+        lin = Linear(weight, codes=None if codes is None else WeightCodes(8, codes, torch.ones(8)))
+        return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
+
+    int8 = export(torch.ones(8, 32, dtype=torch.int8))
+    fp8 = export(torch.ones(8, 32).to(torch.float8_e4m3fn))
+    dense = export(None)
+    assert model.integer_codes(int8) and not model.integer_codes(fp8) and not model.integer_codes(dense)
+    sapphire = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: sapphire)
+    monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")  # stands in for a built VNNI library
+    monkeypatch.delenv("RTK_VNNI", raising=False)
+    assert model.resolve_dtype("auto", int8) == torch.float32
+    assert model.resolve_dtype("auto", fp8) == model.resolve_dtype("auto", dense) == torch.bfloat16
+    assert model.resolve_dtype("auto", int8, cpu_kernels=False) == torch.bfloat16
+    assert model.resolve_dtype("bfloat16", int8) == torch.bfloat16  # asked for: given
+    monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_avx2")  # the VNNI build failed
+    assert model.resolve_dtype("auto", int8) == torch.bfloat16
+    monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")
+    monkeypatch.setenv("RTK_VNNI", "0")
+    assert model.resolve_dtype("auto", int8) == torch.bfloat16
+    monkeypatch.setattr(hostinfo, "cpu_flags", lambda: sapphire - {"avx512_vnni"})
+    monkeypatch.delenv("RTK_VNNI")
+    assert model.resolve_dtype("auto", int8) == torch.bfloat16
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_projection_rows_do_not_depend_on_the_batch(dtype):
     """The GEMM kernel choice by row count must not change any row's bits (see model.Projection)."""

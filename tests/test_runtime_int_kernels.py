@@ -188,7 +188,8 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
     )
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
-    fast = Engine(hf, EngineConfig(**cfg, int4_gemv="exact"))  # INT4's default (group sums) is not bit-exact
+    # a bf16 engine (dtype auto takes float32 for int8 / int4 codes where rtk's VNNI integer products run)
+    fast = Engine(hf, EngineConfig(**cfg, int4_gemv="exact", dtype="bfloat16"))  # INT4's group sums: not bit-exact
     assert fast.model.fused is not None
     dense = Engine(hf, EngineConfig(**cfg, int_weight_kernels=False, cpu_kernels=False))
     kind = {"fp8": "fp8-table", "int8_sq": "int8", "int4_awq": "int4"}[fmt]  # per-tensor FP8: the table
@@ -231,10 +232,10 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
     )
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     one = dict(max_batch_size=1, max_num_tokens=1, max_input_len=128, max_seq_len=256, tokens_per_block=16)
-    fast = Engine(hf, EngineConfig(**one))
+    fast = Engine(hf, EngineConfig(**one, dtype="bfloat16"))
     dense = Engine(hf, EngineConfig(**one, int_weight_kernels=False, cpu_kernels=False))
     exact = Engine(hf, EngineConfig(**one, dtype="float32"))
-    parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+    parts = fast.model.projections
     assert {p.kernel for p in parts} == {"rtk-int4-dot"}
     for p in parts:  # the prompt's one-row calls through the group sums too, as decode rows
         p.own_rounding = False
@@ -244,7 +245,7 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
     from toolkit.runtime.engine import GenerationRequest
 
     cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
-    batched = Engine(hf, EngineConfig(**cfg, enable_kv_cache_reuse=False))
+    batched = Engine(hf, EngineConfig(**cfg, enable_kv_cache_reuse=False, dtype="bfloat16"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (21, 9, 34)]
     alone = [batched.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, end_id=-1)) for p in prompts]

@@ -245,11 +245,18 @@ def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_d
     fast = Engine(hf, EngineConfig(**cfg, max_num_tokens=64))
     chunked = Engine(hf, EngineConfig(**cfg, max_num_tokens=16))
     dense = Engine(hf, EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
-    parts = [p for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+    parts = fast.model.projections
     assert {p.kernel for p in parts} == {"rtk-avx2-w8a8"}
-    from toolkit.targets.cpu import decode_on_every_core
+    from toolkit.runtime import model
+    from toolkit.runtime.checkpoint import load_checkpoint
+    from toolkit.targets.cpu import decode_on_every_core, lone_decode_on_every_core
 
     assert not decode_on_every_core(fast)  # served, integer products decode on all cores but one
+    # and a lone stream too where the CPU has native bf16 (the AMX host's measurement); on every core elsewhere
+    assert lone_decode_on_every_core(fast) == (not model.bf16_is_fast())
+    assert model.integer_codes(load_checkpoint(hf))
+    if kernels_avx2.library() == "rtk_vnni" or not model.bf16_is_fast():  # dtype auto: float32 for int8 codes
+        assert Engine(hf, EngineConfig(**{**cfg, "dtype": "auto"}, max_num_tokens=64)).model.dtype == torch.float32
     ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     got, want = fast.prompt_logits(ids), dense.prompt_logits(ids)
     assert torch.equal(chunked.prompt_logits(ids), got)  # 16-token chunks: the same bits

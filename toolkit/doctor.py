@@ -265,19 +265,25 @@ def _cpu_engine(host: HostInfo) -> Check:
     """How rtk's CPU engine will compute here (toolkit/runtime/kernels.py, kernels_avx2.py)."""
     flags = set(host.cpu_flags)
     need = "AVX512-BF16 + AVX512-VBMI (AMD Zen 4+, Intel Sapphire Rapids+): bf16 compute with rtk's kernels"
+    vnni = set(VNNI_KERNEL_FLAGS) <= flags
+    integer = (
+        "; INT8-SQ / INT4-AWQ exports compute in float32 with rtk's VNNI integer products (docs/engine.md, "
+        "'The engine's dtype on AVX512-VNNI hosts')"
+        if vnni
+        else ""
+    )
     if set(BF16_KERNEL_FLAGS) <= flags and "amx_bf16" in flags:
         return Check(
             "CPU engine",
             "ok",
             "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels; their decode rows round apart from oneDNN's AMX one-row "
             "kernel (within each output's bf16 rounding), oneDNN's prompt rows run in calls of at most 32 rows "
-            "(docs/engine.md, 'Intel CPUs with AMX')",
+            "(docs/engine.md, 'Intel CPUs with AMX')" + integer,
             need,
         )
     if set(BF16_KERNEL_FLAGS) <= flags:
-        return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels", need)
+        return Check("CPU engine", "ok", "AVX512-BF16 + VBMI: bf16, rtk's kernels" + integer, need)
     if set(AVX2_KERNEL_FLAGS) <= flags:
-        vnni = set(VNNI_KERNEL_FLAGS) <= flags
         return Check(
             "CPU engine",
             "warn",

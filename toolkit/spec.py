@@ -214,6 +214,14 @@ class BuildSpec(Section):
         "exact = the dense path's weights, bit for bit (about 1.1x)",
     )
 
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="cpu: the dtype the engine computes in (its activations, K/V cache and prompt-row GEMMs); the "
+        "weights stay as exported. auto = float32 where the CPU has no native bf16, and for INT8-SQ / INT4-AWQ / "
+        "W8A16 exports where rtk's integer products run (AVX512-VNNI), which only a float32 engine calls; else "
+        "bfloat16 (docs/engine.md, 'The engine's dtype on AVX512-VNNI hosts'). float32 holds twice the K/V bytes",
+    )
+
     lm_head: Literal["exported", "int8"] = Field(
         "exported",
         description="cpu: the LM head the engine reads. exported = as the export holds it (bf16 unless "
@@ -845,6 +853,12 @@ class Spec(Section):
                 "build.step_budget_ms",
                 f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in tokens "
                 "only: drop step_budget_ms and size build.max_num_tokens",
+            )
+        if b.compute_dtype != "auto" and b.target != "cpu":
+            raise _Rule(
+                "build.compute_dtype",
+                f"is rtk's cpu engine's; on the {b.target} target the engine's dtype is the checkpoint's (model.dtype) "
+                "and its quantization: drop compute_dtype",
             )
         if b.lm_head != "exported" and b.target != "cpu":
             raise _Rule(

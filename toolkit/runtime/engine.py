@@ -86,7 +86,9 @@ class EngineConfig:
     # have little to do; None = num_threads.  Served without num_threads: all cores where the decode step
     # is the float32 AVX2 one (targets.cpu.load_engine, docs/engine.md)
     lone_decode_threads: int | None = None
-    dtype: str = "auto"  # auto = bfloat16 where the CPU has native bf16, else float32
+    # auto = bfloat16 where the CPU has native bf16, else float32; float32 for an INT8 / INT4 export where rtk's
+    # VNNI integer products run (model.resolve_dtype)
+    dtype: str = "auto"
     # Attention (QK^T, softmax, PV) in float32 on the compute dtype's q/k/v: several times faster
     # than torch's bf16 CPU attention at decode shapes, and more accurate; "model" = the compute
     # dtype, bit-identical to transformers' bf16 SDPA.
@@ -146,6 +148,7 @@ class EngineConfig:
             lone_decode_threads=build.lone_decode_threads,
             int4_gemv=build.int4_gemv,
             lm_head=build.lm_head,
+            dtype=build.compute_dtype,
         )
         return cls(**{**fields, **overrides})
 
@@ -275,7 +278,7 @@ class Engine:
             )
         self.model_config = mc
         self.eos_ids = frozenset(mc.eos_token_ids)
-        dtype = resolve_dtype(config.dtype)
+        dtype = resolve_dtype(config.dtype, ckpt, config.cpu_kernels)
         # a float32 engine's prompt rows run MKL over weights packed at load (kernels_avx2.MklTiles), laid out for the
         # threads present then: packed on one thread, a two-thread call took ~40 % longer. So it loads on the
         # threads that prefill.

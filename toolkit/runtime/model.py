@@ -67,9 +67,27 @@ def bf16_is_fast() -> bool:
     return bool(BF16_CPU_FLAGS & hostinfo.cpu_flags()) and onednn_bf16()
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def integer_codes(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's decoder projections hold int8 / int4 codes (INT8-SQ, W8A16, INT4-AWQ exports)."""
+    return any(
+        isinstance(lin, Linear) and lin.codes is not None and lin.codes.kind != "fp8"
+        for layer in ckpt.layers
+        for lin in layer.values()
+    )
+
+
+def resolve_dtype(name: str, ckpt: Checkpoint | None = None, cpu_kernels: bool = True) -> torch.dtype:
+    """The engine's compute dtype for ``name`` (``EngineConfig.dtype``).  ``auto``: float32 where the CPU has no
+    native bf16, and for an export of int8 / int4 codes (:func:`integer_codes`) where rtk's integer products run
+    with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls: on an Intel
+    AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
+    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16."""
     if name == "auto":
-        return torch.bfloat16 if bf16_is_fast() else torch.float32
+        if not bf16_is_fast():
+            return torch.float32
+        if cpu_kernels and ckpt is not None and integer_codes(ckpt) and kernels_avx2.wants_vnni():
+            return torch.float32 if kernels_avx2.library() == "rtk_vnni" else torch.bfloat16
+        return torch.bfloat16
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     if name not in table:
         from ..errors import UsageError
@@ -930,13 +948,16 @@ class Transformer:
         elif fused_decode and self.avx2_kernels:
             self.fused = self._fused_decode_fp32()
 
+    @property
+    def projections(self) -> list[Projection]:
+        """Every decoder layer's projections (q/k/v, o, gate/up and down parts), the LM head not among them."""
+        return [p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+
     def _weights_on_huge_pages(self) -> None:
         """Move the weights the float32 decode kernels stream every step (``Fp32Weight``, ``W8A8Weight``,
         ``W4A8Weight``) onto 2 MiB pages (:mod:`hugepages`): with 4 KiB pages the W8A8 kernel took 12-17 %
         longer over SmolLM2's codes (docs/engine.md)."""
-        projections = [self.lm_head] + [
-            p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
-        ]
+        projections = [self.lm_head, *self.projections]
         owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
         owners += [(w, "plain") for w, _ in owners if w.plain is not None]  # the GEMM's copy of the codes
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]

@@ -145,8 +145,17 @@ def lone_decode_on_every_core(engine) -> bool:
     rtk's fused ones, the float32 AVX2 step or the bf16 AVX512 one.  Measured served at one stream (bench_peer,
     bf16 SmolLM2, 2 cores): ITL p50 15.9 -> 12.8 ms with the AVX2 step (2026-12-02), 24.4-25.6 -> 15.5-16.9 ms
     with the bf16 step on an AMX host (2026-12-04, two alternated pairs); oneDNN's own one-row GEMM did not
-    read faster on two cores there, so an engine without a fused step keeps ``num_threads``."""
-    return engine.model.fused is not None
+    read faster on two cores there, so an engine without a fused step keeps ``num_threads``.  Not where the
+    float32 step's projections are all integer products on a CPU with native bf16 (INT8 / INT4 exports, which
+    ``dtype: auto`` computes in float32 there): on the AMX host a lone stream's ITL p50 was 16.2 -> 9.0 ms
+    (INT4-AWQ) and 19.3 -> 14.0 ms (INT8-SQ) on one core against two (2026-12-04, docs/engine.md, "The engine's
+    dtype on AVX512-VNNI hosts"), where the AVX2 host's INT8-SQ gained from the second core (15.9 -> 12.8 ms)."""
+    from ..runtime import kernels_avx2, model
+
+    fused = engine.model.fused
+    if isinstance(fused, kernels_avx2.DecodeLayers) and model.bf16_is_fast():
+        return not all(p.int_products is not None for p in engine.model.projections)
+    return fused is not None
 
 
 def decode_on_every_core(engine) -> bool:
@@ -160,10 +169,7 @@ def decode_on_every_core(engine) -> bool:
 
     if not isinstance(engine.model.fused, kernels_avx2.DecodeLayers):
         return False
-    projections = [
-        p for layer in engine.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts
-    ]
-    return all(p.fp32_gemv is not None for p in projections)
+    return all(p.fp32_gemv is not None for p in engine.model.projections)
 
 
 def _fingerprint(d: Path) -> dict:
