@@ -11,11 +11,16 @@ from toolkit.hostinfo import transparent_hugepages
 from toolkit.runtime import hugepages
 
 
-def anon_huge_kb() -> int:
+def rollup_kb(field: str) -> int:
+    """This process's ``field`` (``Rss``, ``AnonHugePages``) in kB, from /proc/self/smaps_rollup."""
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
+
+
+def anon_huge_kb() -> int:
+    return rollup_kb("AnonHugePages")
 
 
 def test_pack_copies_every_tensor_exactly_each_on_a_cache_line():
@@ -36,6 +41,14 @@ def test_empty_is_zeroed_and_starts_on_a_huge_page():
     t = hugepages.empty(5 << 20)
     assert t.dtype == torch.uint8 and t.numel() == 5 << 20 and int(t.count_nonzero()) == 0
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+def test_empty_is_resident_before_its_first_use():
+    """Every page is written at allocation, so no engine step pays the first touch of the K/V pool's pages."""
+    before = rollup_kb("Rss")
+    t = hugepages.empty(32 << 20)
+    assert rollup_kb("Rss") - before >= 30 << 10
+    del t
 
 
 @pytest.mark.skipif(
