@@ -216,34 +216,45 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
     assert model.resolve_dtype("bfloat16") == torch.bfloat16  # asked for: given, native or not
 
 
-def test_auto_dtype_is_float32_for_integer_codes_where_the_vnni_kernels_run(monkeypatch):
+def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(monkeypatch):
     """rtk's integer products (INT8-SQ, W8A16, INT4-AWQ) run on float32 engines only, so on a CPU with native bf16
-    and AVX512-VNNI an export of int8 / int4 codes computes in float32; FP8 codes and bf16 weights keep bf16, and
-    so does everything where the VNNI build is not wanted (``RTK_VNNI=0``), not built, or rtk's kernels are off."""
+    and AVX512-VNNI an export they take computes in float32; FP8 codes, W4A8-AWQ (FP8 inputs), INT4 with
+    ``int4_gemv: exact`` and bf16 weights keep bf16, and so does everything where the VNNI build is not wanted
+    (``RTK_VNNI=0``), not built, or rtk's kernels are off."""
     from types import SimpleNamespace
 
     from toolkit import hostinfo
     from toolkit.runtime import kernels_avx2, model
-    from toolkit.runtime.checkpoint import Linear, WeightCodes
+    from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes
 
     if not model.onednn_bf16():
         pytest.skip("oneDNN has no bf16 here, so no CPU counts as native bf16")
 
-    def export(codes: torch.Tensor | None) -> SimpleNamespace:
-        weight = torch.ones(8, 32)
-        lin = Linear(weight, codes=None if codes is None else WeightCodes(8, codes, torch.ones(8)))
+    def export(codes: torch.Tensor | None, bits: int = 8, inputs: str | None = None) -> SimpleNamespace:
+        scale = torch.ones(8) if bits == 8 else torch.ones(8, 1)
+        lin = Linear(
+            torch.ones(8, 32),
+            codes=None if codes is None else WeightCodes(bits, codes, scale, None if bits == 8 else 32),
+            act_quant=None if inputs is None else ActQuant(inputs, torch.tensor(1.0)),
+        )
         return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
 
-    int8 = export(torch.ones(8, 32, dtype=torch.int8))
-    fp8 = export(torch.ones(8, 32).to(torch.float8_e4m3fn))
+    int8 = export(torch.ones(8, 32, dtype=torch.int8), inputs="int8")  # INT8-SQ
+    int4 = export(torch.ones(8, 32, dtype=torch.int8), bits=4)  # INT4-AWQ (W4A16)
+    w4a8 = export(torch.ones(8, 32, dtype=torch.int8), bits=4, inputs="fp8")  # W4A8-AWQ: FP8 inputs
+    fp8 = export(torch.ones(8, 32).to(torch.float8_e4m3fn), inputs="fp8")
     dense = export(None)
-    assert model.integer_codes(int8) and not model.integer_codes(fp8) and not model.integer_codes(dense)
+    assert model.integer_products_apply(int8) and model.integer_products_apply(int4)
+    assert not model.integer_products_apply(int4, int4_gemv="exact")  # the float32 GEMV over the codes instead
+    assert not any(model.integer_products_apply(e) for e in (w4a8, fp8, dense))
     sapphire = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16"}
     monkeypatch.setattr(hostinfo, "cpu_flags", lambda: sapphire)
     monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")  # stands in for a built VNNI library
     monkeypatch.delenv("RTK_VNNI", raising=False)
     assert model.resolve_dtype("auto", int8) == torch.float32
-    assert model.resolve_dtype("auto", fp8) == model.resolve_dtype("auto", dense) == torch.bfloat16
+    assert model.resolve_dtype("auto", int4) == torch.float32
+    assert model.resolve_dtype("auto", int4, int4_gemv="exact") == torch.bfloat16
+    assert all(model.resolve_dtype("auto", e) == torch.bfloat16 for e in (w4a8, fp8, dense))
     assert model.resolve_dtype("auto", int8, cpu_kernels=False) == torch.bfloat16
     assert model.resolve_dtype("bfloat16", int8) == torch.bfloat16  # asked for: given
     monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_avx2")  # the VNNI build failed

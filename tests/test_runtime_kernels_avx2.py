@@ -254,7 +254,7 @@ def test_float32_engine_on_a_real_int8_smoothquant_export(tmp_path, tiny_llama_d
     assert not decode_on_every_core(fast)  # served, integer products decode on all cores but one
     # and a lone stream too where the CPU has native bf16 (the AMX host's measurement); on every core elsewhere
     assert lone_decode_on_every_core(fast) == (not model.bf16_is_fast())
-    assert model.integer_codes(load_checkpoint(hf))
+    assert model.integer_products_apply(load_checkpoint(hf))
     if kernels_avx2.library() == "rtk_vnni" or not model.bf16_is_fast():  # dtype auto: float32 for int8 codes
         assert Engine(hf, EngineConfig(**{**cfg, "dtype": "auto"}, max_num_tokens=64)).model.dtype == torch.float32
     ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -278,7 +278,7 @@ class Engine:
             )
         self.model_config = mc
         self.eos_ids = frozenset(mc.eos_token_ids)
-        dtype = resolve_dtype(config.dtype, ckpt, config.cpu_kernels)
+        dtype = resolve_dtype(config.dtype, ckpt, config.cpu_kernels, config.int4_gemv)
         # a float32 engine's prompt rows run MKL over weights packed at load (kernels_avx2.MklTiles), laid out for the
         # threads present then: packed on one thread, a two-thread call took ~40 % longer. So it loads on the
         # threads that prefill.

@@ -67,25 +67,31 @@ def bf16_is_fast() -> bool:
     return bool(BF16_CPU_FLAGS & hostinfo.cpu_flags()) and onednn_bf16()
 
 
-def integer_codes(ckpt: Checkpoint) -> bool:
-    """Whether the checkpoint's decoder projections hold int8 / int4 codes (INT8-SQ, W8A16, INT4-AWQ exports)."""
-    return any(
-        isinstance(lin, Linear) and lin.codes is not None and lin.codes.kind != "fp8"
-        for layer in ckpt.layers
-        for lin in layer.values()
-    )
+def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot") -> bool:
+    """Whether a float32 engine runs decoder projections of the checkpoint as rtk's integer products: int8 codes,
+    or int4 codes with ``int4_gemv: dot``, whose inputs are unquantized or int8 (INT8-SQ, W8A16, INT4-AWQ; not
+    W4A8-AWQ's FP8 inputs)."""
+
+    def takes(lin: Linear) -> bool:
+        kind = lin.codes.kind if lin.codes is not None else None
+        inputs_ok = lin.act_quant is None or lin.act_quant.kind == "int8"
+        return inputs_ok and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
+
+    return any(isinstance(lin, Linear) and takes(lin) for layer in ckpt.layers for lin in layer.values())
 
 
-def resolve_dtype(name: str, ckpt: Checkpoint | None = None, cpu_kernels: bool = True) -> torch.dtype:
+def resolve_dtype(
+    name: str, ckpt: Checkpoint | None = None, cpu_kernels: bool = True, int4_gemv: str = "dot"
+) -> torch.dtype:
     """The engine's compute dtype for ``name`` (``EngineConfig.dtype``).  ``auto``: float32 where the CPU has no
-    native bf16, and for an export of int8 / int4 codes (:func:`integer_codes`) where rtk's integer products run
-    with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls: on an Intel
-    AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
+    native bf16, and for an export whose projections take rtk's integer products (:func:`integer_products_apply`)
+    where they run with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls:
+    on an Intel AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
     (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16."""
     if name == "auto":
         if not bf16_is_fast():
             return torch.float32
-        if cpu_kernels and ckpt is not None and integer_codes(ckpt) and kernels_avx2.wants_vnni():
+        if cpu_kernels and ckpt is not None and integer_products_apply(ckpt, int4_gemv) and kernels_avx2.wants_vnni():
             return torch.float32 if kernels_avx2.library() == "rtk_vnni" else torch.bfloat16
         return torch.bfloat16
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
