@@ -377,17 +377,80 @@ def test_w4a8_refuses_what_its_layout_cannot_take():
 
 
 def test_an_int4_projection_takes_the_integer_products_with_int4_gemv_dot_only():
-    """``int4_gemv: "dot"`` (the default: a stated tolerance) takes W4A8 for every row; ``"exact"`` keeps the float32
-    GEMV over the same codes, whose weights are the dense path's."""
+    """``int4_gemv: "dot"`` (the default: a stated tolerance) takes W4A8 for decode rows, and for prompt rows too
+    where the CPU has no AMX tiles (else :meth:`W4A8Weight.prompt`); ``"exact"`` keeps the float32 GEMV over the
+    same codes, whose weights are the dense path's."""
     g = torch.Generator().manual_seed(13)
     lin = w4a16_linear(96, 128, 64, g)
     dot = Projection([lin], torch.float32, pack=False, gemv_kernel=True, blockwise_inputs=True)
     exact = Projection([lin], torch.float32, pack=False, gemv_kernel=True, int4_gemv="exact", blockwise_inputs=True)
     assert dot.kernel == "rtk-avx2-w4a8" and exact.kernel == "rtk-avx2-int8"
+    assert (dot.int_products.tiles is not None) == kernels_avx2.prompt_tiles()
     x = torch.randn(5, 128, generator=g)
     alone = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
     with torch.inference_mode():
-        assert torch.equal(dot(x, singles=2), alone(x, None))
+        assert torch.equal(dot(x, singles=5), alone(x, None))
+        mixed = dot(x, singles=2)
+        assert torch.equal(mixed[:2], alone(x[:2], None))
+        assert torch.equal(mixed[2:], dot.int_products.prompt(x[2:], None))
+        assert torch.equal(dot(x, singles=None), alone(x, None))  # "full" batching: a call of few rows is w4a8's
+
+
+needs_tiles = pytest.mark.skipif(
+    not kernels_avx2.prompt_tiles(), reason="AMX's int8 tiles: an Intel CPU with AMX-INT8 (Sapphire Rapids on)"
+)
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", [(960, 576, 64), (48, 128, 128), (64, 1536, 128), (32, 384, 192)])
+def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone(shape):
+    """Prompt rows in AMX tiles: the float64 product of the block-quantized input (w4a8's codes and scales)
+    within the tolerance, the same bits for a row alone or in calls of 3 or 16 (tiles of 16 rows, padded), near
+    w4a8's own sums (the same integers, float sums in another order); wrong scales fail the check at load."""
+    g = torch.Generator().manual_seed(14)
+    n, k, group = shape
+    lin = w4a16_linear(n, k, group, g)
+    stored = ("int4", lin.codes.codes, lin.codes.scale)
+    packed = kernels_avx2.W4A8Weight.pack(stored)
+    assert packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles.numel() == n * k // 2
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g) * 10
+    x[3, :64] = 0.0  # zero blocks
+    ref = kernels_avx2.quantize_blocks(x).double() @ lin.weight.double().t() + bias.double()
+    got = packed.prompt(x, bias)
+    assert (got.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
+    for size in (1, 3, 16):
+        assert torch.equal(torch.cat([packed.prompt(x[i : i + size], bias) for i in range(0, 37, size)]), got), size
+    assert (got - packed(x, bias)).abs().max() <= 1e-5 * got.abs().max()
+    broken = kernels_avx2.W4A8Weight.pack(stored)
+    assert not broken.add_tiles(lin.codes.codes, lin.weight * 1.01, None) and broken.tiles is None
+
+
+@needs_tiles
+def test_w4a8_tiles_read_every_code_where_pack_tiles_put_it():
+    """One-hot inputs read the codes back through the tile layout, output by output, in order."""
+    g = torch.Generator().manual_seed(15)
+    codes = torch.randint(-8, 8, (48, 192), generator=g, dtype=torch.int8)
+    packed = kernels_avx2.W4A8Weight.pack(("int4", codes, torch.ones(48, 3)))
+    assert packed.add_tiles(codes, codes.float(), None)
+    got = packed.prompt(torch.eye(192) * 3.0, None) / 3.0
+    assert torch.equal(got.t().round().to(torch.int8), codes)
+
+
+def test_w4a8_tiles_are_not_packed_where_the_layout_or_the_host_cannot_take_them(monkeypatch):
+    """Outputs not a multiple of 16 keep w4a8 for prompt rows, as does every shape with RTK_AMX=0 (or a CPU
+    without AMX)."""
+    g = torch.Generator().manual_seed(16)
+    lin = w4a16_linear(40, 128, 64, g)
+    packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
+    assert not packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles is None
+    x = torch.randn(20, 128, generator=g)
+    assert torch.equal(packed.prompt(x, None), packed(x, None))
+    lin = w4a16_linear(48, 128, 64, g)
+    monkeypatch.setenv("RTK_AMX", "0")
+    assert not kernels_avx2.prompt_tiles()
+    packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
+    assert not packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles is None
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>  // arch_prctl: AMX's tile data (w4a8_tiles)
+#include <unistd.h>
+#endif
+
 #include "decode_plan.h"
 
 namespace {
@@ -677,8 +682,9 @@ struct BlockInputs {
   std::vector<uint8_t> qa;  // |q|, for idot's vpsignb products (abs_codes); W4A8 has none
   std::vector<float> qs;
 
-  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes)
-      : q(rows * K), qa(abs_codes ? rows * K : 0), qs(rows * K / 32) {
+  // padded_rows (>= rows): zero codes and scales after the call's rows (w4a8_tiles' tiles of 16 rows)
+  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes, int64_t padded_rows = 0)
+      : q(std::max(rows, padded_rows) * K), qa(abs_codes ? rows * K : 0), qs(std::max(rows, padded_rows) * K / 32) {
     at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float amax = block_amax(xp + b * 32);
@@ -943,6 +949,118 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 }
 
 
+// -- W4A8 prompt rows in AMX tiles (Intel Sapphire Rapids and later) ---------------------------------
+//
+// w4a8's arithmetic for calls of many rows with AMX's int8 tile products: the inputs quantized per block of 32
+// as w4a8 does (BlockInputs: the same codes and scales), each block's 32 products summed as integers by
+// tdpbssd (exact, as w4a8's), and the float32 part per row and output in its own fixed order: a group's
+// blocks' sums times their input scales added in block order, the group's sum times the weight group's scale
+// added into the total in group order.  w4a8 converts each lane's 4-product sums to float32 separately
+// (vpdpbusd lanes) where this converts the block's whole sum, so the two round apart in the last bits: prompt
+// rows take this kernel and decode rows w4a8 (model.Projection, DecodeLayers), and each row's result depends on
+// that row alone, as w4a8's does.  codes [N / 16, K / 32, 256] uint8 (kernels_avx2.pack_tiles): per 16 outputs
+// and block, the 512 signed codes as tdpbssd's B tile reads them (byte 64 kk + 4 o + i: output o's input
+// 4 kk + i) stored as nibbles code + 8, bytes j (low) and j + 256 (high) of the tile in byte j.  Each thread
+// unpacks one tile of 16 outputs at a time (K / 2 bytes into K bytes) and runs every row tile over it.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+struct alignas(64) TileConfig {  // ldtilecfg's palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lets a process use AMX's tile data once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
+// Documentation/arch/x86/xstate.rst); asked once, process-wide
+bool tiles_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles_permitted(), "rtk_vnni.w4a8_tiles: the kernel may not use AMX here (arch_prctl refused)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_vnni.w4a8_tiles: x must be [rows, K] float32");
+  const int64_t rows = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 32 == 0 &&
+                  codes.size(1) == nb && codes.size(2) == 256,
+              "rtk_vnni.w4a8_tiles: codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
+  const int64_t n = codes.size(0) * 16;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.is_contiguous() && nb % scales.size(1) == 0,
+              "rtk_vnni.w4a8_tiles: scales must be [N, G] float32, groups of a multiple of 32 inputs");
+  const int64_t G = scales.size(1), per_group = nb / G, padded = (rows + 15) / 16 * 16;
+  at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, padded);
+  const int8_t* q = in.q.data();
+  const float* qs = in.qs.data();
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const float* gs = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;  // tile 0: the block's sums (16 rows x 16 int32); 1: 16 rows' 32 input codes; 2: the codes
+    cfg.rows[0] = 16, cfg.colsb[0] = 64;
+    cfg.rows[1] = 16, cfg.colsb[1] = 32;
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+    std::vector<int8_t> unpacked_buffer(nb * 512 + 64);
+    std::vector<int32_t> sums_buffer(per_group * 256 + 16);
+    int8_t* b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
+    int32_t* sums = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t(63));
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    alignas(64) float group_scales[16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * nb * 256;
+      for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4 into both halves of its tile
+        const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
+        int8_t* tile = b + (j / 4) * 512 + 64 * (j % 4);
+        _mm512_store_si512(tile, _mm512_sub_epi8(_mm512_and_si512(raw, low), eight));
+        _mm512_store_si512(tile + 256, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), eight));
+      }
+      for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+        __m512 total[16];
+        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t h = 0; h < per_group; ++h) {
+            const int64_t block = g * per_group + h;
+            _tile_zero(0);
+            _tile_loadd(1, q + r0 * K + 32 * block, K);
+            _tile_loadd(2, b + block * 512, 64);
+            _tile_dpbssd(0, 1, 2);
+            _tile_stored(0, sums + 256 * h, 64);
+          }
+          for (int o = 0; o < 16; ++o) group_scales[o] = gs[(16 * t + o) * G + g];
+          const __m512 gv = _mm512_load_ps(group_scales);
+          for (int r = 0; r < 16; ++r) {
+            const float* s = qs + (r0 + r) * nb + g * per_group;
+            __m512 group = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), _mm512_set1_ps(s[0]));
+            for (int64_t h = 1; h < per_group; ++h)
+              group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 256 * h + 16 * r)),
+                                      _mm512_set1_ps(s[h]), group);
+            total[r] = _mm512_fmadd_ps(group, gv, total[r]);
+          }
+        }
+        for (int r = 0; r < 16 && r0 + r < rows; ++r) _mm512_storeu_ps(yp + (r0 + r) * n + 16 * t, total[r]);
+      }
+    }
+    _tile_release();
+  });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+bool tiles_available() { return tiles_permitted(); }
+#else
+at::Tensor w4a8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "w4a8_tiles: this build has no AMX tiles (kernels_avx2.VNNI_FLAGS)");
+}
+bool tiles_available() { return false; }
+#endif
+
 // -- Decode attention over the float32 paged pool --------------------------------------------------
 //
 // Each decode row (one query per sequence) attends to its own context, whose keys and values are read
@@ -1177,6 +1295,7 @@ struct Projection32 {
   at::Tensor mkl_shape;  // [N, K] float32 of stride 0 (kernels_avx2.MklTiles.shape)
   bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
   c10::optional<at::Tensor> plain;      // w8a8's codes in the export's order, for calls of many rows (w8a8)
+  c10::optional<at::Tensor> tiles;      // w4a8's codes for its prompt rows in AMX tiles (w4a8_tiles)
 
   bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
 
@@ -1191,12 +1310,17 @@ struct Projection32 {
     return in;
   }
 
-  // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own);
-  // gemv takes the decode rows and at::linear the prompt rows, as model.Projection splits them.
+  // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own), W4A8
+  // too or, with tiles, its prompt rows w4a8_tiles; gemv takes the decode rows and at::linear the prompt rows,
+  // as model.Projection splits them.
   at::Tensor rows(const at::Tensor& x, int64_t B) const {
     if (w8a8_path && blockwise) {  // kernels_avx2.W8A8Weight / W4A8Weight: the pre_quant_scale as an ATen product first
       const at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
-      return kind == kW4 ? w4a8(in, weights, *scales, bias) : w8a8_blockwise(in, weights, *scales, bias);
+      if (kind != kW4) return w8a8_blockwise(in, weights, *scales, bias);
+      const int64_t m = in.size(0);
+      if (!tiles.has_value() || B == m) return w4a8(in, weights, *scales, bias);
+      const at::Tensor prompt = w4a8_tiles(in.narrow(0, B, m - B), *tiles, *scales, bias);
+      return B == 0 ? prompt : at::cat({w4a8(in.narrow(0, 0, B), weights, *scales, bias), prompt});
     }
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale, plain);  // the scale folded in
     const at::Tensor in = input(x);
@@ -1276,7 +1400,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
                       int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain,
-                      int64_t mkl_tile) {
+                      int64_t mkl_tile, c10::optional<at::Tensor> tiles) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -1285,6 +1409,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(mkl_tile == 0 || dense.has_value(), "rtk_avx2.DecodeLayers: MKL tiles need their packed weights");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
     TORCH_CHECK(!blockwise || w8a8_path, "rtk_avx2.DecodeLayers: blockwise is a w8a8 projection's");
+    TORCH_CHECK(!tiles.has_value() || (w8a8_path && kind == kW4),
+                "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles)");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
@@ -1292,7 +1418,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                   pad_rows, mkl_tile,
                                   mkl_tile > 0 ? at::zeros({}, at::kFloat).expand({weights.size(0), weights.size(1)})
                                                : at::Tensor(),
-                                  blockwise, plain});
+                                  blockwise, plain, tiles});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -1516,6 +1642,8 @@ TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
         &w8a8);
   m.def("w8a8_blockwise(Tensor x, Tensor codes, Tensor oscale, Tensor? bias) -> Tensor", &w8a8_blockwise);
   m.def("w4a8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8);
+  m.def("w4a8_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8_tiles);
+  m.def("tiles_available() -> bool", &tiles_available);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
   m.def("mkl_tiles(Tensor x, Tensor packed, Tensor shape, Tensor? bias, int tile) -> Tensor", &mkl_tiles);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);

@@ -412,6 +412,8 @@ class Projection:
         if not packed.within(weight, bias):  # the float32 weights (codes * scale) of every linear
             log.info("rtk's integer products are off the float32 product for %s; float32 runs it", self.out_features)
             return None
+        if isinstance(packed, kernels_avx2.W4A8Weight):
+            packed.add_tiles(stored[1], weight, bias)  # prompt rows in AMX tiles, where the CPU has them
         return packed
 
     def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -542,7 +544,18 @@ class Projection:
         """
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
         if self.int_products is not None:  # integer products: a row's result is its own, so every row goes through
-            return self.int_products(x, self.bias, self.pre_quant_scale)
+            w = self.int_products
+            if w.tiles is None:
+                return w(x, self.bias, self.pre_quant_scale)
+            # INT4 with AMX tiles: decode rows through w4a8, prompt rows through the tiles (W4A8Weight.prompt);
+            # with decode_batching "full" (singles=None), by the call's row count
+            rows = x.shape[0]
+            if singles is None:
+                singles = rows if rows <= GEMV_MAX_ROWS else 0
+            if singles >= rows:
+                return w(x, self.bias, self.pre_quant_scale)
+            prompt = w.prompt(x[singles:], self.bias, self.pre_quant_scale)
+            return prompt if not singles else torch.cat([w(x[:singles], self.bias, self.pre_quant_scale), prompt])
         if self.fused_input and (self.pre_quant_scale is not None or self.act_kind is not None):
             x = self._quantize_input(x)
         else:
