@@ -297,7 +297,10 @@ class Projection:
             if self.mkl_tiles is not None and self._probed(cache, (*shape[:3], "mkl")) > 1:
                 log.info("MKL's packed GEMM gives rows of %s other bits in other calls; F.linear takes them", shape[:2])
                 self.mkl_tiles = None
-            self.min_rows = self._probed(cache, (*shape[:3], "dense" if self.mkl_tiles is None else "mkl"))
+            if self.int_products is None:
+                self.min_rows = self._probed(cache, (*shape[:3], "dense" if self.mkl_tiles is None else "mkl"))
+            else:  # every row through the integer products: no library GEMM to probe (nor to warn about)
+                self.min_rows, self.tile_rows, self.pad_rows = 1, None, 1
             if self.mkl_tiles is not None:
                 self.weight = None
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the integer-product
