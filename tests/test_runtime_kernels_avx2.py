@@ -15,7 +15,7 @@ import torch
 from toolkit.runtime import kernels, kernels_avx2
 from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes, fake_quant
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
-from toolkit.runtime.model import Projection
+from toolkit.runtime.model import TILE_DECODE_ROWS, Projection
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -393,7 +393,10 @@ def test_an_int4_projection_takes_the_integer_products_with_int4_gemv_dot_only()
         mixed = dot(x, singles=2)
         assert torch.equal(mixed[:2], alone(x[:2], None))
         assert torch.equal(mixed[2:], dot.int_products.prompt(x[2:], None))
-        assert torch.equal(dot(x, singles=None), alone(x, None))  # "full" batching: a call of few rows is w4a8's
+        # decode_batching "full" (no singles): by the call's row count
+        many = torch.randn(TILE_DECODE_ROWS, 128, generator=g)
+        assert torch.equal(dot(many[:-1], singles=None), alone(many[:-1], None))
+        assert torch.equal(dot(many, singles=None), dot.int_products.prompt(many, None))
 
 
 needs_tiles = pytest.mark.skipif(
@@ -847,18 +850,25 @@ def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_l
         # (Projection.min_rows, 12 on the AVX2 host), so padded with zero rows as Projection pads them
         [(0, 23, [5], False), (3, 0, d[:5], True)],
         [(0, 24, [6], False), (1, 47, [8], False), (3, 5, d[5:], True)],
+        [(0, 25, [1], False), (1, 48, [2], False), (2, 13, [3], False), (3, 8, [4], False)],  # 4 decode rows
     ]
-    got = []
-    for engine in (fused, operators):
-        logits = []
+
+    def logits(engine) -> list[torch.Tensor]:
+        out = []
         with torch.inference_mode():
             for step in steps:
                 work = [(tables[t], cached, len(ids), is_prompt) for t, cached, ids, is_prompt in step]
                 ids = torch.tensor([i for _, _, row_ids, _ in step for i in row_ids])
-                logits.append(engine.model.forward(ids, build_plan(work, tpb, unit), engine.pool))
-        got.append(logits)
-    for i, (x, y) in enumerate(zip(*got, strict=True)):
-        assert torch.equal(x, y), f"step {i}: max difference {(x - y).abs().max().item()}"
+                out.append(engine.model.forward(ids, build_plan(work, tpb, unit), engine.pool))
+        return out
+
+    pairs = [(fused, operators)]
+    if fmt == "int4_awq":  # decode_batching "full": INT4 calls of 4 rows or more through AMX's tiles, on both paths
+        full = {**FUSED_BASE, "decode_batching": "full"}
+        pairs.append((Engine(hf, EngineConfig(**full)), Engine(hf, EngineConfig(**full, fused_decode=False))))
+    for pair in pairs:
+        for i, (x, y) in enumerate(zip(*map(logits, pair), strict=True)):
+            assert torch.equal(x, y), f"step {i}: max difference {(x - y).abs().max().item()}"
     # a plan whose attention units leave prompt rows out is refused, not half computed
     work = [(tables[1], 16, 30, True)]
     plan = build_plan(work, tpb, unit)

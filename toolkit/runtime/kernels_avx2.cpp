@@ -1002,13 +1002,13 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const float* gs = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;  // tile 0: the block's sums (16 rows x 16 int32); 1: 16 rows' 32 input codes; 2: the codes
-    cfg.rows[0] = 16, cfg.colsb[0] = 64;
-    cfg.rows[1] = 16, cfg.colsb[1] = 32;
-    cfg.rows[2] = 8, cfg.colsb[2] = 64;
+    TileConfig cfg;  // tiles 0 and 3: a block's sums (16 rows x 16 int32); 1 and 4: 16 rows' 32 input codes;
+    for (int c : {0, 3}) cfg.rows[c] = 16, cfg.colsb[c] = 64;  // 2 and 5: the block's codes (tdpbssd's B)
+    for (int a : {1, 4}) cfg.rows[a] = 16, cfg.colsb[a] = 32;
+    for (int c : {2, 5}) cfg.rows[c] = 8, cfg.colsb[c] = 64;
     _tile_loadconfig(&cfg);
     std::vector<int8_t> unpacked_buffer(nb * 512 + 64);
-    std::vector<int32_t> sums_buffer(per_group * 256 + 16);
+    std::vector<int32_t> sums_buffer(2 * per_group * 256 + 16);
     int8_t* b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
     int32_t* sums = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t(63));
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
@@ -1022,29 +1022,48 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
         _mm512_store_si512(tile + 256, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), eight));
       }
       for (int64_t r0 = 0; r0 < padded; r0 += 16) {
-        __m512 total[16];
-        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
+        const int64_t valid = std::min<int64_t>(16, rows - r0);  // the tile's rows of the call (the rest padding)
+        // group g's block sums into sums + (g % 2) * per_group * 256, blocks alternating between tiles 0 and 3,
+        // issued before the previous group's float work so that the two overlap
+        const auto sum_group = [&](int64_t g) {
+          int32_t* out = sums + (g % 2) * per_group * 256;
           for (int64_t h = 0; h < per_group; ++h) {
             const int64_t block = g * per_group + h;
-            _tile_zero(0);
-            _tile_loadd(1, q + r0 * K + 32 * block, K);
-            _tile_loadd(2, b + block * 512, 64);
-            _tile_dpbssd(0, 1, 2);
-            _tile_stored(0, sums + 256 * h, 64);
+            if (h % 2 == 0) {
+              _tile_zero(0);
+              _tile_loadd(1, q + r0 * K + 32 * block, K);
+              _tile_loadd(2, b + block * 512, 64);
+              _tile_dpbssd(0, 1, 2);
+              _tile_stored(0, out + 256 * h, 64);
+            } else {
+              _tile_zero(3);
+              _tile_loadd(4, q + r0 * K + 32 * block, K);
+              _tile_loadd(5, b + block * 512, 64);
+              _tile_dpbssd(3, 4, 5);
+              _tile_stored(3, out + 256 * h, 64);
+            }
           }
+        };
+        __m512 total[16];
+        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+        sum_group(0);
+        for (int64_t g = 0; g < G; ++g) {
+          if (g + 1 < G) sum_group(g + 1);
+          const int32_t* group_sums = sums + (g % 2) * per_group * 256;
           for (int o = 0; o < 16; ++o) group_scales[o] = gs[(16 * t + o) * G + g];
           const __m512 gv = _mm512_load_ps(group_scales);
+#pragma GCC unroll 16
           for (int r = 0; r < 16; ++r) {
+            if (r >= valid) continue;  // padding rows: no float work
             const float* s = qs + (r0 + r) * nb + g * per_group;
-            __m512 group = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), _mm512_set1_ps(s[0]));
+            __m512 group = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(group_sums + 16 * r)), _mm512_set1_ps(s[0]));
             for (int64_t h = 1; h < per_group; ++h)
-              group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 256 * h + 16 * r)),
+              group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(group_sums + 256 * h + 16 * r)),
                                       _mm512_set1_ps(s[h]), group);
             total[r] = _mm512_fmadd_ps(group, gv, total[r]);
           }
         }
-        for (int r = 0; r < 16 && r0 + r < rows; ++r) _mm512_storeu_ps(yp + (r0 + r) * n + 16 * t, total[r]);
+        for (int r = 0; r < valid; ++r) _mm512_storeu_ps(yp + (r0 + r) * n + 16 * t, total[r]);
       }
     }
     _tile_release();
@@ -1313,11 +1332,15 @@ struct Projection32 {
   // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own), W4A8
   // too or, with tiles, its prompt rows w4a8_tiles; gemv takes the decode rows and at::linear the prompt rows,
   // as model.Projection splits them.
-  at::Tensor rows(const at::Tensor& x, int64_t B) const {
+  // by_count > 0 (DecodeLayers.tile_decode_rows, decode_batching "full": no batch invariance): an INT4 call of at
+  // least by_count rows takes w4a8_tiles for every row, a smaller one w4a8, as model.Projection without singles
+  at::Tensor rows(const at::Tensor& x, int64_t B, int64_t by_count = 0) const {
     if (w8a8_path && blockwise) {  // kernels_avx2.W8A8Weight / W4A8Weight: the pre_quant_scale as an ATen product first
       const at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
       if (kind != kW4) return w8a8_blockwise(in, weights, *scales, bias);
       const int64_t m = in.size(0);
+      if (tiles.has_value() && by_count > 0)
+        return m >= by_count ? w4a8_tiles(in, *tiles, *scales, bias) : w4a8(in, weights, *scales, bias);
       if (!tiles.has_value() || B == m) return w4a8(in, weights, *scales, bias);
       const at::Tensor prompt = w4a8_tiles(in.narrow(0, B, m - B), *tiles, *scales, bias);
       return B == 0 ? prompt : at::cat({w4a8(in.narrow(0, 0, B), weights, *scales, bias), prompt});
@@ -1380,6 +1403,9 @@ struct DecodeLayers : torch::CustomClassHolder {
   double eps, scale;
   at::Tensor cos, sin;  // float32 [positions, head_dim]; sin signed as model.rope_tables makes it
   std::vector<Layer32> layers;
+  // decode_batching "full", where a row's bits may depend on its step's other rows: INT4 projections with tiles take
+  // calls of this many rows on through w4a8_tiles, smaller ones through w4a8 (Projection32::rows); 0: by row kind
+  int64_t tile_decode_rows = 0;
 
   DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, at::Tensor cos,
                at::Tensor sin)
@@ -1547,7 +1573,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     const bool gqa = KVH != H;
     for (int64_t li = begin; li < end; ++li) {
       const Layer32& layer = layers[li];
-      auto qkv = layer.proj[0].rows(rms_norm(h, layer.input_norm), B).contiguous();  // [m, (H + 2 KVH) D]
+      auto qkv = layer.proj[0].rows(rms_norm(h, layer.input_norm), B, tile_decode_rows).contiguous();  // [m, (H + 2 KVH) D]
       const float* src = qkv.data_ptr<float>();
       const int64_t width = (H + 2 * KVH) * D;
       // RoPE on the q and k heads as model.py: x * cos + x[swap] * signed sin, three float32 roundings
@@ -1578,15 +1604,15 @@ struct DecodeLayers : torch::CustomClassHolder {
         decode_attention_rows(dst, (H + KVH) * D, D, kp, vp, cs, cb, B, H, KVH, D, static_cast<float>(scale),
                               attn.data_ptr<float>());
       if (B < m) prompt_attention(qk, qkv, k_pool[li], v_pool[li], prompts, gqa, attn);
-      add_into(h, layer.proj[1].rows(attn, B).contiguous());
-      auto gu = layer.proj[2].rows(rms_norm(h, layer.post_norm), B).contiguous();
+      add_into(h, layer.proj[1].rows(attn, B, tile_decode_rows).contiguous());
+      auto gu = layer.proj[2].rows(rms_norm(h, layer.post_norm), B, tile_decode_rows).contiguous();
       const int64_t inter = gu.size(1) / 2;
       auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the product
       float* ac = act.data_ptr<float>();
       const float* up = gu.data_ptr<float>() + inter;
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < inter; ++i) ac[r * inter + i] = ac[r * inter + i] * up[r * 2 * inter + i];
-      add_into(h, layer.proj[3].rows(act, B).contiguous());
+      add_into(h, layer.proj[3].rows(act, B, tile_decode_rows).contiguous());
     }
     return h;
   }
@@ -1635,7 +1661,11 @@ TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("forward", &DecodeLayers::forward)
-      .def("forward_rows", &DecodeLayers::forward_rows);
+      .def("forward_rows", &DecodeLayers::forward_rows)
+      .def("set_tile_decode_rows", [](const c10::intrusive_ptr<DecodeLayers>& self, int64_t rows) {
+        TORCH_CHECK(rows >= 0, "rtk_avx2.DecodeLayers: tile_decode_rows >= 0");
+        self->tile_decode_rows = rows;
+      });
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
   m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None, "
         "Tensor? plain=None) -> Tensor",

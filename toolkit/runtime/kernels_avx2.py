@@ -448,6 +448,13 @@ class DecodeLayers:
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
         self._layers.add_layer(input_norm, post_norm)
 
+    def set_tile_decode_rows(self, rows: int) -> None:
+        """INT4 projections with AMX tiles take a step's rows through them where it has at least ``rows`` rows, else
+        through w4a8, decode and prompt rows alike (``decode_batching: full``, as ``model.Projection`` without
+        ``singles``): a row's last bits then depend on its step.  0 (the default): decode rows w4a8, prompt rows
+        tiles."""
+        self._layers.set_tile_decode_rows(rows)
+
     def add_projection(self, proj, prompt_rows: bool = True) -> None:
         """A :class:`toolkit.runtime.model.Projection` with ``fp32_gemv`` or ``int_products`` (qkv, o, gate_up, down).
 

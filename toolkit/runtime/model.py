@@ -31,6 +31,7 @@ compute dtype, SDPA) and are batch-invariant (see :class:`Projection`), so greed
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -151,6 +152,10 @@ INT_MAX_ROWS = {8: 4, 4: 8}
 # rtk's GEMV (kernels.py) computes every row as a one-row call, reading the weights once per call; on
 # SmolLM2's layer shapes (2 threads, weights from DRAM) it took 0.63-0.79x oneDNN's time up to 16 rows
 GEMV_MAX_ROWS = 16
+# decode_batching "full": from this many rows on, an INT4 call takes AMX's tiles (W4A8Weight.prompt) for all its rows,
+# decode rows too, where they pay: SmolLM2's INT4-AWQ decode steps on one thread on the AMX host (2026-12-05), w4a8
+# against the tiles from 4 rows on, 13.8-15.7 / 17.3-18.0 ms at 4 rows, 26.7-27.6 / 24.0-24.9 at 8
+TILE_DECODE_ROWS = 8
 # Over FP8 / INT8 / INT4 codes it is compute-bound (rebuilding each weight costs ~9 instructions per
 # 32): SmolLM2's layers took 0.5-0.7x the bf16 GEMV's time up to 4 rows and 1.0-1.3x from 5 rows
 # (2026-11-30, 2 threads), so more rows read the bf16 copy, which gives the same bits.
@@ -201,14 +206,19 @@ class Projection:
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
         blockwise_inputs: bool = False,
+        prompt_tiles: bool = True,
     ):
-        """``blockwise_inputs``: on a float32 engine, weight-only INT8 weights (the LM head of
+        """``prompt_tiles``: INT4 integer products take prompt rows in AMX's tiles where the CPU has them
+        (``W4A8Weight.add_tiles``; not the LM head, whose rows are logit rows, one a sequence).
+
+        ``blockwise_inputs``: on a float32 engine, weight-only INT8 weights (the LM head of
         ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) and, with
         ``int4_gemv: "dot"``, INT4-AWQ weights take integer products (``kernels_avx2.W8A8Weight`` blockwise,
         ``kernels_avx2.W4A8Weight``), which quantize the input themselves per block of 32 (a stated rounding
         difference, not the export's arithmetic)."""
         first = linears[0]
         self.int4_gemv = int4_gemv
+        self.prompt_tiles = prompt_tiles
         self.dtype = dtype
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
         self.in_features = first.weight.shape[1]
@@ -415,7 +425,7 @@ class Projection:
         if not packed.within(weight, bias):  # the float32 weights (codes * scale) of every linear
             log.info("rtk's integer products are off the float32 product for %s; float32 runs it", self.out_features)
             return None
-        if isinstance(packed, kernels_avx2.W4A8Weight):
+        if isinstance(packed, kernels_avx2.W4A8Weight) and self.prompt_tiles:
             packed.add_tiles(stored[1], weight, bias)  # prompt rows in AMX tiles, where the CPU has them
         return packed
 
@@ -551,10 +561,10 @@ class Projection:
             if w.tiles is None:
                 return w(x, self.bias, self.pre_quant_scale)
             # INT4 with AMX tiles: decode rows through w4a8, prompt rows through the tiles (W4A8Weight.prompt);
-            # with decode_batching "full" (singles=None), by the call's row count
+            # with decode_batching "full" (singles=None), by the call's row count (TILE_DECODE_ROWS)
             rows = x.shape[0]
             if singles is None:
-                singles = rows if rows <= GEMV_MAX_ROWS else 0
+                singles = rows if rows < TILE_DECODE_ROWS else 0
             if singles >= rows:
                 return w(x, self.bias, self.pre_quant_scale)
             prompt = w.prompt(x[singles:], self.bias, self.pre_quant_scale)
@@ -917,7 +927,14 @@ class Transformer:
         self.final_norm = ckpt.final_norm.to(dtype)
         probes: dict = {}  # weight shape -> min_rows (see Projection)
         self.lm_head = Projection(
-            [ckpt.lm_head], dtype, pack, probes, gemv_kernel=cpu_kernels, int4_gemv=int4_gemv, blockwise_inputs=True
+            [ckpt.lm_head],
+            dtype,
+            pack,
+            probes,
+            gemv_kernel=cpu_kernels,
+            int4_gemv=int4_gemv,
+            blockwise_inputs=True,
+            prompt_tiles=False,
         )
         self.layers = [
             Layer(
@@ -974,6 +991,20 @@ class Transformer:
     def projections(self) -> list[Projection]:
         """Every decoder layer's projections (q/k/v, o, gate/up and down parts), the LM head not among them."""
         return [p for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in g.parts]
+
+    @property
+    def kernels(self) -> str:
+        """What computes the model, in one line for logs: dtype, the decoder projections' decode-row kernels
+        (:attr:`Projection.kernel`) with their counts, INT4 prompt rows in AMX tiles, the fused step, the head's."""
+        counts = collections.Counter(p.kernel for p in self.projections)
+        tiles = sum(p.int_products is not None and p.int_products.tiles is not None for p in self.projections)
+        parts = [str(self.dtype).removeprefix("torch."), ", ".join(f"{k} x{n}" for k, n in counts.items())]
+        if tiles:
+            parts.append(f"prompt rows of {tiles} in AMX tiles")
+        if self.fused is not None:
+            parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]})")
+        parts.append(f"head {self.lm_head.kernel}")
+        return "; ".join(parts)
 
     def _weights_on_huge_pages(self) -> None:
         """Move the weights the float32 decode kernels stream every step (``Fp32Weight``, ``W8A8Weight``,
@@ -1037,6 +1068,8 @@ class Transformer:
             fused.add_layer(layer.input_norm, layer.post_norm)
             for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 fused.add_projection(g.parts[0], prompt_rows=self.batch_invariant)
+        if not self.batch_invariant:  # decode_batching "full": as Projection.__call__ without singles
+            fused.set_tile_decode_rows(TILE_DECODE_ROWS)
         return fused
 
     @staticmethod

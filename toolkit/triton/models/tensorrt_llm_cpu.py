@@ -219,6 +219,7 @@ class TritonPythonModel:
             p["engine_dir"], served=True, scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict"
         )
         self.config = self.engine.config
+        self.logger.log_info(f"{self.where}: {self.engine.model.kernels}")
         self.background = BackgroundEngine(self.engine)
         self.sender = _Sender(self.logger)
         self.lock = threading.Lock()
