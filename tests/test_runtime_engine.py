@@ -752,10 +752,17 @@ def test_engine_config_from_build_spec():
             "step_budget_ms": 40,
             "context_chunk_unit": 8,
             "lm_head": "int8",
+            "decode_batching": "full",
         },
     )
     c = EngineConfig.from_build(spec.build)
-    assert c.lm_head == "int8" and EngineConfig.from_build(spec_for("t", "x").build).lm_head == "exported"
+    default = EngineConfig.from_build(spec_for("t", "x").build)
+    assert (c.lm_head, c.decode_batching, default.lm_head, default.decode_batching) == (
+        "int8",
+        "full",
+        "exported",
+        "attention",
+    )
     assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
     assert (c.step_budget_ms, c.context_chunk_unit) == (40.0, 8)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (

@@ -222,6 +222,15 @@ class BuildSpec(Section):
         "bfloat16 (docs/engine.md, 'The engine's dtype on AVX512-VNNI hosts'). float32 holds twice the K/V bytes",
     )
 
+    decode_batching: Literal["exact", "attention", "full"] = Field(
+        "attention",
+        description="cpu: how decoding sequences share a step. exact / attention = a request's numbers never depend "
+        "on what else its step holds (attention: one attention call for all decode rows); full = calls may pick "
+        "their kernel by the step's row count, so a request's last bits may depend on the batch: faster where a "
+        "batched kernel pays (INT4-AWQ on CPUs with AMX: a step of 8 rows or more through AMX's int8 tiles, decode "
+        "rows too; docs/engine.md, 'Configuration')",
+    )
+
     lm_head: Literal["exported", "int8"] = Field(
         "exported",
         description="cpu: the LM head the engine reads. exported = as the export holds it (bf16 unless "
@@ -859,6 +868,12 @@ class Spec(Section):
                 "build.compute_dtype",
                 f"is rtk's cpu engine's; on the {b.target} target the engine's dtype is the checkpoint's (model.dtype) "
                 "and its quantization: drop compute_dtype",
+            )
+        if b.decode_batching != "attention" and b.target != "cpu":
+            raise _Rule(
+                "build.decode_batching",
+                f"is rtk's cpu engine's; on the {b.target} target TensorRT-LLM's in-flight batching decides: "
+                "drop decode_batching",
             )
         if b.lm_head != "exported" and b.target != "cpu":
             raise _Rule(

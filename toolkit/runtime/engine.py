@@ -149,6 +149,7 @@ class EngineConfig:
             int4_gemv=build.int4_gemv,
             lm_head=build.lm_head,
             dtype=build.compute_dtype,
+            decode_batching=build.decode_batching,
         )
         return cls(**{**fields, **overrides})
 
