@@ -1076,6 +1076,7 @@ bool tiles_available() { return tiles_permitted(); }
 #else
 at::Tensor w4a8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "w4a8_tiles: this build has no AMX tiles (kernels_avx2.VNNI_FLAGS)");
+  return at::Tensor();
 }
 bool tiles_available() { return false; }
 #endif

@@ -24,6 +24,8 @@ integer lane sums one ``vpdpbusd`` each with the same bits, INT8-SQ calls of man
 oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits, and
 GEMV calls (one row too) and blockwise and INT4 calls of two rows or more run in 512-bit registers holding two
 outputs each, every half doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
+Where the CPU also has AMX-INT8 (Intel Sapphire Rapids and later), INT4 prompt rows take AMX's int8 tiles
+(:meth:`W4A8Weight.prompt`): the same integer block sums, the float sums in another order (:func:`prompt_tiles`).
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def available() -> bool:
 
 
 @functools.cache
-@functools.cache
 def _tiles_permitted() -> bool:
+    """Whether Linux lets this process use AMX's tile data (asked once: ``rtk_vnni.tiles_available``)."""
     return bool(ops().tiles_available())
 
 
@@ -106,6 +108,7 @@ def prompt_tiles() -> bool:
     )
 
 
+@functools.cache
 def ops():
     """The loaded kernels' operators (``torch.ops.rtk_vnni`` or ``torch.ops.rtk_avx2``)."""
     return getattr(torch.ops, library())
