@@ -413,20 +413,28 @@ def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone
     g = torch.Generator().manual_seed(14)
     n, k, group = shape
     lin = w4a16_linear(n, k, group, g)
-    stored = ("int4", lin.codes.codes, lin.codes.scale)
-    packed = kernels_avx2.W4A8Weight.pack(stored)
+    packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
     assert packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles.numel() == n * k // 2
-    bias = torch.randn(n, generator=g)
-    x = torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g) * 10
-    x[3, :64] = 0.0  # zero blocks
-    ref = kernels_avx2.quantize_blocks(x).double() @ lin.weight.double().t() + bias.double()
-    got = packed.prompt(x, bias)
-    assert (got.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
-    for size in (1, 3, 16):
-        assert torch.equal(torch.cat([packed.prompt(x[i : i + size], bias) for i in range(0, 37, size)]), got), size
-    assert (got - packed(x, bias)).abs().max() <= 1e-5 * got.abs().max()
-    broken = kernels_avx2.W4A8Weight.pack(stored)
-    assert not broken.add_tiles(lin.codes.codes, lin.weight * 1.01, None) and broken.tiles is None
+    broken = kernels_avx2.W4A8Weight(packed.codes, packed.scales * 1.01)
+    check_block_quantized_product(TilePath(packed, lin.codes.codes), TilePath(broken, lin.codes.codes), lin.weight, g)
+    assert broken.tiles is None
+    x = torch.randn(37, k, generator=g)
+    got = packed.prompt(x, None)
+    assert (got - packed(x, None)).abs().max() <= 1e-5 * got.abs().max()
+
+
+class TilePath:
+    """A W4A8Weight's prompt rows as :func:`check_block_quantized_product` calls a kernel: ``within`` is the check
+    at load (``add_tiles``)."""
+
+    def __init__(self, weight: kernels_avx2.W4A8Weight, codes: torch.Tensor):
+        self.weight, self.codes = weight, codes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.weight.prompt(x, bias)
+
+    def within(self, dense: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return self.weight.add_tiles(self.codes, dense, bias)
 
 
 @needs_tiles

@@ -1007,14 +1007,22 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
     for (int a : {1, 4}) cfg.rows[a] = 16, cfg.colsb[a] = 32;
     for (int c : {2, 5}) cfg.rows[c] = 8, cfg.colsb[c] = 64;
     _tile_loadconfig(&cfg);
-    std::vector<int8_t> unpacked_buffer(nb * 512 + 64);
-    std::vector<int32_t> sums_buffer(2 * per_group * 256 + 16);
+    // the thread's buffers, kept from call to call: the tile's unpacked codes, two groups' block sums, and the
+    // tile's 16 outputs' group scales per group (16 a group, for one load)
+    static thread_local std::vector<int8_t> unpacked_buffer;
+    static thread_local std::vector<int32_t> sums_buffer;
+    static thread_local std::vector<float> scales_buffer;
+    unpacked_buffer.resize(std::max<size_t>(unpacked_buffer.size(), nb * 512 + 64));
+    sums_buffer.resize(std::max<size_t>(sums_buffer.size(), 2 * per_group * 256 + 16));
+    scales_buffer.resize(std::max<size_t>(scales_buffer.size(), G * 16 + 16));
     int8_t* b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
     int32_t* sums = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t(63));
+    float* group_scales = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scales_buffer.data()) + 63) & ~uintptr_t(63));
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    alignas(64) float group_scales[16];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * nb * 256;
+      for (int64_t g = 0; g < G; ++g)
+        for (int o = 0; o < 16; ++o) group_scales[g * 16 + o] = gs[(16 * t + o) * G + g];
       for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4 into both halves of its tile
         const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
         int8_t* tile = b + (j / 4) * 512 + 64 * (j % 4);
@@ -1050,8 +1058,7 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
         for (int64_t g = 0; g < G; ++g) {
           if (g + 1 < G) sum_group(g + 1);
           const int32_t* group_sums = sums + (g % 2) * per_group * 256;
-          for (int o = 0; o < 16; ++o) group_scales[o] = gs[(16 * t + o) * G + g];
-          const __m512 gv = _mm512_load_ps(group_scales);
+          const __m512 gv = _mm512_load_ps(group_scales + g * 16);
 #pragma GCC unroll 16
           for (int r = 0; r < 16; ++r) {
             if (r >= valid) continue;  // padding rows: no float work
