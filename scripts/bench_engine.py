@@ -456,7 +456,8 @@ def main() -> int:
         ),
         ("  same prompt again, its blocks in the prefix cache, ms", f"{med(ttft_reuse) * 1e3:.0f}", "", "", "", None),
         (
-            "8 concurrent, aggregate output tokens/s, decode_batching attention (transformers: one batched generate)",
+            f"8 concurrent, aggregate output tokens/s, decode_batching {engine.config.decode_batching} = "
+            f"{engine.decode_batching} here (transformers: one batched generate)",
             f"{c_e:.1f}",
             f"{c_h:.1f}",
             f"{c_e / c_h:.2f}x",

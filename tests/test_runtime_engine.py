@@ -267,6 +267,41 @@ def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(m
     assert model.resolve_dtype("auto", int8) == torch.bfloat16
 
 
+def test_auto_decode_batching_is_full_only_where_int4_projections_take_amx_tiles(monkeypatch):
+    """``decode_batching: auto`` batches a step's rows into one call (``full``) only for INT4 codes with unquantized
+    inputs on a float32 engine whose CPU runs AMX's int8 tiles (``kernels_avx2.prompt_tiles``), where that is what
+    makes decoding faster; everywhere else a request's numbers stay its own (``attention``); names asked for are
+    kept."""
+    from types import SimpleNamespace
+
+    from toolkit.runtime import kernels_avx2, model
+    from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes
+
+    def export(codes: torch.Tensor | None, bits: int = 4, inputs: str | None = None) -> SimpleNamespace:
+        scale = torch.ones(16) if bits == 8 else torch.ones(16, 1)
+        lin = Linear(
+            torch.ones(16, 32),
+            codes=None if codes is None else WeightCodes(bits, codes, scale, None if bits == 8 else 32),
+            act_quant=None if inputs is None else ActQuant(inputs, torch.tensor(1.0)),
+        )
+        return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
+
+    codes = torch.ones(16, 32, dtype=torch.int8)
+    int4, int8 = export(codes), export(codes, bits=8, inputs="int8")
+    w4a8, dense = export(codes, inputs="fp8"), export(None)
+    f32 = torch.float32
+    monkeypatch.setattr(kernels_avx2, "prompt_tiles", lambda: True)  # stands in for a CPU with AMX-INT8
+    assert model.resolve_decode_batching("auto", int4, f32) == "full"
+    assert model.resolve_decode_batching("auto", int4, torch.bfloat16) == "attention"
+    assert model.resolve_decode_batching("auto", int4, f32, cpu_kernels=False) == "attention"
+    assert model.resolve_decode_batching("auto", int4, f32, int4_gemv="exact") == "attention"
+    assert all(model.resolve_decode_batching("auto", e, f32) == "attention" for e in (int8, w4a8, dense))
+    assert [model.resolve_decode_batching(n, int4, f32) for n in ("exact", "attention")] == ["exact", "attention"]
+    monkeypatch.setattr(kernels_avx2, "prompt_tiles", lambda: False)  # no AMX, or RTK_AMX=0
+    assert model.resolve_decode_batching("auto", int4, f32) == "attention"
+    assert model.resolve_decode_batching("full", dense, f32) == "full"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_projection_rows_do_not_depend_on_the_batch(dtype):
     """The GEMM kernel choice by row count must not change any row's bits (see model.Projection)."""
@@ -761,7 +796,7 @@ def test_engine_config_from_build_spec():
         "int8",
         "full",
         "exported",
-        "attention",
+        "auto",
     )
     assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
     assert (c.step_budget_ms, c.context_chunk_unit) == (40.0, 8)

@@ -703,7 +703,7 @@ def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_de
     from toolkit.runtime.model import build_plan
 
     for fused in (False, True):
-        eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, decode_batching="attention", fused_decode=fused))
+        eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, fused_decode=fused))
         assert eng.model.pool_attention and (eng.model.fused is not None) == fused
         for n in (5, 37, 70):
             eng.add_request(greedy(prompt(n, 300 + n), 40))
@@ -738,8 +738,15 @@ def test_huge_pages_move_the_decode_weights_and_pool_and_change_no_bit(tmp_path,
 
 # -- the float32 fused decode step (kernels_avx2.DecodeLayers) -----------------------------------------
 
+# "attention": these tests check that a row's bits never depend on its step ("auto" takes "full" for INT4 on AMX)
 FUSED_BASE = dict(
-    max_batch_size=8, max_num_tokens=64, max_input_len=256, max_seq_len=512, tokens_per_block=16, dtype="float32"
+    max_batch_size=8,
+    max_num_tokens=64,
+    max_input_len=256,
+    max_seq_len=512,
+    tokens_per_block=16,
+    dtype="float32",
+    decode_batching="attention",
 )
 
 
@@ -748,11 +755,11 @@ def fused_matches_operators(path, what: str, batch: int = 3, steps: int = 10, **
     the projections) bit for bit; MKL's float32 decode rows (``cpu_kernels: false``) differ, so it can fail."""
     from test_runtime_fused_decode import forced_logits, prompt
 
-    fused = Engine(path, EngineConfig(**FUSED_BASE, **kw))
+    fused = Engine(path, EngineConfig(**{**FUSED_BASE, **kw}))
     assert isinstance(fused.model.fused, kernels_avx2.DecodeLayers)
-    operators = Engine(path, EngineConfig(**FUSED_BASE, **kw, fused_decode=False))
+    operators = Engine(path, EngineConfig(**{**FUSED_BASE, **kw}, fused_decode=False))
     assert operators.model.fused is None
-    mkl = Engine(path, EngineConfig(**FUSED_BASE, **kw, cpu_kernels=False))
+    mkl = Engine(path, EngineConfig(**{**FUSED_BASE, **kw}, cpu_kernels=False))
     prompts = [prompt(n, seed) for n, seed in [(5, 1), (37, 2), (16, 3), (70, 4)][:batch]]
     forced = [prompt(steps, 10 + i) for i in range(batch)]
     got, want, other = (forced_logits(e, prompts, forced) for e in (fused, operators, mkl))
@@ -871,9 +878,13 @@ def test_float32_steps_with_prompt_rows_give_the_operators_bits(tmp_path, tiny_l
         return out
 
     pairs = [(fused, operators)]
-    if fmt == "int4_awq":  # decode_batching "full": INT4 calls of 4 rows or more through AMX's tiles, on both paths
+    if fmt == "int4_awq":  # decode_batching "full": INT4 calls of 8 rows or more through AMX's tiles, on both paths
         full = {**FUSED_BASE, "decode_batching": "full"}
         pairs.append((Engine(hf, EngineConfig(**full)), Engine(hf, EngineConfig(**full, fused_decode=False))))
+        auto = Engine(hf, EngineConfig(**{**FUSED_BASE, "decode_batching": "auto"}))  # full where the tiles run
+        assert auto.decode_batching == ("full" if kernels_avx2.prompt_tiles() else "attention")
+        assert auto.model.batch_invariant == (auto.decode_batching != "full")
+        assert ("calls of 8+ rows" in auto.model.kernels) == kernels_avx2.prompt_tiles()
     for pair in pairs:
         for i, (x, y) in enumerate(zip(*map(logits, pair), strict=True)):
             assert torch.equal(x, y), f"step {i}: max difference {(x - y).abs().max().item()}"

@@ -65,7 +65,11 @@ def test_examples_validate(path):
         ("name: x\nbuild: {target: trt-engine, lm_head: int8}\n", "build.lm_head", "quantize_lm_head"),
         ("name: x\nbuild: {compute_dtype: float16}\n", "build.compute_dtype", "'auto', 'bfloat16' or 'float32'"),
         ("name: x\nbuild: {target: llmapi, compute_dtype: float32}\n", "build.compute_dtype", "model.dtype"),
-        ("name: x\nbuild: {decode_batching: batched}\n", "build.decode_batching", "'exact', 'attention' or 'full'"),
+        (
+            "name: x\nbuild: {decode_batching: batched}\n",
+            "build.decode_batching",
+            "'auto', 'exact', 'attention' or 'full'",
+        ),
         ("name: x\nbuild: {target: trt-engine, decode_batching: full}\n", "build.decode_batching", "in-flight"),
         (
             "name: x\nbuild: {context_chunk_unit: 16, max_num_tokens: 20, max_batch_size: 8}\n",

@@ -274,8 +274,9 @@ def _cpu_engine(host: HostInfo) -> Check:
     )
     if vnni and {"amx_tile", "amx_int8"} <= flags:
         integer += (
-            "; INT4-AWQ prompt rows in AMX's int8 tiles (`build.decode_batching: full`: decode rows too, from 8 "
-            "a step; docs/engine.md, 'INT4-AWQ prompt rows in AMX's int8 tiles')"
+            "; INT4-AWQ prompt rows in AMX's int8 tiles, and decode rows too in steps of 8 rows or more "
+            "(`build.decode_batching: auto` takes `full` there; docs/engine.md, 'INT4-AWQ prompt rows in AMX's int8 "
+            "tiles')"
         )
     if set(BF16_KERNEL_FLAGS) <= flags and "amx_bf16" in flags:
         return Check(

@@ -222,13 +222,13 @@ class BuildSpec(Section):
         "bfloat16 (docs/engine.md, 'The engine's dtype on AVX512-VNNI hosts'). float32 holds twice the K/V bytes",
     )
 
-    decode_batching: Literal["exact", "attention", "full"] = Field(
-        "attention",
+    decode_batching: Literal["auto", "exact", "attention", "full"] = Field(
+        "auto",
         description="cpu: how decoding sequences share a step. exact / attention = a request's numbers never depend "
         "on what else its step holds (attention: one attention call for all decode rows); full = calls may pick "
         "their kernel by the step's row count, so a request's last bits may depend on the batch: faster where a "
         "batched kernel pays (INT4-AWQ on CPUs with AMX: a step of 8 rows or more through AMX's int8 tiles, decode "
-        "rows too; docs/engine.md, 'Configuration')",
+        "rows too); auto = full where that kernel runs, else attention (docs/engine.md, 'Configuration')",
     )
 
     lm_head: Literal["exported", "int8"] = Field(
@@ -869,7 +869,7 @@ class Spec(Section):
                 f"is rtk's cpu engine's; on the {b.target} target the engine's dtype is the checkpoint's (model.dtype) "
                 "and its quantization: drop compute_dtype",
             )
-        if b.decode_batching != "attention" and b.target != "cpu":
+        if b.decode_batching not in ("auto", "attention") and b.target != "cpu":
             raise _Rule(
                 "build.decode_batching",
                 f"is rtk's cpu engine's; on the {b.target} target TensorRT-LLM's in-flight batching decides: "

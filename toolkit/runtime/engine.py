@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-DECODE_BATCHING = ("exact", "attention", "full")
+DECODE_BATCHING = ("auto", "exact", "attention", "full")
 LM_HEADS = ("exported", "int8")
 
 
@@ -116,10 +116,11 @@ class EngineConfig:
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
     # request's bits never depend on the batch); "attention" = one masked attention call for all
-    # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences).
-    # A float32 engine's decode attention reads each row's own context in either of the first two
+    # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences);
+    # "auto" = "full" where INT4 projections take AMX's int8 tiles, else "attention" (model.resolve_decode_batching).
+    # A float32 engine's decode attention reads each row's own context in "exact" and "attention"
     # (kernels_avx2.decode_attention), so there they differ in nothing.
-    decode_batching: str = "attention"
+    decode_batching: str = "auto"
     # rtk's fused decode step (with cpu_kernels): decode rows run whole decoder layers in one C++ call
     # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention
     # call per row (as "exact" decode batching, whatever decode_batching says); False = torch's operators.
@@ -262,7 +263,7 @@ class Engine:
         import torch
 
         from .checkpoint import int8_rows, load_checkpoint
-        from .model import Transformer, resolve_dtype
+        from .model import Transformer, resolve_decode_batching, resolve_dtype
 
         config.validate()
         self.config = config
@@ -280,6 +281,10 @@ class Engine:
         self.model_config = mc
         self.eos_ids = frozenset(mc.eos_token_ids)
         dtype = resolve_dtype(config.dtype, ckpt, config.cpu_kernels, config.int4_gemv)
+        # what decode_batching "auto" means here (the config keeps what was asked)
+        self.decode_batching = resolve_decode_batching(
+            config.decode_batching, ckpt, dtype, config.cpu_kernels, config.int4_gemv
+        )
         # a float32 engine's prompt rows run MKL over weights packed at load (kernels_avx2.MklTiles), laid out for the
         # threads present then: packed on one thread, a two-thread call took ~40 % longer. So it loads on the
         # threads that prefill.
@@ -293,7 +298,7 @@ class Engine:
             max_positions=config.max_seq_len,
             attention_dtype=torch.float32 if config.attention_dtype == "float32" else dtype,
             int_kernels=config.int_weight_kernels,
-            batch_invariant=config.decode_batching != "full",
+            batch_invariant=self.decode_batching != "full",
             cpu_kernels=config.cpu_kernels,
             fused_decode=config.fused_decode,
             huge_pages=config.huge_pages,
@@ -456,7 +461,7 @@ class Engine:
             self.scheduler.unit,
             reads_own_kv=self.pool.quant is None,
             # padded contexts only for SDPA's masked call: the float32 kernel reads each row's own context
-            batched=self.config.decode_batching != "exact" and not self.model.pool_attention,
+            batched=self.decode_batching != "exact" and not self.model.pool_attention,
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
         if plan.prefills:

@@ -103,6 +103,34 @@ def resolve_dtype(
     return table[name]
 
 
+def int4_tiles_apply(ckpt: Checkpoint, dtype: torch.dtype, cpu_kernels: bool = True, int4_gemv: str = "dot") -> bool:
+    """Whether the checkpoint's INT4 projections take AMX's int8 tiles on this engine (``W4A8Weight.add_tiles``):
+    a float32 engine with rtk's kernels, INT4 codes with unquantized inputs and ``int4_gemv: dot`` (rtk's integer
+    products), and :func:`kernels_avx2.prompt_tiles`."""
+    if dtype != torch.float32 or not cpu_kernels or int4_gemv != "dot":
+        return False
+    int4 = any(
+        isinstance(lin, Linear) and lin.codes is not None and lin.codes.kind == "int4" and lin.act_quant is None
+        for layer in ckpt.layers
+        for lin in layer.values()
+    )
+    return int4 and kernels_avx2.prompt_tiles()
+
+
+def resolve_decode_batching(
+    name: str, ckpt: Checkpoint, dtype: torch.dtype, cpu_kernels: bool = True, int4_gemv: str = "dot"
+) -> str:
+    """The engine's ``EngineConfig.decode_batching`` for ``name``.  ``auto``: ``full`` where the INT4 projections
+    take AMX's int8 tiles (:func:`int4_tiles_apply`), since there a step of ``TILE_DECODE_ROWS`` rows or more
+    through the tiles, decode rows too, is what makes decoding several streams faster (SmolLM2's INT4-AWQ export
+    served 1.14-1.26x against 0.94-0.99x Q4_0's tok/s at 4 streams; docs/engine.md, "INT4-AWQ prompt rows in AMX's
+    int8 tiles"); a row's float sums then take an order that depends on its step, a stated tolerance.  Else
+    ``attention``: a request's numbers never depend on its step's other rows."""
+    if name != "auto":
+        return name
+    return "full" if int4_tiles_apply(ckpt, dtype, cpu_kernels, int4_gemv) else "attention"
+
+
 # -- projections --------------------------------------------------------------------------------
 
 
@@ -1000,7 +1028,8 @@ class Transformer:
         tiles = sum(p.int_products is not None and p.int_products.tiles is not None for p in self.projections)
         parts = [str(self.dtype).removeprefix("torch."), ", ".join(f"{k} x{n}" for k, n in counts.items())]
         if tiles:
-            parts.append(f"prompt rows of {tiles} in AMX tiles")
+            rows = "prompt rows" if self.batch_invariant else f"prompt rows and calls of {TILE_DECODE_ROWS}+ rows"
+            parts.append(f"{rows} of {tiles} in AMX tiles")
         if self.fused is not None:
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]})")
         parts.append(f"head {self.lm_head.kernel}")
