@@ -49,6 +49,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -154,7 +155,16 @@ def build_peer(tree: Path) -> tuple[Path, str]:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-    dry = subprocess.run(["ninja", "-C", str(build), "-n", *TARGETS], capture_output=True, text=True, check=True)
+    # the ninja CMake builds with (CMAKE_MAKE_PROGRAM): another version (pip's ninja in a virtual environment beside
+    # the system's) rewrites .ninja_log in its own format, and the next build by the other rebuilt every step
+    cache = (build / "CMakeCache.txt").read_text()
+    ninja = re.search(r"^CMAKE_MAKE_PROGRAM:FILEPATH=(.+)$", cache, re.M)
+    dry = subprocess.run(
+        [ninja.group(1) if ninja else "ninja", "-C", str(build), "-n", *TARGETS],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     todo = [ln for ln in dry.stdout.splitlines() if ln.startswith("[")]
     runs = json.loads(stamp.read_text()) if stamp.is_file() else {}
     how = "nothing to build"
