@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -325,6 +326,9 @@ class Engine:
         self._pending_events: list[TokenEvent] = []
         self.steps = 0
         self._torch = torch
+        # RTK_STEP_TRACE=FILE: one line a step (docs/engine.md, "Where a served step's time goes")
+        trace = os.environ.get("RTK_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (open for the engine's life)
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
@@ -439,7 +443,9 @@ class Engine:
         input_ids, logit_rows, sampled = [], [], []
         row = decode_rows = prompt_rows = 0
         attention = 0.0
-        timed = self.config.step_budget_ms is not None  # the step's shape and time feed the budget's fit
+        # the step's shape and time feed the budget's fit (and the step trace)
+        timed = self.config.step_budget_ms is not None or self._trace is not None
+        cpu_started = time.process_time() if self._trace is not None else 0.0
         for seq, n in work:
             if seq.first_scheduled_ns is None:
                 seq.first_scheduled_ns = now
@@ -484,6 +490,10 @@ class Engine:
         if timed:
             ms = (time.perf_counter() - started) * 1e3
             self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, ms)
+            if self._trace is not None:  # start (ns), rows, threads, wall ms, the process's CPU ms in the step
+                cpu_ms = (time.process_time() - cpu_started) * 1e3
+                used = threads if threads is not None else torch.get_num_threads()
+                self._trace.write(f"{now} {decode_rows} {prompt_rows} {used} {ms:.3f} {cpu_ms:.3f}\n")
         self.steps += 1
         now = time.time_ns()
         for seq, tok, lp in zip(sampled, next_ids, log_probs, strict=True):
