@@ -403,7 +403,7 @@ def main(argv=None) -> int:
         if "engine" in args.paths:
             # the server's thread policy (decode on all cores but one, prompts on all), so that the
             # comparison is of Triton's hops, not of thread counts
-            bg = BackgroundEngine(load_engine(engine_dir, served=True))
+            bg = BackgroundEngine(lambda: load_engine(engine_dir, served=True))  # loaded on its own thread
 
         def llm_inputs():
             return [

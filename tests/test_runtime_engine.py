@@ -653,6 +653,36 @@ def test_background_close_cancels_what_is_in_flight(engine):
     assert not engine.has_work() and engine.kv_stats()["blocks_used"] == 0
 
 
+def test_background_engine_loads_on_the_thread_that_steps_it(tiny_llama_dir, hf_model):
+    """Given a loader, the engine is built on its own thread (one OpenMP pool: see BackgroundEngine), serves as
+    the engine given built does, and a loader's error reaches the caller, with no thread left behind."""
+    loaded_on = []
+
+    def load() -> Engine:
+        loaded_on.append(threading.current_thread())
+        return Engine(tiny_llama_dir, config())
+
+    got = []
+    bg = BackgroundEngine(load)
+    try:
+        assert loaded_on == [bg._thread] and isinstance(bg.engine, Engine)
+        req = greedy(prompt(9, 160), n=8)
+        bg.submit(req, got.append)
+        while not (got and got[-1].finished):
+            time.sleep(0.01)
+    finally:
+        bg.close()
+    assert tokens(got) == hf_greedy(hf_model, req.prompt_ids, 8)
+
+    def broken() -> Engine:
+        raise UsageError("engine config 'max_seq_len': too long")
+
+    before = threading.active_count()
+    with pytest.raises(UsageError, match="max_seq_len"):
+        BackgroundEngine(broken)
+    assert threading.active_count() == before
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 

@@ -591,16 +591,31 @@ class BackgroundEngine:
     hands the request over; the engine thread admits it before its next step.
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]):
+        """``engine``: the engine, or a function that loads it, called on the engine's thread and waited for (its
+        exception raised here).  Load a served engine that way: libgomp keeps a pool of OpenMP workers for each
+        thread that starts parallel regions, and with one pool for the loading thread and another for the stepping
+        thread there are more OpenMP threads than cores, so libgomp's workers spin ~1000 rounds instead of ~300000
+        before sleeping and each parallel region waits for them to wake (libgomp's ``gomp_throttled_spin_count_var``,
+        gcc-mirror/gcc libgomp/env.c).  SmolLM2's INT4-AWQ steps of 8 decode and 16 prompt rows on 2 threads took
+        40 ms instead of 17.5 ms on the 2-core AMX host (docs/engine.md, "One OpenMP pool: the engine loads on its
+        own thread")."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._incoming: list[tuple[GenerationRequest, int, Callable]] = []
         self._cancels: list[str] = []
         self._callbacks: dict[str, Callable] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="rtk-cpu-engine", daemon=True)
+        self._load = None if isinstance(engine, Engine) else engine
+        self._load_error: BaseException | None = None
+        self.engine = engine if self._load is None else None
+        loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(loaded,), name="rtk-cpu-engine", daemon=True)
         self._thread.start()
+        loaded.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
 
     def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None]) -> str:
         if self._closed:
@@ -644,7 +659,16 @@ class BackgroundEngine:
             except Exception:  # a client's callback must not take the engine down
                 log.exception("token callback for request %s raised", ev.request_id)
 
-    def _run(self) -> None:
+    def _run(self, loaded: threading.Event) -> None:
+        try:
+            if self._load is not None:
+                self.engine = self._load()
+        except BaseException as exc:  # raised to the caller of __init__
+            self._load_error = exc
+            return
+        finally:
+            self._load = None
+            loaded.set()
         eng = self.engine
         while True:
             with self._lock:

@@ -215,12 +215,12 @@ class TritonPythonModel:
         from toolkit.runtime.engine import BackgroundEngine
         from toolkit.targets.cpu import load_engine
 
-        self.engine = load_engine(
-            p["engine_dir"], served=True, scheduler_policy=p.get("batch_scheduler_policy") or "guaranteed_no_evict"
-        )
+        policy = p.get("batch_scheduler_policy") or "guaranteed_no_evict"
+        # loaded on the thread that steps it: one OpenMP pool (BackgroundEngine)
+        self.background = BackgroundEngine(lambda: load_engine(p["engine_dir"], served=True, scheduler_policy=policy))
+        self.engine = self.background.engine
         self.config = self.engine.config
         self.logger.log_info(f"{self.where}: {self.engine.model.kernels}")
-        self.background = BackgroundEngine(self.engine)
         self.sender = _Sender(self.logger)
         self.lock = threading.Lock()
         self.streams = {}  # engine request id -> _Stream
