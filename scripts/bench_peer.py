@@ -521,9 +521,7 @@ def main(argv=None) -> int:
         "--rtk-threads",
         type=int,
         default=None,
-        help="rtk's build.num_threads (default: rtk's served default, targets.cpu.load_engine: decode steps of "
-        "several streams on all cores but one, the rest for tritonserver, its python stubs and the front door, "
-        "unless they read float weights on the float32 engine)",
+        help="rtk's build.num_threads (default: rtk's served default, targets.cpu.served_threads: every core)",
     )
     ap.add_argument(
         "--rtk-set",

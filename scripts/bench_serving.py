@@ -401,8 +401,8 @@ def main(argv=None) -> int:
     try:
         server.wait_ready(models=t.models)
         if "engine" in args.paths:
-            # the server's thread policy (decode on all cores but one, prompts on all), so that the
-            # comparison is of Triton's hops, not of thread counts
+            # the server's thread policy (targets.cpu.served_threads), so that the comparison is of
+            # Triton's hops, not of thread counts
             bg = BackgroundEngine(lambda: load_engine(engine_dir, served=True))  # loaded on its own thread
 
         def llm_inputs():

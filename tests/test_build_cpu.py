@@ -93,7 +93,7 @@ def test_engine_loaded_from_the_build_generates_like_the_engine_itself(tmp_path,
     assert built == direct and len(built) == 6
 
 
-def test_served_engine_threads_follow_its_decode_step_unless_the_spec_says(tmp_path, tiny_llama_dir, quantized_dir):
+def test_a_served_engine_takes_every_core_unless_the_spec_says(tmp_path, tiny_llama_dir, quantized_dir):
     import os
 
     import torch
@@ -108,21 +108,14 @@ def test_served_engine_threads_follow_its_decode_step_unless_the_spec_says(tmp_p
         ).path
         assert load_engine(unset).config.num_threads is None  # the engine alone: torch's default, all cores
         served = load_engine(unset, served=True)
-        # a lone stream's decode steps: every core where the step is one of rtk's fused ones, else num_threads;
-        # every decode step where that step is the float32 AVX2 one over float weights (bf16 here)
-        from toolkit.runtime import kernels_avx2
-
-        fused = served.model.fused is not None
-        avx2_step = served.model.dtype == torch.float32 and kernels_avx2.available() and fused
-        decode = cores if avx2_step else max(1, cores - 1)
-        assert served.config.num_threads == decode and torch.get_num_threads() == decode
-        assert served.config.prefill_threads == cores  # prompts prefill on every core
-        assert served.config.lone_decode_threads == (cores if fused else None)
+        # served: every core for every step (one OpenMP pool, docs/engine.md); the step kinds' own counts unset
+        assert served.config.num_threads == cores and torch.get_num_threads() == cores
+        assert (served.config.prefill_threads, served.config.lone_decode_threads) == (None, None)
         assert load_engine(unset, served=True, lone_decode_threads=1).config.lone_decode_threads == 1
-        spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 2})
+        spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 1})
         config = load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config
         # the spec's threads, for every step
-        assert (config.num_threads, config.prefill_threads, config.lone_decode_threads) == (2, None, None)
+        assert (config.num_threads, config.prefill_threads, config.lone_decode_threads) == (1, None, None)
     finally:
         torch.set_num_threads(before)
 

@@ -190,21 +190,16 @@ class BuildSpec(Section):
     use_cuda_graph: bool = Field(True, description="llmapi target: capture CUDA graphs for decode")
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1)
-    num_threads: int | None = Field(
-        None, ge=1, description="cpu: the engine's torch threads (default: all cores but one when served)"
-    )
+    num_threads: int | None = Field(None, ge=1, description="cpu: the engine's torch threads (default: every core)")
     prefill_threads: int | None = Field(
         None,
         ge=1,
-        description="cpu: torch threads for engine steps that prefill prompts (default: all cores when served "
-        "without num_threads, else num_threads)",
+        description="cpu: torch threads for engine steps that prefill prompts (default: num_threads)",
     )
     lone_decode_threads: int | None = Field(
         None,
         ge=1,
-        description="cpu: torch threads for decode steps of a single sequence, when the server's other processes "
-        "are nearly idle (default: num_threads; served without num_threads, all cores where the decode step is "
-        "the float32 AVX2 one: one stream ~20 % faster on a 2-core AVX2 host, docs/engine.md)",
+        description="cpu: torch threads for decode steps of a single sequence (default: num_threads)",
     )
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",

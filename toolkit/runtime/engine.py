@@ -79,13 +79,10 @@ class EngineConfig:
     kv_cache_blocks: int | None = None  # default: max_batch_size full-length sequences
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = True
-    num_threads: int | None = None  # torch intra-op threads; default: all cores
-    # threads for steps that prefill prompt rows (compute-bound, where the server's processes wait);
-    # None = num_threads.  Served without num_threads: all cores (targets.cpu.load_engine)
-    prefill_threads: int | None = None
-    # threads for decode steps of one sequence alone (no prompt rows), where the server's other processes
-    # have little to do; None = num_threads.  Served without num_threads: all cores where the decode step
-    # is the float32 AVX2 one (targets.cpu.load_engine, docs/engine.md)
+    # torch intra-op threads; default: torch's (all cores), served: every core (targets.cpu.served_threads)
+    num_threads: int | None = None
+    prefill_threads: int | None = None  # threads for steps that prefill prompt rows; None = num_threads
+    # threads for decode steps of one sequence alone (no prompt rows); None = num_threads
     lone_decode_threads: int | None = None
     # auto = bfloat16 where the CPU has native bf16, else float32; float32 for an INT8 / INT4 export where rtk's
     # VNNI integer products run (model.resolve_dtype)

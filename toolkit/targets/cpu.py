@@ -86,28 +86,27 @@ def build(spec: Spec, quantized_dir: Path, output: Path | None = None, *, force:
 
 
 def served_threads() -> int:
-    """The served engine's torch threads when the spec sets none: every core this process may use but one.
+    """The served engine's torch threads when the spec sets none: every core this process may use, for every step.
 
-    tritonserver, the python stubs (pre/postprocessing) and the front door work on every token; with
-    all cores in the engine's OpenMP team, each of their wake-ups can stall a parallel region.
-    Measured on the 2-core development host (FP8 SmolLM2, ``rtk slo``, 2026-11-30): one engine thread
-    served ITL p50 18.3 ms and 46.8 tok/s at concurrency 1 (two threads: 23.3 ms, 37.1 tok/s), 24.8 ms
-    and 127.9 tok/s at concurrency 4 (30.7 ms, 105.4 tok/s).
+    Until 2026-12-05 a served engine kept one core for tritonserver, its python stubs and the front door in
+    decode steps of several streams, with exceptions by kernel. Those measurements were taken while the served
+    engine had two OpenMP pools, one for the thread that loaded it and one for the thread that stepped it, so a
+    two-thread step waited for sleeping workers in each parallel region (docs/engine.md, "One OpenMP pool").
+    With one pool, every step on both cores of a 2-core AMD Zen 4 host (bench_peer, SmolLM2, two alternated
+    pairs, 2026-12-05) served INT8-SQ 12-36 % more tokens a second at 1, 4 and 8 streams, and INT4-AWQ 16-21 %
+    more at one stream; bf16 and FP8 stayed within the host's drift. On the AMX host, INT4-AWQ gained
+    15-37 %.
     """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return len(os.sched_getaffinity(0))
 
 
 def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides):
     """The :class:`toolkit.runtime.engine.Engine` of a cpu engine directory (``overrides``: EngineConfig fields).
 
     ``served``: the engine runs inside tritonserver, so without a ``num_threads`` it takes
-    :func:`served_threads` for decode steps, and all cores for steps that prefill prompts (unless
-    ``prefill_threads`` says otherwise): while a prompt is prefilled the server's processes mostly wait.
-    An engine whose decode step is one of rtk's fused ones (``kernels_avx2.DecodeLayers``, ``kernels.DecodeLayers``)
-    also takes all cores for a lone sequence's decode steps (unless ``lone_decode_threads`` says otherwise): one
-    row streams every weight, one core reads ~13 GB/s where two read ~19 on the AVX2 host, and the server's
-    processes have one response a step to handle (:func:`lone_decode_on_every_core`); where the float32 AVX2
-    kernels read float weights, for every decode step (:func:`decode_on_every_core`).
+    :func:`served_threads` (every core) for every step; ``prefill_threads`` and ``lone_decode_threads`` still
+    override it for their steps. Load a served engine on the thread that steps it
+    (``BackgroundEngine(lambda: load_engine(...))``).
     """
     from ..runtime.engine import Engine, EngineConfig
 
@@ -122,54 +121,9 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
             f"'{cfg_path}' was written by another rtk version or is damaged ({exc}); "
             "rebuild it with `rtk build SPEC --force build`"
         ) from None
-    every_core = len(os.sched_getaffinity(0))
-    auto_threads = served and config.num_threads is None
-    auto_lone = auto_threads and config.lone_decode_threads is None
-    if auto_threads:
+    if served and config.num_threads is None:
         config.num_threads = served_threads()
-        if config.prefill_threads is None:
-            config.prefill_threads = every_core
-    engine = Engine(engine_dir / CHECKPOINT_DIR, config)
-    if auto_lone and lone_decode_on_every_core(engine):
-        config.lone_decode_threads = every_core
-    if auto_threads and decode_on_every_core(engine):
-        import torch
-
-        config.num_threads = every_core
-        torch.set_num_threads(every_core)  # what Engine does with num_threads
-    return engine
-
-
-def lone_decode_on_every_core(engine) -> bool:
-    """Whether a served engine's lone decode steps take every core by default: where its decode step is one of
-    rtk's fused ones, the float32 AVX2 step or the bf16 AVX512 one.  Measured served at one stream (bench_peer,
-    bf16 SmolLM2, 2 cores): ITL p50 15.9 -> 12.8 ms with the AVX2 step (2026-12-02), 24.4-25.6 -> 15.5-16.9 ms
-    with the bf16 step on an AMX host (2026-12-04, two alternated pairs); oneDNN's own one-row GEMM did not
-    read faster on two cores there, so an engine without a fused step keeps ``num_threads``.  Not where the
-    float32 step's projections are all integer products on a CPU with native bf16 (INT8 / INT4 exports, which
-    ``dtype: auto`` computes in float32 there): on the AMX host a lone stream's ITL p50 was 16.2 -> 9.0 ms
-    (INT4-AWQ) and 19.3 -> 14.0 ms (INT8-SQ) on one core against two (2026-12-04, docs/engine.md, "The engine's
-    dtype on AVX512-VNNI hosts"), where the AVX2 host's INT8-SQ gained from the second core (15.9 -> 12.8 ms)."""
-    from ..runtime import kernels_avx2, model
-
-    fused = engine.model.fused
-    if isinstance(fused, kernels_avx2.DecodeLayers) and model.bf16_is_fast():
-        return not all(p.int_products is not None for p in engine.model.projections)
-    return fused is not None
-
-
-def decode_on_every_core(engine) -> bool:
-    """Whether a served engine's decode steps of several sequences take every core by default too: where its
-    decode step is rtk's float32 AVX2 one over float weights (bf16, FP8 codes), whose GEMV of several rows is
-    bound by arithmetic, not by the weights' bytes.  Measured on the Ice Lake host (bench_peer, bf16 against
-    BF16, 2026-12-03 22:28-22:37): served tok/s 49 / 55 at 4 / 8 streams on all cores but one, 64 / 79 on
-    both.  Integer products (INT8-SQ, W8A16, INT4-AWQ) keep all cores but one: the demo's INT8-SQ build on both
-    cores gave the same tok/s at 4 and 8 streams and a longer ITL p99 at 4 (91.7 against 58.1 ms)."""
-    from ..runtime import kernels_avx2
-
-    if not isinstance(engine.model.fused, kernels_avx2.DecodeLayers):
-        return False
-    return all(p.fp32_gemv is not None for p in engine.model.projections)
+    return Engine(engine_dir / CHECKPOINT_DIR, config)
 
 
 def _fingerprint(d: Path) -> dict:
