@@ -216,6 +216,23 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
     assert model.resolve_dtype("bfloat16") == torch.bfloat16  # asked for: given, native or not
 
 
+def one_projection_export(codes: torch.Tensor | None, bits: int, inputs: str | None):
+    """A checkpoint of one ``q_proj`` as the dtype / decode-batching rules read it: ``codes`` (None: dense) of
+    ``bits`` (INT4 in groups of 32), inputs quantized as ``inputs`` (None: unquantized)."""
+    from types import SimpleNamespace
+
+    from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes
+
+    rows = 8 if codes is None else codes.shape[0]
+    scale = torch.ones(rows) if bits == 8 else torch.ones(rows, 1)
+    lin = Linear(
+        torch.ones(rows, 32),
+        codes=None if codes is None else WeightCodes(bits, codes, scale, None if bits == 8 else 32),
+        act_quant=None if inputs is None else ActQuant(inputs, torch.tensor(1.0)),
+    )
+    return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
+
+
 def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(monkeypatch):
     """rtk's integer products (INT8-SQ, W8A16, INT4-AWQ) run on float32 engines only, so on a CPU with native bf16
     and AVX512-VNNI an export they take computes in float32; FP8 codes, W4A8-AWQ (FP8 inputs), INT4 with
@@ -225,19 +242,12 @@ def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(m
 
     from toolkit import hostinfo
     from toolkit.runtime import kernels_avx2, model
-    from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes
 
     if not model.onednn_bf16():
         pytest.skip("oneDNN has no bf16 here, so no CPU counts as native bf16")
 
     def export(codes: torch.Tensor | None, bits: int = 8, inputs: str | None = None) -> SimpleNamespace:
-        scale = torch.ones(8) if bits == 8 else torch.ones(8, 1)
-        lin = Linear(
-            torch.ones(8, 32),
-            codes=None if codes is None else WeightCodes(bits, codes, scale, None if bits == 8 else 32),
-            act_quant=None if inputs is None else ActQuant(inputs, torch.tensor(1.0)),
-        )
-        return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
+        return one_projection_export(codes, bits, inputs)
 
     int8 = export(torch.ones(8, 32, dtype=torch.int8), inputs="int8")  # INT8-SQ
     int4 = export(torch.ones(8, 32, dtype=torch.int8), bits=4)  # INT4-AWQ (W4A16)
@@ -275,16 +285,9 @@ def test_auto_decode_batching_is_full_only_where_int4_projections_take_amx_tiles
     from types import SimpleNamespace
 
     from toolkit.runtime import kernels_avx2, model
-    from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes
 
     def export(codes: torch.Tensor | None, bits: int = 4, inputs: str | None = None) -> SimpleNamespace:
-        scale = torch.ones(16) if bits == 8 else torch.ones(16, 1)
-        lin = Linear(
-            torch.ones(16, 32),
-            codes=None if codes is None else WeightCodes(bits, codes, scale, None if bits == 8 else 32),
-            act_quant=None if inputs is None else ActQuant(inputs, torch.tensor(1.0)),
-        )
-        return SimpleNamespace(layers=[{"input_layernorm": torch.ones(32), "q_proj": lin}])
+        return one_projection_export(codes, bits, inputs)
 
     codes = torch.ones(16, 32, dtype=torch.int8)
     int4, int8 = export(codes), export(codes, bits=8, inputs="int8")
