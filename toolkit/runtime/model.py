@@ -35,6 +35,7 @@ import collections
 import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,11 @@ def bf16_is_fast() -> bool:
     return bool(BF16_CPU_FLAGS & hostinfo.cpu_flags()) and onednn_bf16()
 
 
+def _any_projection(ckpt: Checkpoint, takes: Callable[[Linear], bool]) -> bool:
+    """Whether ``takes`` holds for one of the checkpoint's decoder projections."""
+    return any(isinstance(lin, Linear) and takes(lin) for layer in ckpt.layers for lin in layer.values())
+
+
 def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot") -> bool:
     """Whether a float32 engine runs decoder projections of the checkpoint as rtk's integer products: int8 codes,
     or int4 codes with ``int4_gemv: dot``, whose inputs are unquantized or int8 (INT8-SQ, W8A16, INT4-AWQ; not
@@ -78,7 +84,7 @@ def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot") -> bool:
         inputs_ok = lin.act_quant is None or lin.act_quant.kind == "int8"
         return inputs_ok and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
 
-    return any(isinstance(lin, Linear) and takes(lin) for layer in ckpt.layers for lin in layer.values())
+    return _any_projection(ckpt, takes)
 
 
 def resolve_dtype(
@@ -109,12 +115,11 @@ def int4_tiles_apply(ckpt: Checkpoint, dtype: torch.dtype, cpu_kernels: bool = T
     products), and :func:`kernels_avx2.prompt_tiles`."""
     if dtype != torch.float32 or not cpu_kernels or int4_gemv != "dot":
         return False
-    int4 = any(
-        isinstance(lin, Linear) and lin.codes is not None and lin.codes.kind == "int4" and lin.act_quant is None
-        for layer in ckpt.layers
-        for lin in layer.values()
-    )
-    return int4 and kernels_avx2.prompt_tiles()
+
+    def int4_unquantized_inputs(lin: Linear) -> bool:
+        return lin.codes is not None and lin.codes.kind == "int4" and lin.act_quant is None
+
+    return _any_projection(ckpt, int4_unquantized_inputs) and kernels_avx2.prompt_tiles()
 
 
 def resolve_decode_batching(
