@@ -64,6 +64,35 @@ def same_tokens_logit_gap(got, want) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
+def greedy_ties_taken(model, prompt_ids: list[int], tokens: list[int]) -> int:
+    """Asserts that ``tokens`` are transformers' greedy continuation of ``prompt_ids`` up to a tie at bf16's
+    resolution, and returns how many such ties went the other way.
+
+    ``model`` is fed the prompt, then ``tokens`` one at a time with its KV cache (the arithmetic of its
+    ``generate``), and each token must be its top logit or one bf16 step below it. bf16 logits of a 49k
+    vocabulary tie exactly now and then, and which of two tied tokens ``argmax`` takes follows the host's
+    matmul kernels: on one CI host transformers itself took another token at a tie where the engine took
+    the one transformers takes here."""
+    import torch
+
+    ties = 0
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for i, tok in enumerate(tokens):
+            logits = out.logits[0, -1].float()
+            best = logits.max()
+            step = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)  # bf16 has 8 significant bits
+            assert logits[tok] >= best - step, (
+                f"token {i}: {tok} scores {logits[tok].item()}, transformers' best {logits.argmax().item()} "
+                f"scores {best.item()}"
+            )
+            ties += int(logits[tok] < best or logits.argmax().item() != tok)
+            # transformers 5 names the cache ``cache``; 4.x ``past_key_values``
+            cache = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+            out = model(torch.tensor([[tok]]), use_cache=True, **cache)
+    return ties
+
+
 def make_tiny_llama(dest: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Write a random tiny Llama checkpoint (bf16 safetensors) with the given tokenizer files."""
     import shutil

@@ -911,7 +911,7 @@ def test_other_architectures_match_transformers(tmp_path, smollm2_tokenizer_dir,
 @pytest.mark.parametrize("kind,scales", [("FP8", (0.02, 0.01)), ("INT8", (0.05, 0.03))])
 def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(tmp_path, tiny_llama_dir, kind, scales):
     """K/V stored as 1-byte codes after RoPE (as TensorRT-LLM's KV cache and ModelOpt's k/v_bmm_quantizer)."""
-    from conftest import with_kv_cache_scales
+    from conftest import greedy_ties_taken, with_kv_cache_scales
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -938,13 +938,16 @@ def test_quantized_kv_cache_matches_transformers_with_quantized_keys_and_values(
     eng = Engine(path, config())
     assert eng.pool.quant.kind == qkind and eng.pool.k.element_size() == 1
     plain = Engine(tiny_llama_dir, config())
+    ties = 0
     for n, seed in [(9, 3), (70, 4)]:
         ids = prompt(n, seed)
         out = eng.generate(greedy(ids))
-        assert out == hf_greedy(ref, ids)
+        # the 9-token prompt's 4th token is an exact tie of two bf16 logits here (either is transformers' answer)
+        ties += greedy_ties_taken(ref, ids, out)
         assert (
             eng.prompt_logits(ids).sub(plain.prompt_logits(ids)).abs().max() > 0
         )  # the quantization is really applied
+    assert ties <= 1
 
 
 def test_a_kernel_build_is_keyed_on_its_source_the_headers_it_includes_and_its_flags(tmp_path, monkeypatch):
