@@ -75,6 +75,12 @@ def test_fused_logits_are_the_operators_bits(tiny_llama_dir, batch, batching):
     compare(tiny_llama_dir, f"bf16, batch {batch}, {batching}", batch=batch, decode_batching=batching)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_logits_are_the_operators_bits_with_attention_in_place(tiny_llama_dir, batch):
+    """``decode_attention: in_place``: both paths attend through decode_attention.h over the bf16 pool."""
+    compare(tiny_llama_dir, f"bf16, batch {batch}, in place", batch=batch, decode_attention="in_place")
+
+
 def test_one_kv_head_and_attention_biases(tmp_path, smollm2_tokenizer_dir):
     from conftest import make_tiny_llama
 

@@ -53,6 +53,7 @@ __all__ = [
 
 
 DECODE_BATCHING = ("auto", "exact", "attention", "full")
+DECODE_ATTENTION = ("auto", "sdpa", "in_place")
 LM_HEADS = ("exported", "int8")
 
 
@@ -116,9 +117,16 @@ class EngineConfig:
     # request's bits never depend on the batch); "attention" = one masked attention call for all
     # decode rows, GEMMs as "exact"; "full" = also one GEMM over all rows (fastest from 2 sequences);
     # "auto" = "full" where INT4 projections take AMX's int8 tiles, else "attention" (model.resolve_decode_batching).
-    # A float32 engine's decode attention reads each row's own context in "exact" and "attention"
-    # (kernels_avx2.decode_attention), so there they differ in nothing.
+    # Where decode rows attend in place (decode_attention below: float32 engines by default) each reads its own
+    # context in "exact" and "attention" alike, so there they differ in nothing.
     decode_batching: str = "auto"
+    # Decode rows' attention (with cpu_kernels, float32 attention, no KV-cache quantization): "in_place" = rtk's
+    # kernel over each row's own context where it lies in the paged pool (runtime/decode_attention.h; no copy of
+    # the context per layer, no SDPA call per row; within float32 rounding of SDPA, not its bits); "sdpa" = the
+    # context gathered and torch's SDPA, transformers' call (its bits); "auto" = in_place on float32 engines,
+    # sdpa on bf16 engines, whose decode rows then keep transformers' bits (docs/engine.md, "Decode attention
+    # read in place on bf16 engines").  Where the kernel cannot run, SDPA does.
+    decode_attention: str = "auto"
     # rtk's fused decode step (with cpu_kernels): decode rows run whole decoder layers in one C++ call
     # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention
     # call per row (as "exact" decode batching, whatever decode_batching says); False = torch's operators.
@@ -149,6 +157,7 @@ class EngineConfig:
             lm_head=build.lm_head,
             dtype=build.compute_dtype,
             decode_batching=build.decode_batching,
+            decode_attention=build.decode_attention,
         )
         return cls(**{**fields, **overrides})
 
@@ -210,6 +219,8 @@ class EngineConfig:
             bad("scheduler_policy", f"'{self.scheduler_policy}' is not one of {', '.join(POLICIES)}")
         if self.decode_batching not in DECODE_BATCHING:
             bad("decode_batching", f"'{self.decode_batching}' is not one of {', '.join(DECODE_BATCHING)}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            bad("decode_attention", f"'{self.decode_attention}' is not one of {', '.join(DECODE_ATTENTION)}")
         if self.int4_gemv not in ("dot", "exact"):
             bad("int4_gemv", f"'{self.int4_gemv}' is not 'dot' or 'exact'")
         if self.lm_head not in LM_HEADS:
@@ -301,6 +312,7 @@ class Engine:
             fused_decode=config.fused_decode,
             huge_pages=config.huge_pages,
             int4_gemv=config.int4_gemv,
+            decode_attention=config.decode_attention,
         )
         if prompt_threads:
             torch.set_num_threads(decode_threads)

@@ -1,7 +1,8 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
 // (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below; gemv_q's INT4 group sums, kind int4-dot,
-// excepted: within a tolerance of the float32 product), and 5. DecodeLayers: the decode rows' whole
-// decoder layers in one call.
+// excepted: within a tolerance of the float32 product), 5. DecodeLayers: the decode rows' whole
+// decoder layers in one call, and 6. decode_attention (decode_attention.h: within float32 rounding of SDPA,
+// the attention of DecodeLayers and of model.py's operators alike).
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
@@ -33,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_attention.h"
 #include "decode_plan.h"
 
 namespace {
@@ -629,6 +631,7 @@ struct DecodeLayer {
 struct DecodeLayers : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, kv_kind;  // kv_kind: 0 bf16, 1 fp8 e4m3 codes, 2 int8
   double eps, scale;
+  bool pool_attention = false;  // decode rows through decode_attention.h over the bf16 pool, not gathered + SDPA
   at::Tensor cos, sin;  // bf16 [positions, head_dim]; sin signed as model.rope_tables makes it
   std::vector<DecodeLayer> layers;
 
@@ -639,6 +642,11 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(this->cos.scalar_type() == at::kBFloat16 && this->sin.scalar_type() == at::kBFloat16 &&
                     this->cos.size(1) == head_dim && head_dim % 2 == 0 && heads % kv_heads == 0,
                 "rtk_kernels.DecodeLayers: bf16 rope tables [positions, head_dim], heads a multiple of kv_heads");
+  }
+
+  void set_pool_attention(bool on) {
+    TORCH_CHECK(!on || kv_kind == 0, "rtk_kernels.DecodeLayers: attention in place reads a bf16 pool");
+    pool_attention = on;
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, double k_scale, double v_scale) {
@@ -792,13 +800,14 @@ struct DecodeLayers : torch::CustomClassHolder {
         store_kv(kp, ws[r], q + r * width + H * D, layer.k_scale);
         store_kv(vp, ws[r], q + r * width + (H + KVH) * D, layer.v_scale);
       }
-      // attention: torch's SDPA on float32 q/k/v as model.py calls it: one call per row over its own
-      // context ("exact" decode batching, transformers' call for a lone decode), or with padded_slots one
-      // masked call over every row's context padded to the longest ("attention" decode batching)
-      auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).view({m, H, D});
+      // attention: with pool_attention decode_attention.h over each row's context where it lies (model.py's
+      // operators call the same code); else torch's SDPA on float32 q/k/v as model.py calls it: one call per
+      // row over its own context ("exact" decode batching, transformers' call for a lone decode), or with
+      // padded_slots one masked call over every row's context padded to the longest ("attention" decode batching)
+      auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).contiguous().view({m, H, D});
       std::vector<at::Tensor> outs;
       outs.reserve(m);
-      if (batched) {
+      if (batched && !pool_attention) {  // (with pool_attention the padded plan is checked, not read)
         const int64_t len = padded.size(1);
         auto k = gather(kp, padded.data_ptr<int64_t>(), m * len, layer.k_scale).view({m, len, KVH, D}).transpose(1, 2);
         auto v = gather(vp, padded.data_ptr<int64_t>(), m * len, layer.v_scale).view({m, len, KVH, D}).transpose(1, 2);
@@ -806,7 +815,15 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                   KVH != H);
         outs.push_back(o.view({m, H * D}));
       }
-      for (int64_t r = 0; r < m && !batched; ++r) {
+      if (pool_attention) {  // every row over its own context where it lies in the bf16 pool (model.pool_attention)
+        auto o = at::empty({m, H * D}, at::kFloat);
+        const auto* kb = reinterpret_cast<const uint16_t*>(kp);
+        const auto* vb = reinterpret_cast<const uint16_t*>(vp);
+        rtk_attention::decode_attention_rows(qf.data_ptr<float>(), H * D, D, kb, vb, cs, cb, m, H, KVH, D,
+                                             static_cast<float>(scale), o.data_ptr<float>());
+        outs.push_back(o);
+      }
+      for (int64_t r = 0; r < m && !batched && !pool_attention; ++r) {
         const int64_t count = cb[2 * r + 1] - cb[2 * r];
         auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale).transpose(0, 1).unsqueeze(0);
         auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale).transpose(0, 1).unsqueeze(0);
@@ -814,7 +831,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                   KVH != H);
         outs.push_back(o.view({1, H * D}));
       }
-      auto attn = (m == 1 ? outs[0] : at::cat(outs)).to(at::kBFloat16);
+      auto attn = (outs.size() == 1 ? outs[0] : at::cat(outs)).to(at::kBFloat16);
       add_into(h, layer.proj[1](attn));
       auto gu = layer.proj[2](rms_norm(h, layer.post_norm));
       const int64_t inter = gu.size(1) / 2;
@@ -830,11 +847,20 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 };
 
+// 6. decode_attention: a bf16 engine's decode rows over a bf16 (or float32) pool, read in place
+// (decode_attention.h); model.py's operator path calls it where the fused step does, for the same bits.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& ctx_slots, const at::Tensor& ctx_bounds, double scale) {
+  return rtk_attention::decode_attention("rtk_kernels.decode_attention", q, k_pool, v_pool, ctx_slots, ctx_bounds,
+                                         scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_kernels, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>())
+      .def("set_pool_attention", &DecodeLayers::set_pool_attention)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("forward", &DecodeLayers::forward);
@@ -848,4 +874,7 @@ TORCH_LIBRARY(rtk_kernels, m) {
   m.def("fp8_tables(Tensor block_scales) -> Tensor", &fp8_tables);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);
   m.def("gather_kv(Tensor k, Tensor v, Tensor slots) -> Tensor[]", &gather_kv);
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
+        "-> Tensor",
+        &decode_attention);
 }

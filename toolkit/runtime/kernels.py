@@ -19,6 +19,9 @@ except the INT4 group sums (``int4-dot``), which are held to the float32 product
   (for float32 attention; two index_select and two conversions otherwise).
 * ``DecodeLayers``: the decode rows' whole decoder layers in one call, the ~30 small operators per
   layer between the GEMVs done in C++ with the operators' bits (:class:`DecodeLayers`).
+* ``decode_attention``: decode rows' attention over the bf16 pool, read where it lies
+  (``decode_attention.h``, shared with the float32 engines' ``kernels_avx2``): not SDPA's bits, within
+  float32 rounding of them; the operator path and ``DecodeLayers`` both run it.
 
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16 and
 AVX512-VBMI, about 10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is
@@ -46,7 +49,9 @@ from .. import hostinfo
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-fopenmp"]
+# -mfma: decode_attention.h's 256-bit multiply-adds (explicit intrinsics; -ffp-contract=off below keeps the rest
+# unfused)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-fopenmp"]
 FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
 CPU_FLAGS = hostinfo.BF16_KERNEL_FLAGS
 
@@ -159,6 +164,14 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[to
     """Rows ``slots`` (1-D) of bf16 ``k`` and ``v`` (``[S, ...]``) as float32, in one pass."""
     ko, vo = torch.ops.rtk_kernels.gather_kv(k, v, slots)
     return ko, vo
+
+
+def decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`toolkit.runtime.kernels_avx2.decode_attention` for a bf16 engine: ``k_pool`` and ``v_pool`` bf16
+    (each value widened exactly to float32 as it is read) or float32; ``q`` float32."""
+    return torch.ops.rtk_kernels.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
 
 
 QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2, "fp8-table": 3, "int4-dot": 4}
@@ -279,7 +292,9 @@ class DecodeLayers:
     projections through :func:`gemv` / :func:`gemv_q` and :func:`quantize_input` as the operator
     path calls them, and gives the operator path's bits: elementwise steps are single correctly
     rounded operations done by hand, RMSNorm's sum, the attention and SiLU are ATen's own operators
-    called from C++ (no Python between them).  Each row attends alone, as decode batching "exact".
+    called from C++ (no Python between them).  Each row attends alone, as decode batching "exact"; with
+    :meth:`set_pool_attention`, through :func:`decode_attention` over its context where it lies (as the operator
+    path does then), else gathered and through SDPA.
     """
 
     takes_prompt_rows = False  # a step's prompt rows go through torch's operators
@@ -288,6 +303,10 @@ class DecodeLayers:
         self._layers = torch.classes.rtk_kernels.DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], cos, sin
         )
+
+    def set_pool_attention(self, on: bool) -> None:
+        """Decode rows attend through :func:`decode_attention` over the bf16 pool (``Transformer.pool_attention``)."""
+        self._layers.set_pool_attention(bool(on))
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
         self._layers.add_layer(input_norm, post_norm, float(k_scale), float(v_scale))

@@ -424,12 +424,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Decode rows' attention over a float32 paged pool, the keys and values read where they lie.
+    """Decode rows' attention over a paged pool (float32; bf16 too), the keys and values read where they lie.
 
     ``q [rows, heads, head_dim]`` float32; ``k_pool``, ``v_pool`` one layer's ``[slots, kv_heads, head_dim]``;
     row ``r`` attends to ``slots[bounds[r, 0] : bounds[r, 1]]``.  Returns ``[rows, heads * head_dim]``.
     Each row is computed alone in one fixed order (batch-invariant), within float32 rounding of SDPA
-    (``kernels_avx2.cpp`` says how)."""
+    (``decode_attention.h`` says how)."""
     return ops().decode_attention(q, k_pool, v_pool, slots, bounds, scale)
 
 

@@ -946,6 +946,7 @@ class Transformer:
         fused_decode: bool = True,
         int4_gemv: str = "dot",
         huge_pages: bool = True,
+        decode_attention: str = "auto",
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -1010,9 +1011,19 @@ class Transformer:
         self.scale = cfg.head_dim**-0.5
         self.attn_dtype = attention_dtype
         self.kv_quant = self._kv_quant(ckpt)
-        # decode rows of a float32 engine attend through rtk's kernel, over the K/V where they lie in the pool
-        # (kernels_avx2.decode_attention), in the operator path and the fused step alike
-        self.pool_attention = self.avx2_kernels and attention_dtype == torch.float32 and self.kv_quant is None
+        # decode rows attend through rtk's kernel, over the K/V where they lie in the pool, in the operator path
+        # and the fused step alike (EngineConfig.decode_attention): a float32 engine's float32 pool unless "sdpa"
+        # (kernels_avx2.decode_attention), a bf16 engine's bf16 pool with "in_place" (kernels.decode_attention,
+        # the same code; docs/engine.md, "Decode attention read in place on bf16 engines")
+        kernel = (self.avx2_kernels and decode_attention != "sdpa") or (
+            self.fast_gather and decode_attention == "in_place"
+        )
+        self.pool_attention = kernel and attention_dtype == torch.float32 and self.kv_quant is None
+        if decode_attention == "in_place" and not self.pool_attention:
+            log.info(
+                "decode_attention 'in_place' needs rtk's kernels, float32 attention and an unquantized K/V cache; "
+                "SDPA runs the decode rows' attention"
+            )
         self.batch_invariant = batch_invariant
         self.fused = None
         if fused_decode and self.fast_gather:
@@ -1076,6 +1087,7 @@ class Transformer:
             self.cos,
             self.sin,
         )
+        fused.set_pool_attention(self.pool_attention)
         for li, layer in enumerate(self.layers):
             fused.add_layer(
                 layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
@@ -1087,8 +1099,11 @@ class Transformer:
     def _fused_decode_fp32(self):
         """A float32 engine's fused decode layers (``kernels_avx2.DecodeLayers``) where every projection runs
         rtk's AVX2 GEMV or integer products and the K/V pool holds float32, else None."""
-        if self.attn_dtype != torch.float32 or self.kv_quant is not None:
-            log.info("the float32 fused decode step needs float32 attention and K/V; torch's operators run it")
+        if not self.pool_attention:
+            log.info(
+                "the float32 fused decode step needs float32 attention and K/V, attended in place; "
+                "torch's operators run it"
+            )
             return None
         for g in (g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             p = g.parts[0]
@@ -1215,7 +1230,8 @@ class Transformer:
             if B and self.pool_attention:
                 # every decode row over its exact context, read in place: batch-invariant whatever the batching
                 kp, vp = pool.layer(li)
-                outs.append(kernels_avx2.decode_attention(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
+                attend = kernels.decode_attention if self.fast_gather else kernels_avx2.decode_attention
+                outs.append(attend(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
             elif plan.decode_padded is not None:
                 # One SDPA for every decode row over its context padded to the longest (masked): a
                 # few calls instead of one per sequence, but the float reductions see the padding,
