@@ -12,12 +12,11 @@ import pytest
 import torch
 from conftest import greedy_ties_taken
 from test_runtime_engine import config, greedy, hf_greedy, prompt, transformers_model
-from test_runtime_kernels_avx2 import attention_float64, pool_and_rows
+from test_runtime_kernels_avx2 import attention_float64, decode_logits_unpadded_and_padded, pool_and_rows
 
 from toolkit.errors import UsageError
 from toolkit.runtime import kernels, kernels_avx2
 from toolkit.runtime.engine import Engine
-from toolkit.runtime.model import build_plan
 
 pytestmark = [
     pytest.mark.skipif(not kernels.available(), reason="a bf16 engine with rtk's kernels needs AVX512-BF16"),
@@ -64,17 +63,7 @@ def test_a_rows_numbers_never_depend_on_the_decode_batching(tiny_llama_dir, fuse
     the engine builds no padded plan."""
     eng = Engine(tiny_llama_dir, in_place(decode_batching="attention", fused_decode=fused))
     assert (eng.model.fused is not None) == fused
-    for n in (5, 37, 70):
-        eng.add_request(greedy(prompt(n, 300 + n), 40))
-    for _ in range(6):  # every prompt prefilled; all three decoding, contexts of different lengths
-        eng.step()
-    scheduled = eng.scheduler.schedule()
-    assert len(scheduled) == 3 and all(n == 1 and not s.prefilling for s, n in scheduled)
-    work = [(s.block_table, s.num_cached, 1, False) for s, _ in scheduled]
-    ids = torch.tensor([s.tokens[s.num_cached] for s, _ in scheduled])
-    with torch.inference_mode():
-        plans = [build_plan(work, 16, eng.scheduler.unit, batched=batched) for batched in (False, True)]
-        a, b = (eng.model.forward(ids, plan, eng.pool) for plan in plans)
+    a, b = decode_logits_unpadded_and_padded(eng)
     assert torch.equal(a, b)
 
 

@@ -690,29 +690,36 @@ def test_rms_norm_gives_torchs_bits(rows, k):
         kernels_avx2.rms_norm(x.double(), w, 1e-5)
 
 
-def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_decode_batching(tiny_llama_dir):
-    """Masked, padded attention over every decode row (``decode_batching: attention``) used to round a row
-    by its batch; the kernel reads each row's own context, so a padded plan gives the unpadded plan's bits,
-    and the engine no longer builds padded plans for it."""
+def decode_logits_unpadded_and_padded(eng: Engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three sequences decoding with contexts of different lengths: one step's logits through an unpadded plan
+    and through a padded, masked one (``decode_batching: attention``'s), the engine's pool and model as they are."""
     from test_runtime_engine import greedy, prompt
 
     from toolkit.runtime.model import build_plan
 
+    for n in (5, 37, 70):
+        eng.add_request(greedy(prompt(n, 300 + n), 40))
+    for _ in range(6):  # every prompt prefilled; all three decoding, contexts of different lengths
+        eng.step()
+    scheduled = eng.scheduler.schedule()
+    assert len(scheduled) == 3 and all(n == 1 and not s.prefilling for s, n in scheduled)
+    work = [(s.block_table, s.num_cached, 1, False) for s, _ in scheduled]
+    ids = torch.tensor([s.tokens[s.num_cached] for s, _ in scheduled])
+    with torch.inference_mode():
+        plans = [build_plan(work, 16, eng.scheduler.unit, batched=batched) for batched in (False, True)]
+        assert plans[1].decode_padded is not None
+        a, b = (eng.model.forward(ids, plan, eng.pool) for plan in plans)
+    return a, b
+
+
+def test_a_float32_engine_decodes_through_it_and_its_rows_never_depend_on_the_decode_batching(tiny_llama_dir):
+    """Masked, padded attention over every decode row (``decode_batching: attention``) used to round a row
+    by its batch; the kernel reads each row's own context, so a padded plan gives the unpadded plan's bits,
+    and the engine no longer builds padded plans for it."""
     for fused in (False, True):
         eng = Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, fused_decode=fused))
         assert eng.model.pool_attention and (eng.model.fused is not None) == fused
-        for n in (5, 37, 70):
-            eng.add_request(greedy(prompt(n, 300 + n), 40))
-        for _ in range(6):  # every prompt prefilled; all three decoding, contexts of different lengths
-            eng.step()
-        scheduled = eng.scheduler.schedule()
-        assert len(scheduled) == 3 and all(n == 1 and not s.prefilling for s, n in scheduled)
-        work = [(s.block_table, s.num_cached, 1, False) for s, _ in scheduled]
-        ids = torch.tensor([s.tokens[s.num_cached] for s, _ in scheduled])
-        with torch.inference_mode():
-            plans = [build_plan(work, 16, eng.scheduler.unit, batched=batched) for batched in (False, True)]
-            assert plans[1].decode_padded is not None
-            a, b = (eng.model.forward(ids, plan, eng.pool) for plan in plans)
+        a, b = decode_logits_unpadded_and_padded(eng)
         assert torch.equal(a, b)
     assert not Engine(tiny_llama_dir, EngineConfig(**FUSED_BASE, cpu_kernels=False)).model.pool_attention
     assert not Engine(tiny_llama_dir, EngineConfig(**{**FUSED_BASE, "dtype": "bfloat16"})).model.pool_attention

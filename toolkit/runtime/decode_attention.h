@@ -45,7 +45,7 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// the sum of a's 8 lanes: halves, then pairs (the order of kernels_avx2's hsum)
+// the sum of a's 8 lanes: halves, then pairs (kernels_avx2's hsum too)
 inline float lane_sum(__m256 a) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));

@@ -55,13 +55,7 @@ inline __m256 decode8(const uint8_t* w, int64_t k) {  // int8 / fp8 codes (bf16:
   }
 }
 
-inline float hsum(__m256 a, __m256 b) {
-  __m256 s = _mm256_add_ps(a, b);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
+inline float hsum(__m256 a, __m256 b) { return rtk_attention::lane_sum(_mm256_add_ps(a, b)); }
 
 // tile(R, r) for the rows of a call in tiles of 4 (R a std::integral_constant, a kernel's template argument;
 // r the tile's first row), then one tile of the 3, 2 or 1 left: every kernel below walks its rows so.
