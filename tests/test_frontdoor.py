@@ -306,15 +306,18 @@ def test_bad_deadline_header_is_400(plain):
 
 
 def test_fallback_to_another_deployment_then_to_a_rule(triton):
+    # The occupied 'slow' model frees up in ~4 s (80 tokens, 50 ms each), far past the deadline; the deadline
+    # leaves the fallback deployment time for its first byte on a loaded 2-core host (300 ms was missed once in
+    # CI: its first request also asks the deployment for its model list, and the rule answered)
+    guard = {"ttft_deadline_ms": 1000}
     with front_door(triton) as small:
         tiers = [
             {"kind": "deployment", "name": "small", "url": small.url + "/v1"},
             {"kind": "rule", "template": "busy ({model})"},
         ]
-        with front_door(
-            triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "fallbacks": tiers}
-        ) as fd:
-            done = _occupy(fd)
+        guard["fallbacks"] = tiers
+        with front_door(triton, model="slow", max_batch_size=1, guard=guard) as fd:
+            done = _occupy(fd, n_tokens=80)
             with (
                 httpx.Client(base_url=fd.url) as c,
                 c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r,
@@ -328,8 +331,8 @@ def test_fallback_to_another_deployment_then_to_a_rule(triton):
             assert r.status_code == 200 and r.json()["rtk_tier"] == "small"
             assert done.wait(30)
     # The deployment is gone now: the rule answers.
-    with front_door(triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "fallbacks": tiers}) as fd:
-        done = _occupy(fd)
+    with front_door(triton, model="slow", max_batch_size=1, guard=guard) as fd:
+        done = _occupy(fd, n_tokens=80)
         r = httpx.post(fd.url + "/v1/chat/completions", json=chat_body())
         assert r.status_code == 200 and r.headers["x-rtk-tier"] == "rule"
         assert r.json()["choices"][0]["message"]["content"] == f"busy ({MODEL})"
