@@ -1015,10 +1015,12 @@ class Transformer:
         # and the fused step alike (EngineConfig.decode_attention): a float32 engine's float32 pool unless "sdpa"
         # (kernels_avx2.decode_attention), a bf16 engine's bf16 pool with "in_place" (kernels.decode_attention,
         # the same code; docs/engine.md, "Decode attention read in place on bf16 engines")
-        kernel = (self.avx2_kernels and decode_attention != "sdpa") or (
+        in_place = (self.avx2_kernels and decode_attention != "sdpa") or (
             self.fast_gather and decode_attention == "in_place"
         )
-        self.pool_attention = kernel and attention_dtype == torch.float32 and self.kv_quant is None
+        self.pool_attention = in_place and attention_dtype == torch.float32 and self.kv_quant is None
+        # the op over this engine's pool: bf16 (rtk_kernels) or float32 (rtk_avx2 / rtk_vnni)
+        self._attend_in_place = kernels.decode_attention if self.fast_gather else kernels_avx2.decode_attention
         if decode_attention == "in_place" and not self.pool_attention:
             log.info(
                 "decode_attention 'in_place' needs rtk's kernels, float32 attention and an unquantized K/V cache; "
@@ -1230,8 +1232,7 @@ class Transformer:
             if B and self.pool_attention:
                 # every decode row over its exact context, read in place: batch-invariant whatever the batching
                 kp, vp = pool.layer(li)
-                attend = kernels.decode_attention if self.fast_gather else kernels_avx2.decode_attention
-                outs.append(attend(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
+                outs.append(self._attend_in_place(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
             elif plan.decode_padded is not None:
                 # One SDPA for every decode row over its context padded to the longest (masked): a
                 # few calls instead of one per sequence, but the float reductions see the padding,
