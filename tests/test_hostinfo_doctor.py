@@ -164,16 +164,16 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
         (check,) = [c for c in diagnose("cpu", host).checks if c.name == "CPU engine"]
         return check
 
-    zen4 = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"])
+    zen4 = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"])
     assert zen4.status == "ok" and "bf16" in zen4.found and "AMX" not in zen4.found
-    sapphire_rapids_flags = ["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "amx_bf16"]
+    sapphire_rapids_flags = ["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "amx_bf16"]
     sapphire_rapids = engine_check(sapphire_rapids_flags)
     assert sapphire_rapids.status == "ok" and "apart from oneDNN" in sapphire_rapids.found
     assert "integer products" not in sapphire_rapids.found  # no AVX512-VNNI listed: rtk's VNNI build cannot run
     vnni = ["avx512f", "avx512_vnni"]
-    zen4_vnni = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", *vnni])
+    zen4_vnni = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", *vnni])
     assert "bf16" in zen4_vnni.found and "INT8-SQ / INT4-AWQ exports compute in float32" in zen4_vnni.found
-    amx_vnni = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi", "amx_bf16", *vnni])
+    amx_vnni = engine_check([*sapphire_rapids_flags, *vnni])
     assert "apart from oneDNN" in amx_vnni.found and "VNNI integer products" in amx_vnni.found
     assert "int8 tiles" not in amx_vnni.found  # no AMX-INT8 listed
     amx_int8 = engine_check([*sapphire_rapids_flags, *vnni, "amx_tile", "amx_int8"])
@@ -181,7 +181,7 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
     zen3 = engine_check(["avx2", "fma"])
     assert zen3.status == "warn" and "float32" in zen3.found and "AVX2 kernels" in zen3.found
     assert "int8_sq" in zen3.fix and "docs/engine.md" in zen3.fix and "VNNI" not in zen3.found
-    ice_lake = engine_check(["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni"])
+    ice_lake = engine_check(["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"])
     assert ice_lake.status == "warn" and "float32" in ice_lake.found and "VNNI" in ice_lake.found
     assert "oneDNN's int8 GEMM" in ice_lake.found and ice_lake.fix == zen3.fix
     old = engine_check([])

@@ -207,7 +207,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
     onednn = model.onednn_bf16()
     assert onednn == bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert model.bf16_is_fast() == (onednn and bool(hostinfo.cpu_flags() & model.BF16_CPU_FLAGS))  # this host
-    ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni"}
+    ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"}
     monkeypatch.setattr(hostinfo, "cpu_flags", lambda: ice_lake)
     assert not model.bf16_is_fast() and model.resolve_dtype("auto") == torch.float32
     monkeypatch.setattr(hostinfo, "cpu_flags", lambda: ice_lake | {"avx512_bf16"})
@@ -257,7 +257,8 @@ def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(m
     assert model.integer_products_apply(int8) and model.integer_products_apply(int4)
     assert not model.integer_products_apply(int4, int4_gemv="exact")  # the float32 GEMV over the codes instead
     assert not any(model.integer_products_apply(e) for e in (w4a8, fp8, dense))
-    sapphire = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16"}
+    sapphire = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"}
+    sapphire.add("avx512_bf16")
     monkeypatch.setattr(hostinfo, "cpu_flags", lambda: sapphire)
     monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")  # stands in for a built VNNI library
     monkeypatch.delenv("RTK_VNNI", raising=False)

@@ -125,7 +125,7 @@ class HostInfo:
 # sets the engine reads: runtime/kernels.py's bf16 kernels, kernels_avx2.py's float32 ones and their VNNI build,
 # and model.bf16_is_fast (dtype: auto).
 # Zen 4 and later, Sapphire Rapids and later
-BF16_KERNEL_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi", "fma")
+BF16_KERNEL_FLAGS = ("avx512_bf16", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "fma")
 AVX2_KERNEL_FLAGS = ("avx2", "fma")
 VNNI_KERNEL_FLAGS = (*AVX2_KERNEL_FLAGS, "avx512f", "avx512vl", "avx512bw", "avx512_vnni")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either: bf16 dot products (Cooper Lake, Sapphire Rapids, Zen 4 on)

@@ -475,8 +475,8 @@ class Engine:
             self.config.tokens_per_block,
             self.scheduler.unit,
             reads_own_kv=self.pool.quant is None,
-            # padded contexts only for SDPA's masked call: the float32 kernel reads each row's own context
-            batched=self.decode_batching != "exact" and not self.model.pool_attention,
+            # padded contexts only for SDPA's masked call: rows attended in one call each read their own context
+            batched=self.decode_batching != "exact" and not self.model.attends_rows_in_one_call,
         )
         plan.logit_rows = torch.tensor(logit_rows, dtype=torch.int64)
         if plan.prefills:

@@ -36,6 +36,7 @@
 
 #include "decode_attention.h"
 #include "decode_plan.h"
+#include "sdpa_decode.h"
 
 namespace {
 
@@ -632,6 +633,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, kv_kind;  // kv_kind: 0 bf16, 1 fp8 e4m3 codes, 2 int8
   double eps, scale;
   bool pool_attention = false;  // decode rows through decode_attention.h over the bf16 pool, not gathered + SDPA
+  bool sdpa_decode = false;     // gathered rows through sdpa_decode.h (SDPA's bits, one region), not SDPA per row
   at::Tensor cos, sin;  // bf16 [positions, head_dim]; sin signed as model.rope_tables makes it
   std::vector<DecodeLayer> layers;
 
@@ -648,6 +650,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(!on || kv_kind == 0, "rtk_kernels.DecodeLayers: attention in place reads a bf16 pool");
     pool_attention = on;
   }
+
+  void set_sdpa_decode(bool on) { sdpa_decode = on; }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, double k_scale, double v_scale) {
     TORCH_CHECK(input_norm.scalar_type() == at::kBFloat16 && post_norm.scalar_type() == at::kBFloat16,
@@ -801,13 +805,15 @@ struct DecodeLayers : torch::CustomClassHolder {
         store_kv(vp, ws[r], q + r * width + (H + KVH) * D, layer.v_scale);
       }
       // attention: with pool_attention decode_attention.h over each row's context where it lies (model.py's
-      // operators call the same code); else torch's SDPA on float32 q/k/v as model.py calls it: one call per
-      // row over its own context ("exact" decode batching, transformers' call for a lone decode), or with
-      // padded_slots one masked call over every row's context padded to the longest ("attention" decode batching)
+      // operators call the same code); with sdpa_decode every row over its own gathered context with the bits of
+      // torch's SDPA called for that row alone (sdpa_decode.h), in one call; else torch's SDPA on float32 q/k/v
+      // as model.py calls it: one call per row over its own context ("exact" decode batching, transformers' call
+      // for a lone decode), or with padded_slots one masked call over every row's context padded to the longest
+      // ("attention" decode batching)
       auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).contiguous().view({m, H, D});
       std::vector<at::Tensor> outs;
       outs.reserve(m);
-      if (batched && !pool_attention) {  // (with pool_attention the padded plan is checked, not read)
+      if (batched && !pool_attention && !sdpa_decode) {  // (else the padded plan is checked, not read)
         const int64_t len = padded.size(1);
         auto k = gather(kp, padded.data_ptr<int64_t>(), m * len, layer.k_scale).view({m, len, KVH, D}).transpose(1, 2);
         auto v = gather(vp, padded.data_ptr<int64_t>(), m * len, layer.v_scale).view({m, len, KVH, D}).transpose(1, 2);
@@ -823,7 +829,12 @@ struct DecodeLayers : torch::CustomClassHolder {
                                              static_cast<float>(scale), o.data_ptr<float>());
         outs.push_back(o);
       }
-      for (int64_t r = 0; r < m && !batched && !pool_attention; ++r) {
+      if (sdpa_decode && !pool_attention) {  // SDPA's bits for every row in one call (sdpa_decode.h)
+        const int64_t count = ctx_slots.numel();
+        auto k = gather(kp, cs, count, layer.k_scale), v = gather(vp, cs, count, layer.v_scale);
+        outs.push_back(rtk_sdpa::decode("rtk_kernels.DecodeLayers", qf, k, v, ctx_bounds.view({m, 2}), scale));
+      }
+      for (int64_t r = 0; r < m && !batched && !pool_attention && !sdpa_decode; ++r) {
         const int64_t count = cb[2 * r + 1] - cb[2 * r];
         auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale).transpose(0, 1).unsqueeze(0);
         auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale).transpose(0, 1).unsqueeze(0);
@@ -855,12 +866,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
                                          scale);
 }
 
+// 7. sdpa_decode: torch's SDPA for decode rows over their gathered contexts, its bits in one call
+// (sdpa_decode.h); model.py's operator path calls it where the fused step does.
+at::Tensor sdpa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bounds,
+                       double scale) {
+  return rtk_sdpa::decode("rtk_kernels.sdpa_decode", q, k, v, bounds, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rtk_kernels, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>())
       .def("set_pool_attention", &DecodeLayers::set_pool_attention)
+      .def("set_sdpa_decode", &DecodeLayers::set_sdpa_decode)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("forward", &DecodeLayers::forward);
@@ -877,4 +896,5 @@ TORCH_LIBRARY(rtk_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",
         &decode_attention);
+  m.def("sdpa_decode(Tensor q, Tensor k, Tensor v, Tensor bounds, float scale) -> Tensor", &sdpa_decode);
 }

@@ -22,6 +22,9 @@ except the INT4 group sums (``int4-dot``), which are held to the float32 product
 * ``decode_attention``: decode rows' attention over the bf16 pool, read where it lies
   (``decode_attention.h``, shared with the float32 engines' ``kernels_avx2``): not SDPA's bits, within
   float32 rounding of them; the operator path and ``DecodeLayers`` both run it.
+* ``sdpa_decode``: torch's SDPA for decode rows over their gathered contexts with SDPA's bits, every row
+  and head in one call (``sdpa_decode.h``): the ``sdpa`` attention without SDPA's cost per call, where
+  :func:`sdpa_decode_agrees`.
 
 They are compiled once per host with torch's C++ extension builder (g++ with AVX512-BF16 and
 AVX512-VBMI, about 10 s) into rtk's cache and loaded as ``torch.ops.rtk_kernels``.  Where that is
@@ -51,8 +54,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 # -mfma: decode_attention.h's 256-bit multiply-adds (explicit intrinsics; -ffp-contract=off below keeps the rest
 # unfused)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi", "-mfma"]
+FLAGS.append("-fopenmp")
 FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
+# sdpa_decode.h: ATen's Vectorized<float> as torch's AVX512 kernels compile it (16 lanes; needs AVX512DQ)
+FLAGS += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 CPU_FLAGS = hostinfo.BF16_KERNEL_FLAGS
 
 
@@ -172,6 +178,50 @@ def decode_attention(
     """:func:`toolkit.runtime.kernels_avx2.decode_attention` for a bf16 engine: ``k_pool`` and ``v_pool`` bf16
     (each value widened exactly to float32 as it is read) or float32; ``q`` float32."""
     return torch.ops.rtk_kernels.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [rows, H, D]`` float32 over ``k``, ``v`` ``[keys, KVH, D]`` float32 (row ``r``'s keys at
+    ``bounds[r, 0] : bounds[r, 1]``) -> ``[rows, H * D]``, each row torch's SDPA of that row alone
+    (``sdpa_decode.h``)."""
+    return torch.ops.rtk_kernels.sdpa_decode(q, k, v, bounds, scale)
+
+
+SDPA_CHECK_KEYS = (1, 5, 16, 17, 66, 300, 513, 1100)  # vector tails, one block and two (of 512 keys)
+
+
+@functools.cache
+def sdpa_decode_agrees(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """True when :func:`sdpa_decode` gives torch's SDPA bits (the engine's call for a lone decode row) on random
+    rows of :data:`SDPA_CHECK_KEYS` keys, alone and in one call, with this process's thread count (its buffers'
+    places follow the thread count at each call, as torch's do; tests cover other counts).  False where they
+    part: another torch, another BLAS, torch dispatching to other than its AVX512 kernels; the engine then
+    calls SDPA itself."""
+    if not available() or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    g = torch.Generator().manual_seed(0)
+    keys = torch.tensor(SDPA_CHECK_KEYS)
+    q = torch.randn(len(keys), heads, head_dim, generator=g) * 3
+    k, v = (torch.randn(int(keys.sum()), kv_heads, head_dim, generator=g).bfloat16().float() for _ in range(2))
+    bounds = torch.stack([keys.cumsum(0) - keys, keys.cumsum(0)], 1)
+    scale = head_dim**-0.5
+    with torch.inference_mode():
+        want = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[i].view(1, heads, 1, head_dim),
+                k[s:e].transpose(0, 1)[None],
+                v[s:e].transpose(0, 1)[None],
+                scale=scale,
+                enable_gqa=kv_heads != heads,
+            ).view(1, -1)
+            for i, (s, e) in enumerate(bounds.tolist())
+        ]
+        alone = [sdpa_decode(q[i : i + 1], k, v, bounds[i : i + 1], scale) for i in range(len(q))]
+        same = torch.equal(sdpa_decode(q, k, v, bounds, scale), torch.cat(want))
+        same = same and all(torch.equal(a, b) for a, b in zip(alone, want, strict=True))
+    if not same:
+        log.info("rtk's sdpa_decode parts from torch's SDPA on this host; SDPA runs the decode rows")
+    return same
 
 
 QUANT_KINDS = {"int8": 0, "fp8": 1, "int4": 2, "fp8-table": 3, "int4-dot": 4}
@@ -307,6 +357,10 @@ class DecodeLayers:
     def set_pool_attention(self, on: bool) -> None:
         """Decode rows attend through :func:`decode_attention` over the bf16 pool (``Transformer.pool_attention``)."""
         self._layers.set_pool_attention(bool(on))
+
+    def set_sdpa_decode(self, on: bool) -> None:
+        """Decode rows attend through :func:`sdpa_decode`, SDPA's bits in one call (``Transformer.sdpa_decode``)."""
+        self._layers.set_sdpa_decode(bool(on))
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
         self._layers.add_layer(input_norm, post_norm, float(k_scale), float(v_scale))

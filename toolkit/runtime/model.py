@@ -35,6 +35,7 @@ import collections
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -1026,12 +1027,28 @@ class Transformer:
                 "decode_attention 'in_place' needs rtk's kernels, float32 attention and an unquantized K/V cache; "
                 "SDPA runs the decode rows' attention"
             )
+        # a bf16 engine's decode rows without pool_attention: torch's SDPA bits for all rows in one call
+        # (kernels.sdpa_decode, checked bit for bit against SDPA at load) instead of one SDPA call per row;
+        # RTK_SDPA_DECODE=0 in the environment keeps the calls (docs/engine.md, "SDPA's bits in one call")
+        self.sdpa_decode = (
+            self.fast_gather
+            and attention_dtype == torch.float32
+            and not self.pool_attention
+            and os.environ.get("RTK_SDPA_DECODE", "1") != "0"
+            and kernels.sdpa_decode_agrees(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        )
         self.batch_invariant = batch_invariant
         self.fused = None
         if fused_decode and self.fast_gather:
             self.fused = self._fused_decode()
         elif fused_decode and self.avx2_kernels:
             self.fused = self._fused_decode_fp32()
+
+    @property
+    def attends_rows_in_one_call(self) -> bool:
+        """Decode rows attend in one call, each over its own context (:attr:`pool_attention` or
+        :attr:`sdpa_decode`): no padded plan is needed to batch them, and their numbers never depend on the step."""
+        return self.pool_attention or self.sdpa_decode
 
     @property
     def projections(self) -> list[Projection]:
@@ -1090,6 +1107,7 @@ class Transformer:
             self.sin,
         )
         fused.set_pool_attention(self.pool_attention)
+        fused.set_sdpa_decode(self.sdpa_decode)
         for li, layer in enumerate(self.layers):
             fused.add_layer(
                 layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
@@ -1216,7 +1234,8 @@ class Transformer:
         B = plan.num_decode
         rows = B if self.batch_invariant else None  # see Projection.__call__
         gqa = KVH != H
-        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B and self.pool_attention else None
+        in_one_call = B and self.attends_rows_in_one_call
+        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if in_one_call else None
         for li in range(begin, end):
             layer = self.layers[li]
             x = self._rms_norm(h, layer.input_norm)
@@ -1233,7 +1252,7 @@ class Transformer:
                 # every decode row over its exact context, read in place: batch-invariant whatever the batching
                 kp, vp = pool.layer(li)
                 outs.append(self._attend_in_place(q[:B], kp, vp, plan.decode_slots, bounds, self.scale))
-            elif plan.decode_padded is not None:
+            elif plan.decode_padded is not None and not self.sdpa_decode:
                 # One SDPA for every decode row over its context padded to the longest (masked): a
                 # few calls instead of one per sequence, but the float reductions see the padding,
                 # so a row's last bits may depend on the batch (EngineConfig.decode_batching).
@@ -1248,19 +1267,23 @@ class Transformer:
                 )
                 outs.append(o.view(B, H * D))
             elif B:
-                # One gather for all decodes, then one SDPA per sequence over its exact context: the
-                # same call transformers makes for a single decode, so results do not depend on who
-                # else is in the batch (a padded, masked batch would change the float reductions).
+                # One gather for all decodes, then each sequence over its exact context with the SDPA call
+                # transformers makes for a single decode, so results do not depend on who else is in the
+                # batch (a padded, masked batch would change the float reductions); with sdpa_decode, the
+                # same bits for every row in one call.
                 kd, vd = pool.gather(li, plan.decode_slots, ad)  # [sum L, KVH, D]
-                for i, (s, e) in enumerate(plan.decode_bounds):
-                    o = F.scaled_dot_product_attention(
-                        q[i].view(1, H, 1, D),
-                        kd[s:e].transpose(0, 1)[None],
-                        vd[s:e].transpose(0, 1)[None],
-                        scale=self.scale,
-                        enable_gqa=gqa,
-                    )
-                    outs.append(o.view(1, H * D))
+                if self.sdpa_decode:
+                    outs.append(kernels.sdpa_decode(q[:B], kd, vd, bounds, self.scale))
+                else:
+                    for i, (s, e) in enumerate(plan.decode_bounds):
+                        o = F.scaled_dot_product_attention(
+                            q[i].view(1, H, 1, D),
+                            kd[s:e].transpose(0, 1)[None],
+                            vd[s:e].transpose(0, 1)[None],
+                            scale=self.scale,
+                            enable_gqa=gqa,
+                        )
+                        outs.append(o.view(1, H * D))
             for c in plan.prefills:
                 if c.slots is None:
                     kc = k[c.start : c.start + c.length].transpose(0, 1)[None]
