@@ -33,6 +33,15 @@ def rows(heads, kv_heads, head_dim, lengths, seed=0):
     return q, k, v, torch.stack([keys.cumsum(0) - keys, keys.cumsum(0)], 1)
 
 
+def as_pool(k, v, seed=0):
+    """k and v as a bf16 paged pool: their rows at shuffled slots among unused ones, and those slots."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(len(k) + 64, generator=g)[: len(k)]
+    pool = (torch.randn(len(k) + 64, *k.shape[1:], generator=g).bfloat16() for _ in range(2))
+    k_pool, v_pool = (p.index_copy_(0, slots, t.bfloat16()) for p, t in zip(pool, (k, v), strict=True))
+    return k_pool, v_pool, slots
+
+
 def sdpa_per_row(q, k, v, bounds):
     """model.py's SDPA call for each decode row over its own keys (transformers' call for a lone decode)."""
     heads, head_dim = q.shape[1:]
@@ -66,6 +75,8 @@ def test_every_row_has_sdpas_bits_alone_and_together(threads, heads, kv_heads, h
         got = kernels.sdpa_decode(q, k, v, bounds, head_dim**-0.5)
         diff = (got != want).nonzero()[:4].tolist()
         assert torch.equal(got, want), f"seed {seed}: differs at (row, element) {diff}"
+        k_pool, v_pool, slots = as_pool(k, v, seed)  # read where the rows lie in a bf16 pool, as the engine does
+        assert torch.equal(kernels.sdpa_decode(q, k_pool, v_pool, bounds, head_dim**-0.5, slots), want)
         for i in (0, 5, 7):  # a row alone: its numbers do not depend on the others
             alone = kernels.sdpa_decode(q[i : i + 1], k, v, bounds[i : i + 1], head_dim**-0.5)
             assert torch.equal(alone, want[i : i + 1])
@@ -97,6 +108,11 @@ def test_bad_input_is_refused_by_name():
         kernels.sdpa_decode(q, k.bfloat16(), v.bfloat16(), bounds, 0.125)
     with pytest.raises(RuntimeError, match="sdpa_decode: heads must be a multiple of kv_heads"):
         kernels.sdpa_decode(q[:, :8], k, v, bounds, 0.125)
+    k_pool, v_pool, slots = as_pool(k, v)
+    with pytest.raises(RuntimeError, match="sdpa_decode: a context slot is out of range"):
+        kernels.sdpa_decode(q, k_pool, v_pool, bounds, 0.125, torch.where(slots == slots[3], len(k_pool), slots))
+    with pytest.raises(RuntimeError, match="sdpa_decode: a K/V pool must be"):
+        kernels.sdpa_decode(q, k_pool.half(), v_pool.half(), bounds, 0.125, slots)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "operators"])

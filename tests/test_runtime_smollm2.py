@@ -158,10 +158,10 @@ def smollm2_checkpoint(request, checkpoint: str):
 @pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
 def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokenizer):
     """Every step's logits with rtk's kernels (GEMV, over bf16 or the FP8 export's codes; input
-    quantization; K/V gather) equal torch's operators' bit for bit: a lone request, then four decoding
-    together (two joining mid-way: multi-row GEMV calls).  Where rtk's GEMV rounds apart from oneDNN's
-    one-row kernel (its AMX one), every token is the same and the logits within a stated tolerance.  The
-    fused decode step is off here (its own test: test_fused_decode_gives_the_operators_bits)."""
+    quantization; K/V gather; SDPA's bits in one call) equal torch's operators' bit for bit: a lone
+    request, then four decoding together (two joining mid-way: multi-row GEMV calls).  Where rtk's GEMV
+    rounds apart from oneDNN's one-row kernel (its AMX one), every token is the same and the logits within a
+    stated tolerance.  The fused decode step is off here (its own test: test_fused_decode_gives_the_operators_bits)."""
     from toolkit.runtime import kernels
 
     if not kernels.available():
@@ -179,9 +179,12 @@ def test_rtk_cpu_kernels_change_no_bit_of_the_logits(request, checkpoint, tokeni
                 max_seq_len=512,
                 cpu_kernels=on,
                 fused_decode=False,
+                # each decode row attends alone on both sides: SDPA per row without the kernels, and with them
+                # kernels.sdpa_decode (its bits, in one call; "attention" batching would pad the former only)
+                decode_batching="exact",
             ),
         )
-        assert bool(engine.model.gemv_shapes) == on
+        assert bool(engine.model.gemv_shapes) == on and engine.model.sdpa_decode == on
         if on:
             own_rounding = engine.model.gemv_own_rounding
         if checkpoint == "fp8":

@@ -830,9 +830,15 @@ struct DecodeLayers : torch::CustomClassHolder {
         outs.push_back(o);
       }
       if (sdpa_decode && !pool_attention) {  // SDPA's bits for every row in one call (sdpa_decode.h)
-        const int64_t count = ctx_slots.numel();
-        auto k = gather(kp, cs, count, layer.k_scale), v = gather(vp, cs, count, layer.v_scale);
-        outs.push_back(rtk_sdpa::decode("rtk_kernels.DecodeLayers", qf, k, v, ctx_bounds.view({m, 2}), scale));
+        const char* who = "rtk_kernels.DecodeLayers";
+        if (kv_kind == 0) {  // each row's context read from the bf16 pool by the thread that attends it
+          auto pool_k = k_pool.select(0, li), pool_v = v_pool.select(0, li);
+          outs.push_back(rtk_sdpa::decode(who, qf, pool_k, pool_v, ctx_slots, ctx_bounds, scale));
+        } else {  // codes: every row's context decoded as KVPool.gather does
+          const int64_t count = ctx_slots.numel();
+          auto k = gather(kp, cs, count, layer.k_scale), v = gather(vp, cs, count, layer.v_scale);
+          outs.push_back(rtk_sdpa::decode(who, qf, k, v, c10::nullopt, ctx_bounds, scale));
+        }
       }
       for (int64_t r = 0; r < m && !batched && !pool_attention && !sdpa_decode; ++r) {
         const int64_t count = cb[2 * r + 1] - cb[2 * r];
@@ -866,11 +872,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
                                          scale);
 }
 
-// 7. sdpa_decode: torch's SDPA for decode rows over their gathered contexts, its bits in one call
-// (sdpa_decode.h); model.py's operator path calls it where the fused step does.
-at::Tensor sdpa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bounds,
-                       double scale) {
-  return rtk_sdpa::decode("rtk_kernels.sdpa_decode", q, k, v, bounds, scale);
+// 7. sdpa_decode: torch's SDPA for decode rows over their contexts (gathered, or read from the pool at their
+// slots), its bits in one call (sdpa_decode.h); model.py's operator path calls it where the fused step does.
+at::Tensor sdpa_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& slots, const at::Tensor& bounds, double scale) {
+  return rtk_sdpa::decode("rtk_kernels.sdpa_decode", q, k, v, slots, bounds, scale);
 }
 
 }  // namespace
@@ -896,5 +902,5 @@ TORCH_LIBRARY(rtk_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor ctx_slots, Tensor ctx_bounds, float scale) "
         "-> Tensor",
         &decode_attention);
-  m.def("sdpa_decode(Tensor q, Tensor k, Tensor v, Tensor bounds, float scale) -> Tensor", &sdpa_decode);
+  m.def("sdpa_decode(Tensor q, Tensor k, Tensor v, Tensor? slots, Tensor bounds, float scale) -> Tensor", &sdpa_decode);
 }

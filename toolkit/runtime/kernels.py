@@ -180,11 +180,19 @@ def decode_attention(
     return torch.ops.rtk_kernels.decode_attention(q, k_pool, v_pool, slots, bounds, scale)
 
 
-def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [rows, H, D]`` float32 over ``k``, ``v`` ``[keys, KVH, D]`` float32 (row ``r``'s keys at
-    ``bounds[r, 0] : bounds[r, 1]``) -> ``[rows, H * D]``, each row torch's SDPA of that row alone
-    (``sdpa_decode.h``)."""
-    return torch.ops.rtk_kernels.sdpa_decode(q, k, v, bounds, scale)
+def sdpa_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q [rows, H, D]`` float32 -> ``[rows, H * D]``, each row torch's SDPA of that row alone over its keys
+    (``sdpa_decode.h``).  Without ``slots``, ``k``, ``v`` are gathered float32 rows ``[keys, KVH, D]``, row ``r``'s
+    at ``bounds[r, 0] : bounds[r, 1]``; with ``slots``, they are the paged pool ``[slots, KVH, D]`` (bf16 or
+    float32) and row ``r``'s keys lie at ``slots[bounds[r, 0] : bounds[r, 1]]``."""
+    return torch.ops.rtk_kernels.sdpa_decode(q, k, v, slots, bounds, scale)
 
 
 SDPA_CHECK_KEYS = (1, 5, 16, 17, 66, 300, 513, 1100)  # vector tails, one block and two (of 512 keys)
@@ -193,8 +201,9 @@ SDPA_CHECK_KEYS = (1, 5, 16, 17, 66, 300, 513, 1100)  # vector tails, one block 
 @functools.cache
 def sdpa_decode_agrees(heads: int, kv_heads: int, head_dim: int) -> bool:
     """True when :func:`sdpa_decode` gives torch's SDPA bits (the engine's call for a lone decode row) on random
-    rows of :data:`SDPA_CHECK_KEYS` keys, alone and in one call, with this process's thread count (its buffers'
-    places follow the thread count at each call, as torch's do; tests cover other counts).  False where they
+    rows of :data:`SDPA_CHECK_KEYS` keys, alone and in one call, gathered and read from a bf16 pool, with this
+    process's thread count (its buffers' places follow the thread count at each call, as torch's do; tests cover
+    other counts).  False where they
     part: another torch, another BLAS, torch dispatching to other than its AVX512 kernels; the engine then
     calls SDPA itself."""
     if not available() or torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -219,6 +228,10 @@ def sdpa_decode_agrees(heads: int, kv_heads: int, head_dim: int) -> bool:
         alone = [sdpa_decode(q[i : i + 1], k, v, bounds[i : i + 1], scale) for i in range(len(q))]
         same = torch.equal(sdpa_decode(q, k, v, bounds, scale), torch.cat(want))
         same = same and all(torch.equal(a, b) for a, b in zip(alone, want, strict=True))
+        # the same keys as a bf16 pool in shuffled slots, as the engine reads them
+        slots = torch.randperm(len(k), generator=g)
+        k_pool, v_pool = (torch.empty_like(t, dtype=torch.bfloat16).index_copy_(0, slots, t.bfloat16()) for t in (k, v))
+        same = same and torch.equal(sdpa_decode(q, k_pool, v_pool, bounds, scale, slots), torch.cat(want))
     if not same:
         log.info("rtk's sdpa_decode parts from torch's SDPA on this host; SDPA runs the decode rows")
     return same

@@ -1266,6 +1266,11 @@ class Transformer:
                     enable_gqa=gqa,
                 )
                 outs.append(o.view(B, H * D))
+            elif B and self.sdpa_decode and pool.quant is None:
+                # every row over its exact context with the bits of the SDPA call transformers makes for a
+                # single decode, in one call that reads each row's context from the pool (sdpa_decode.h)
+                kp, vp = pool.layer(li)
+                outs.append(kernels.sdpa_decode(q[:B], kp, vp, bounds, self.scale, plan.decode_slots))
             elif B:
                 # One gather for all decodes, then each sequence over its exact context with the SDPA call
                 # transformers makes for a single decode, so results do not depend on who else is in the

@@ -37,7 +37,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 // the Fortran BLAS sgemm libtorch_cpu exports (MKL's in torch's x86 wheels): what cpublas::gemm calls for float
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -127,23 +129,58 @@ inline void head(const float* q, const float* k, const float* v, int64_t ld, int
   at::vec::map<float>([reciprocal](Vec x) { return x * Vec(reciprocal); }, out, dst, D);
 }
 
-// q [m, H, D] float32 (D and H contiguous); k, v [n, KVH, D] float32 contiguous, row r's keys at rows
-// bounds[r, 0] .. bounds[r, 1]; -> [m, H * D] float32, row r = torch's SDPA of q[r] alone over those keys
-// with the thread count of this call.  ``who`` names the op in messages.
+// Element j of a K or V source as float32: a float32 one's as it is, a bf16 one's (uint16_t bits) widened exactly
+inline float widen(const float* p, int64_t j) { return p[j]; }
+inline float widen(const uint16_t* p, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Copies the rows ``slots[0 .. L)`` of a [slots, KVH, D] pool into dst [L, KVH, D] as float32: the gathered
+// context torch's SDPA is given (KVPool.gather's numbers, the same layout)
+template <class T>
+inline void gather_rows(const T* pool, const int64_t* slots, int64_t L, int64_t row, float* dst) {
+  for (int64_t j = 0; j < L; ++j) {
+    const T* src = pool + slots[j] * row;
+    float* d = dst + j * row;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(d, src, row * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < row; ++i) d[i] = widen(src, i);
+    }
+  }
+}
+
+// q [m, H, D] float32 (D and H contiguous) -> [m, H * D] float32, row r = torch's SDPA of q[r] alone over its
+// keys with the thread count of this call.  Without slots, k and v [n, KVH, D] are float32 rows gathered
+// already, row r's keys at rows bounds[r, 0] .. bounds[r, 1]; with slots, k and v are the paged pool
+// [slots, KVH, D] (float32 or bf16) and row r's keys lie at slots[bounds[r, 0] .. bounds[r, 1]]: each row's
+// context is gathered into a buffer of the thread that attends it (no copy of every row's context at once).
+// ``who`` names the op in messages.
 inline at::Tensor decode(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& bounds, double scale) {
+                         const c10::optional<at::Tensor>& slots, const at::Tensor& bounds, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2), who,
               ": q must be [rows, heads, head_dim] float32 with heads and head_dim contiguous");
   const int64_t m = q.size(0), H = q.size(1), D = q.size(2);
+  const auto dtype = k.scalar_type();
+  const bool pool = slots.has_value();
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.size(2) == D,
-              who, ": k and v must be [keys, kv_heads, head_dim] float32, contiguous, head_dim as q's");
-  const int64_t KVH = k.size(1), ld = KVH * D, keys = k.size(0);
+                  v.scalar_type() == dtype && (dtype == at::kFloat || (pool && dtype == at::kBFloat16)) &&
+                  k.size(2) == D,
+              who, pool ? ": a K/V pool must be [slots, kv_heads, head_dim] float32 or bf16, contiguous, head_dim as q's"
+                        : ": k and v must be [keys, kv_heads, head_dim] float32, contiguous, head_dim as q's");
+  const int64_t KVH = k.size(1), ld = KVH * D;
   TORCH_CHECK(KVH > 0 && H % KVH == 0, who, ": heads must be a multiple of kv_heads");
   const at::Tensor b = bounds.contiguous();
   TORCH_CHECK(b.scalar_type() == at::kLong && b.dim() == 2 && b.size(0) == m && b.size(1) == 2, who,
               ": int64 bounds [rows, 2]");
+  at::Tensor sl = pool ? slots->contiguous() : at::Tensor();
+  TORCH_CHECK(!pool || (sl.scalar_type() == at::kLong && sl.dim() == 1), who, ": int64 slots [keys]");
+  const int64_t keys = pool ? sl.numel() : k.size(0);
   const auto* bp = b.data_ptr<int64_t>();
+  const int64_t* sp = pool ? sl.data_ptr<int64_t>() : nullptr;
   int64_t longest = 1, total = 0;
   for (int64_t r = 0; r < m; ++r) {
     TORCH_CHECK(0 <= bp[2 * r] && bp[2 * r] < bp[2 * r + 1] && bp[2 * r + 1] <= keys, who,
@@ -151,28 +188,52 @@ inline at::Tensor decode(const char* who, const at::Tensor& q, const at::Tensor&
     longest = std::max(longest, bp[2 * r + 1] - bp[2 * r]);
     total += bp[2 * r + 1] - bp[2 * r];
   }
+  for (int64_t j = 0; pool && j < keys; ++j)
+    TORCH_CHECK(sp[j] >= 0 && sp[j] < k.size(0), who, ": a context slot is out of range");
   at::Tensor out = at::empty({m, H * D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   const int64_t G = H / KVH, q_row = q.stride(0);
   // the OpenMP thread torch's parallel_for(0, H, 1) would run head h on: chunks of ceil(H / threads)
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), H), chunk = (H + threads - 1) / threads;
   const int64_t buf_floats = std::min(KV_SPLIT, longest) + 2 + D + ALIGN_FLOATS;
+  const int64_t context_floats = pool ? longest * ld : 0;
   // threads only where there is enough to share: an OpenMP region costs more than a short context's heads
   // (a head's bits do not depend on which thread runs it here, only on the thread count above)
   const int64_t grain = total * H * D < (1 << 18) ? m * H : 1;
   at::parallel_for(0, m * H, grain, [&](int64_t z0, int64_t z1) {
-    at::Tensor scratch = at::empty({buf_floats}, at::kFloat);  // 64-byte aligned, as torch's buffer
+    // torch's buffer (64-byte aligned, as c10 allocates), and this thread's copy of a row's K and V
+    const int64_t context_at = (buf_floats + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS;
+    at::Tensor scratch = at::empty({context_at + 2 * context_floats}, at::kFloat);
     float* base = scratch.data_ptr<float>();
+    float* kc = base + context_at;
+    float* vc = kc + context_floats;
+    int64_t copied = -1;  // the row whose context kc and vc hold
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t r = z / H, h = z % H, L = bp[2 * r + 1] - bp[2 * r];
       const int64_t per_thread = std::min(KV_SPLIT, L) + 2 + D;  // torch's size_per_thread for this call
       float* buf = base + (h / chunk) * per_thread % ALIGN_FLOATS;
-      const int64_t first = bp[2 * r] * ld + h / G * D;
-      head(qp + r * q_row + h * D, kp + first, vp + first, ld, L, D, s, buf, op + r * H * D + h * D);
+      const float* kr;
+      const float* vr;
+      if (pool) {
+        if (copied != r) {
+          if (dtype == at::kFloat) {
+            gather_rows(k.data_ptr<float>(), sp + bp[2 * r], L, ld, kc);
+            gather_rows(v.data_ptr<float>(), sp + bp[2 * r], L, ld, vc);
+          } else {
+            gather_rows(reinterpret_cast<const uint16_t*>(k.data_ptr()), sp + bp[2 * r], L, ld, kc);
+            gather_rows(reinterpret_cast<const uint16_t*>(v.data_ptr()), sp + bp[2 * r], L, ld, vc);
+          }
+          copied = r;
+        }
+        kr = kc;
+        vr = vc;
+      } else {
+        kr = k.data_ptr<float>() + bp[2 * r] * ld;
+        vr = v.data_ptr<float>() + bp[2 * r] * ld;
+      }
+      head(qp + r * q_row + h * D, kr + h / G * D, vr + h / G * D, ld, L, D, s, buf, op + r * H * D + h * D);
     }
   });
   return out;
