@@ -121,6 +121,7 @@ def test_an_engine_with_it_gives_the_logits_of_sdpa_per_row(tiny_llama_dir, fuse
     call per row.  Decode steps of rows of several lengths, fed the same tokens: the same logits, bit for bit."""
     eng = Engine(tiny_llama_dir, config(fused_decode=fused))
     assert eng.model.sdpa_decode and not eng.model.pool_attention and (eng.model.fused is not None) == fused
+    assert "decode attention SDPA's bits in one call" in eng.model.kernels  # the line the served model logs
     monkeypatch.setenv("RTK_SDPA_DECODE", "0")
     per_row = Engine(tiny_llama_dir, config(fused_decode=fused))
     assert not per_row.model.sdpa_decode

@@ -1058,7 +1058,8 @@ class Transformer:
     @property
     def kernels(self) -> str:
         """What computes the model, in one line for logs: dtype, the decoder projections' decode-row kernels
-        (:attr:`Projection.kernel`) with their counts, INT4 prompt rows in AMX tiles, the fused step, the head's."""
+        (:attr:`Projection.kernel`) with their counts, INT4 prompt rows in AMX tiles, the fused step, rtk's decode
+        attention, the head's."""
         counts = collections.Counter(p.kernel for p in self.projections)
         tiles = sum(p.int_products is not None and p.int_products.tiles is not None for p in self.projections)
         parts = [str(self.dtype).removeprefix("torch."), ", ".join(f"{k} x{n}" for k, n in counts.items())]
@@ -1067,6 +1068,8 @@ class Transformer:
             parts.append(f"{rows} of {tiles} in AMX tiles")
         if self.fused is not None:
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]})")
+        if self.pool_attention or self.sdpa_decode:
+            parts.append("decode attention " + ("in place" if self.pool_attention else "SDPA's bits in one call"))
         parts.append(f"head {self.lm_head.kernel}")
         return "; ".join(parts)
 
