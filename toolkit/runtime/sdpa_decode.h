@@ -5,11 +5,12 @@
 // For such a call on a CPU torch runs its flash-attention kernel (aten/src/ATen/native/cpu/
 // FlashAttentionKernel.cpp, cpu_flash_attention, pytorch/pytorch v2.13.0): per query head, q . k for a block of
 // up to 512 keys by BLAS sgemm, times the scale, the block's max, exp_u20 of each score less the max summed in
-// 16 lanes (the tail by std::exp), the block's sum folded into the running one, p . v by sgemm, and at the end
+// 16 lanes (the tail one by one), the block's sum folded into the running one, p . v by sgemm, and at the end
 // the output times 1 / sum.  Each call also allocates its buffers, dispatches, spawns an OpenMP region over
 // the heads and is given a gathered copy of the context: ~16 us a call at 66 keys against ~8 us for the
 // arithmetic (Zen 4, 2 threads), once per decode row and layer.  Here every row and head of a step go
-// through one region, with the same arithmetic in the same order:
+// through one call (an OpenMP region only where the contexts are long), each row's context read from the
+// pool by the thread that attends it, with the same arithmetic in the same order:
 //   * the same sgemm_ calls (torch's cpublas::gemm for float: normalize_last_dims, then the BLAS it was built
 //     with; MKL in the x86 wheels), the same scalar and 16-lane vector code (ATen's Vectorized<float> for
 //     AVX512, compiled with CPU_CAPABILITY_AVX512 as torch compiles its AVX512 kernels), and two things its
