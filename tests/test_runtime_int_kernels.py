@@ -187,7 +187,10 @@ def test_rtk_gemv_over_the_codes_gives_the_dense_paths_bits(tmp_path, tiny_llama
         f"tiny-{fmt}", tiny_llama_dir, quantization={"format": fmt, "max_perplexity_increase": 100.0, **calib}
     )
     hf = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    # each decode row attends alone on both sides (SDPA per row; with rtk's kernels its bits in one call,
+    # kernels.sdpa_decode): "attention" batching would pad the dense path's rows only
     cfg = dict(max_batch_size=4, max_num_tokens=64, max_input_len=128, max_seq_len=256, tokens_per_block=16)
+    cfg["decode_batching"] = "exact"
     # a bf16 engine (dtype auto takes float32 for int8 / int4 codes where rtk's VNNI integer products run)
     fast = Engine(hf, EngineConfig(**cfg, int4_gemv="exact", dtype="bfloat16"))  # INT4's group sums: not bit-exact
     assert fast.model.fused is not None
