@@ -138,17 +138,25 @@ def test_tritons_queue_full_is_429_never_400(served):
     }
     results = []
     start = threading.Barrier(6)
+    # each thread's client made and connected before the barrier: the six requests leave together (a client
+    # made after it took long enough on a loaded host that the first requests were answered before the last
+    # was sent, and none was refused)
+    clients = [httpx.Client(timeout=120) for _ in range(6)]
+    for c in clients:
+        assert c.get(served["fd"] + "/health").status_code == 200
 
-    def one():
+    def one(client):
         start.wait(30)
-        r = httpx.post(served["fd"] + "/v1/chat/completions", json=body, timeout=120)
+        r = client.post(served["fd"] + "/v1/chat/completions", json=body)
         results.append((r.status_code, r.headers.get("retry-after"), r.headers.get("x-rtk-tier"), r.text))
 
-    threads = [threading.Thread(target=one) for _ in range(6)]
+    threads = [threading.Thread(target=one, args=(c,)) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
         t.join(180)
+    for c in clients:
+        c.close()
     statuses = sorted(s for s, *_ in results)
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, results
     for status, retry, tier, text in results:
