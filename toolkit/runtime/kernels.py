@@ -68,7 +68,7 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
 
 
 def cpu_supports_kernels() -> bool:
-    """True when this CPU has what kernels.cpp is compiled for: AVX512-BF16 and AVX512-VBMI."""
+    """True when this CPU has what kernels.cpp is compiled for (:data:`CPU_FLAGS`: AVX512-BF16, -VBMI, -DQ, ...)."""
     return cpu_has(CPU_FLAGS)
 
 
@@ -139,7 +139,7 @@ def available() -> bool:
     if hasattr(torch.ops.rtk_kernels, "gemv"):
         return True
     if not cpu_supports_kernels():
-        log.info("rtk's CPU kernels need AVX512-BF16 and AVX512-VBMI; this CPU lacks them, torch's operators run")
+        log.info("rtk's CPU kernels need %s; this CPU lacks some, torch's operators run", ", ".join(CPU_FLAGS))
         return False
     return build_and_load("rtk_kernels", SOURCE, FLAGS)
 

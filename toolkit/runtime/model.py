@@ -1237,8 +1237,7 @@ class Transformer:
         B = plan.num_decode
         rows = B if self.batch_invariant else None  # see Projection.__call__
         gqa = KVH != H
-        in_one_call = B and self.attends_rows_in_one_call
-        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if in_one_call else None
+        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B and self.attends_rows_in_one_call else None
         for li in range(begin, end):
             layer = self.layers[li]
             x = self._rms_norm(h, layer.input_norm)
