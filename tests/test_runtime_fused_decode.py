@@ -132,8 +132,15 @@ def test_prompt_rows_are_the_operators_bits(tiny_llama_dir):
     assert torch.equal(fused.prompt_logits(ids), operators.prompt_logits(ids))
 
 
-def test_it_applies_only_where_rtks_kernels_run(tiny_llama_dir):
+def test_it_applies_only_where_rtks_kernels_run(tiny_llama_dir, monkeypatch):
     assert Engine(tiny_llama_dir, EngineConfig(**BASE, cpu_kernels=False)).model.fused is None
+    # prompt rows: only where rows are batch-invariant (not decode_batching "full"), and RTK_FUSED_PROMPT_ROWS=0
+    # keeps them on torch's operators
+    assert not Engine(tiny_llama_dir, EngineConfig(**BASE, decode_batching="full")).model.fused.takes_prompt_rows
+    monkeypatch.setenv("RTK_FUSED_PROMPT_ROWS", "0")
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    assert engine.model.fused is not None and not engine.model.fused.takes_prompt_rows
+    assert "fused step (kernels, decode rows)" in engine.model.kernels
     assert Engine(tiny_llama_dir, EngineConfig(**BASE, attention_dtype="model")).model.fused is None
     # a float32 engine has its own fused step (kernels_avx2.DecodeLayers, tests/test_runtime_kernels_avx2.py)
     float32 = Engine(tiny_llama_dir, EngineConfig(**BASE, dtype="float32"))
@@ -149,3 +156,114 @@ def test_bad_inputs_are_refused_by_the_kernel(tiny_llama_dir):
         fused.forward(h, one, torch.tensor([pool.num_slots]), one, torch.tensor([[0, 1]]), pool, 0, 1)
     with pytest.raises(RuntimeError, match="layer range"):
         fused.forward(h, one, one, one, torch.tensor([[0, 1]]), pool, 0, 99)
+
+
+# -- steps with prompt rows: every row through the fused layers (forward_rows) ------------------------------
+
+
+def mixed_steps_logits(engine: Engine) -> list[torch.Tensor]:
+    """Logits of six steps mixing decode rows with prompt chunks: two prompts from position 0 (their own K/V), a
+    chunk of 30 rows after 16 cached positions (four attention units) beside a decode row and a third prompt,
+    decode rows alone, a prompt of 5 rows and one of 3 after cached positions (padded where the library pads
+    calls of few rows), four decode rows."""
+    tpb, unit = engine.config.tokens_per_block, 8
+    a, b, c, d = prompt(21, 1), prompt(46, 2), prompt(12, 3), prompt(8, 4)
+    tables = [list(range(i * 40, (i + 1) * 40)) for i in range(4)]
+    steps = [  # (table, cached, ids, is_prompt): decode rows first, then prompt chunks
+        [(0, 0, a, True), (1, 0, b[:16], True)],
+        [(0, 21, [7], False), (1, 16, b[16:46], True), (2, 0, c, True)],
+        [(0, 22, [9], False), (1, 46, [11], False), (2, 12, [13], False)],
+        [(0, 23, [5], False), (3, 0, d[:5], True)],
+        [(0, 24, [6], False), (1, 47, [8], False), (3, 5, d[5:], True)],
+        [(0, 25, [1], False), (1, 48, [2], False), (2, 13, [3], False), (3, 8, [4], False)],
+    ]
+    # the plan the engine builds (Engine.step): padded contexts only for SDPA's masked call, a chunk reads its
+    # own K/V unless the pool quantizes them
+    batched = engine.decode_batching != "exact" and not engine.model.attends_rows_in_one_call
+    out = []
+    with torch.inference_mode():
+        for step in steps:
+            work = [(tables[t], cached, len(ids), is_prompt) for t, cached, ids, is_prompt in step]
+            ids = torch.tensor([i for _, _, row_ids, _ in step for i in row_ids])
+            plan = build_plan(work, tpb, unit, reads_own_kv=engine.pool.quant is None, batched=batched)
+            out.append(engine.model.forward(ids, plan, engine.pool))
+    return out
+
+
+def odd_shapes(tmp_path, smollm2_tokenizer_dir):
+    """head_dim 24 (RoPE's halves not 16-lane aligned), rows of 120 and 1,160 (tails of 8), and the down
+    projection's reduction over 1,160 inputs, where oneDNN's one-row kernel rounds apart from its multi-row
+    one (``Projection.min_rows`` 2: short prompt calls padded; the probe finds it for these weights, std 0.02)."""
+    from conftest import make_tiny_llama
+
+    shapes = dict(hidden_size=120, intermediate_size=1160, head_dim=24, initializer_range=0.02)
+    return make_tiny_llama(tmp_path / "odd", smollm2_tokenizer_dir, seed=4, **shapes)
+
+
+@pytest.mark.parametrize(
+    "model,kw",
+    [
+        ("tiny", {}),
+        ("tiny", {"decode_batching": "exact"}),
+        ("tiny", {"decode_attention": "in_place"}),
+        ("tiny-padded", {}),
+        ("odd", {}),
+        ("fp8", {"dtype": "bfloat16"}),
+        ("int8_sq", {"dtype": "bfloat16"}),
+        ("kv-int8", {}),
+    ],
+)
+def test_steps_with_prompt_rows_give_the_operators_bits(
+    tmp_path, tiny_llama_dir, smollm2_tokenizer_dir, monkeypatch, model, kw
+):
+    """A step's prompt rows go through the fused layers too (``forward_rows``): decode rows through the GEMV,
+    prompt rows through oneDNN's GEMM (padded as ``model.Projection`` pads them), prompt attention through the
+    operator path's SDPA calls; decode rows attend as the fused decode step does (``tiny-padded``: SDPA's
+    padded masked call, ``RTK_SDPA_DECODE=0``).  Every step's logits are the operators' bits, and a request's
+    tokens beside a long prompt are its tokens alone."""
+    from conftest import spec_for, with_kv_cache_scales
+
+    from toolkit.quantize import quantize
+
+    path = tiny_llama_dir
+    if model == "tiny-padded":
+        monkeypatch.setenv("RTK_SDPA_DECODE", "0")
+    elif model == "odd":
+        path = odd_shapes(tmp_path, smollm2_tokenizer_dir)
+    elif model == "kv-int8":
+        path = with_kv_cache_scales(tiny_llama_dir, tmp_path / "kv-int8", "INT8", (0.05, 0.03))
+    elif model in ("fp8", "int8_sq"):
+        calib = {"calibration": {"num_samples": 4, "max_length": 32, "batch_size": 4}, "eval_samples": 2}
+        quantization = {"format": model, "max_perplexity_increase": 100.0, **calib}
+        spec = spec_for(f"tiny-{model}-rows", tiny_llama_dir, quantization=quantization)
+        path = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
+    fused, operators, float32 = engines(path, **kw)
+    projections = [g.parts[0] for layer in fused.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    tiles = any(p.tile_rows is not None for p in projections)
+    assert fused.model.fused.takes_prompt_rows == (not tiles)  # AMX hosts: the library's calls cut into tiles
+    if model == "odd" and not tiles:
+        assert any(p.min_rows > 1 for p in projections)  # some prompt calls are padded
+    if model == "tiny-padded":
+        assert not fused.model.sdpa_decode
+    got = [mixed_steps_logits(e) for e in (fused, operators, float32)]
+    assert_same_bits(*got, f"{model} {kw}")
+    ids = prompt(9, 5)
+    alone = Engine(path, EngineConfig(**BASE, **kw)).generate(GenerationRequest(ids, 20, end_id=-1))
+    assert tokens_beside_a_long_prompt(Engine(path, EngineConfig(**BASE, **kw)), ids) == alone
+
+
+def test_forward_rows_refuses_a_plan_it_cannot_follow(tiny_llama_dir):
+    """Units that leave prompt rows out, or a projection without the library's weights: refused, not half done."""
+    engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
+    fused, pool = engine.model.fused, engine.pool
+    tables = [list(range(0, 40))]
+    plan = build_plan([(tables[0], 16, 30, True)], BASE["tokens_per_block"], 8)
+    plan.prefills[0].units = plan.prefills[0].units[:-1]
+    h = torch.zeros(30, engine.model.config.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="units must cover each chunk's rows in order"):
+        fused.forward_rows(h, plan, pool, 0, 1)
+    plan = build_plan([(tables[0], 0, 30, True)], BASE["tokens_per_block"], 8)
+    plan.write_slots = plan.write_slots.clone()
+    plan.write_slots[3] = pool.num_slots
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.forward_rows(h, plan, pool, 0, 1)

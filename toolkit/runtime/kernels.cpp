@@ -1,7 +1,7 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
 // (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below; gemv_q's INT4 group sums, kind int4-dot,
 // excepted: within a tolerance of the float32 product), 5. DecodeLayers: the decode rows' whole
-// decoder layers in one call, and 6. decode_attention (decode_attention.h: within float32 rounding of SDPA,
+// decoder layers in one call (and a step's prompt rows, their projections through oneDNN's GEMM), and 6. decode_attention (decode_attention.h: within float32 rounding of SDPA,
 // the attention of DecodeLayers and of model.py's operators alike).
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 #include <torch/custom_class.h>
@@ -494,6 +495,34 @@ inline __m512 bf16_bits_to_float(__m256i b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
+// 16 lanes of bf16 <-> float32 for DecodeLayers' elementwise steps, rounded as c10::BFloat16 rounds (nearest
+// even, subnormals kept, NaN kept quiet): the scalar float_to_bf16 / bf16_to_float's bits, 16 at a time
+inline __mmask16 lanes(int64_t left) { return static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1); }
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  return bf16_bits_to_float(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+inline __m512i bf16_bits_quiet(__m512 v) {  // bf16_round_bits, with a NaN's sign and top payload bits kept quiet
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i nan = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                                      _mm512_set1_epi32(0x00400000));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bf16_round_bits(v), nan);
+}
+
+inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(bf16_bits_quiet(v)); }
+
+inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_quiet(v), 16)));
+}
+
+// rows [0, m) in at::parallel_for's shares where a call has enough elements to pay for the region, else here
+template <class F>
+inline void for_rows(int64_t m, int64_t row_elements, const F& f) {
+  if (m * row_elements < 32768) return f(0, m);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1)), f);
+}
+
 // float32 (|q| <= 448) -> the float32 value of its float8_e4m3fn rounding (nearest even): 3 mantissa
 // bits for normal values (>= 2^-6), multiples of 2^-9 below (e4m3's subnormals)
 inline __m512 round_to_e4m3(__m512 q) {
@@ -602,6 +631,19 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// oneDNN's bf16 GEMM over weights it packed (torch.ops.mkldnn._reorder_linear_weight): the call
+// model.Projection._library_gemm makes, through the dispatcher as from Python
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                          c10::optional<std::string>(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+constexpr int64_t kGemvMaxRows = 16;  // model.GEMV_MAX_ROWS
+
 struct DecodeProjection {
   c10::optional<at::Tensor> packed;    // the bf16 GEMV's weights (pack), for calls of more rows than the codes'
   c10::optional<at::Tensor> codes;     // gemv_q's codes and scales, read for up to codes_max_rows rows
@@ -613,13 +655,58 @@ struct DecodeProjection {
   c10::optional<at::Tensor> pre_quant_scale;
   int64_t act_kind = 0;
   double act_scale = 0.0;
+  // prompt rows (forward_rows), as model.Projection takes them: oneDNN's GEMM over library (its packed bf16
+  // weights) or at::linear over dense, calls of fewer than min_rows rows padded with zero rows; own_rounding:
+  // the GEMV rounds apart from the library, so one-row prompt calls take the library too
+  c10::optional<at::Tensor> library, dense;
+  int64_t min_rows = 1;
+  bool own_rounding = false;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor in = x;
-    if (pre_quant_scale.has_value() || act_kind != 0) in = quantize_input(x, pre_quant_scale, act_kind, act_scale);
-    if (codes.has_value() && in.size(0) <= codes_max_rows) return gemv_q(in, *codes, *scales, kind, n, bias);
+  bool takes_prompt_rows() const { return library.has_value() || dense.has_value(); }
+
+  at::Tensor input(const at::Tensor& x) const {
+    if (pre_quant_scale.has_value() || act_kind != 0) return quantize_input(x, pre_quant_scale, act_kind, act_scale);
+    return x;
+  }
+
+  // model.Projection._gemv: the codes for up to codes_max_rows rows (more in calls of that many where there is no
+  // bf16 copy), else the bf16 GEMV
+  at::Tensor gemv_rows(const at::Tensor& in) const {
+    const int64_t m = in.size(0);
+    if (codes.has_value() && (m <= codes_max_rows || !packed.has_value())) {
+      if (m <= codes_max_rows) return gemv_q(in, *codes, *scales, kind, n, bias);
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < m; r += codes_max_rows)
+        parts.push_back(gemv_q(in.narrow(0, r, std::min(codes_max_rows, m - r)), *codes, *scales, kind, n, bias));
+      return at::cat(parts);
+    }
     TORCH_CHECK(packed.has_value(), "rtk_kernels.DecodeLayers: more rows than the codes kernel takes, and no bf16 copy");
     return gemv(in, *packed, n, bias);
+  }
+
+  at::Tensor library_gemm(const at::Tensor& in) const {
+    return library.has_value() ? onednn_linear(in, *library, bias) : at::linear(in, *dense, bias);
+  }
+
+  // model.Projection._padded(_matmul): the library's GEMM (one row through the GEMV where it keeps its bits)
+  at::Tensor prompt_rows(const at::Tensor& in) const {
+    const int64_t rows = in.size(0);
+    if (rows >= min_rows) return rows == 1 && !own_rounding ? gemv_rows(in) : library_gemm(in);
+    const at::Tensor pad = at::zeros({min_rows - rows, in.size(1)}, in.options());
+    return library_gemm(at::cat({in, pad})).narrow(0, 0, rows);
+  }
+
+  // A decode step's rows (all through the GEMV, model.Projection with decode rows only)
+  at::Tensor operator()(const at::Tensor& x) const { return gemv_rows(input(x)); }
+
+  // model.Projection.__call__(x, singles=B) for a step whose rows [0, B) decode and the rest are prompt rows
+  at::Tensor rows(const at::Tensor& x, int64_t B) const {
+    const at::Tensor in = input(x);
+    const int64_t m = in.size(0);
+    if (B == m || (!own_rounding && m <= kGemvMaxRows && min_rows == 1)) return gemv_rows(in);
+    TORCH_CHECK(takes_prompt_rows(), "rtk_kernels.DecodeLayers: prompt rows need the projection's library weights");
+    const at::Tensor prompt = prompt_rows(in.narrow(0, B, m - B));
+    return B == 0 ? prompt : at::cat({gemv_rows(in.narrow(0, 0, B)), prompt});
   }
 };
 
@@ -659,15 +746,20 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
+  // library / dense, min_rows, own_rounding: the projection's prompt rows (DecodeProjection), none for decode only
   void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
                       c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
-                      double act_scale) {
+                      double act_scale, c10::optional<at::Tensor> library, c10::optional<at::Tensor> dense,
+                      int64_t min_rows, bool own_rounding) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
     TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
+    TORCH_CHECK(min_rows >= 1, "rtk_kernels.DecodeLayers: min_rows >= 1");
+    TORCH_CHECK(!dense.has_value() || (dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 && dense->size(0) == n),
+                "rtk_kernels.DecodeLayers: a projection's dense weights are [out_features, in_features] bf16");
     if (bias.has_value()) bias = bias->contiguous();
-    layers.back().proj.push_back(
-        {packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind, act_scale});
+    layers.back().proj.push_back({packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind,
+                                  act_scale, library, dense, min_rows, own_rounding});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -680,30 +772,90 @@ struct DecodeLayers : torch::CustomClassHolder {
     const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr());
     auto squares = at::empty({m, k}, at::kFloat);
     float* sq = squares.data_ptr<float>();
-    for (int64_t i = 0; i < m * k; ++i) {
-      const float v = bf16_to_float(xs[i]);
-      sq[i] = v * v;
-    }
+    for_rows(m, k, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * k; i < r1 * k; i += 16) {
+        const __mmask16 mask = lanes(r1 * k - i);
+        const __m512 v = load_bf16(xs + i, mask);
+        _mm512_mask_storeu_ps(sq + i, mask, _mm512_mul_ps(v, v));
+      }
+    });
     auto sums = at::sum(squares, {1}, true);
     const float* ss = sums.data_ptr<float>();
     auto out = at::empty({m, k}, x.options());
     auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float e = static_cast<float>(eps);
-    for (int64_t r = 0; r < m; ++r) {
-      const float inv = 1.0f / std::sqrt(ss[r] / static_cast<float>(k) + e);
-      for (int64_t c = 0; c < k; ++c) {
-        const float normed = round_bf16(bf16_to_float(xs[r * k + c]) * inv);
-        os[r * k + c] = float_to_bf16(bf16_to_float(ws[c]) * normed);
+    for_rows(m, k, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(ss[r] / static_cast<float>(k) + e));
+        for (int64_t c = 0; c < k; c += 16) {
+          const __mmask16 mask = lanes(k - c);
+          const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16(xs + r * k + c, mask), inv));
+          store_bf16(os + r * k + c, mask, _mm512_mul_ps(load_bf16(ws + c, mask), normed));
+        }
       }
-    }
+    });
     return out;
   }
 
   static void add_into(at::Tensor& h, const at::Tensor& y) {  // h = bf16(h + y), torch's bf16 add
     auto* hs = reinterpret_cast<uint16_t*>(h.data_ptr());
     const auto* ys = reinterpret_cast<const uint16_t*>(y.data_ptr());
-    const int64_t n = h.numel();
-    for (int64_t i = 0; i < n; ++i) hs[i] = float_to_bf16(bf16_to_float(hs[i]) + bf16_to_float(ys[i]));
+    const int64_t k = h.size(1);
+    for_rows(h.size(0), k, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * k; i < r1 * k; i += 16) {
+        const __mmask16 mask = lanes(r1 * k - i);
+        store_bf16(hs + i, mask, _mm512_add_ps(load_bf16(hs + i, mask), load_bf16(ys + i, mask)));
+      }
+    });
+  }
+
+  // RoPE on each row's q and k heads in place, with model.py's bf16 roundings: x * cos + x[swap] * signed sin
+  void rope(uint16_t* q, int64_t m, int64_t width, const int64_t* pos) const {
+    const int64_t D = head_dim, half = D / 2, heads_rotated = heads + kv_heads;
+    const auto* cos_t = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+    const auto* sin_t = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+    for_rows(m, heads_rotated * D, [&](int64_t r0, int64_t r1) {
+      uint16_t out[512];
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* c = cos_t + pos[r] * D;
+        const uint16_t* s = sin_t + pos[r] * D;
+        for (int64_t hd = 0; hd < heads_rotated; ++hd) {
+          uint16_t* v = q + r * width + hd * D;
+          if (half % 16 == 0) {  // x[swap] of 16 lanes is 16 consecutive elements
+            for (int64_t d = 0; d < D; d += 16) {
+              const int64_t sw = d < half ? d + half : d - half;
+              const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16(v + d, 0xFFFF), load_bf16(c + d, 0xFFFF)));
+              const __m512 b = round_bf16x16(_mm512_mul_ps(load_bf16(v + sw, 0xFFFF), load_bf16(s + d, 0xFFFF)));
+              store_bf16(out + d, 0xFFFF, _mm512_add_ps(a, b));
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              const float a = round_bf16(bf16_to_float(v[d]) * bf16_to_float(c[d]));
+              const float b = round_bf16(bf16_to_float(v[(d + half) % D]) * bf16_to_float(s[d]));
+              out[d] = float_to_bf16(a + b);
+            }
+          }
+          std::memcpy(v, out, D * 2);
+        }
+      }
+    });
+  }
+
+  // SiLU(gate) * up on gate_up's rows [gate | up]: torch's SiLU (its exp), then the bf16 product
+  static at::Tensor silu_times_up(const at::Tensor& gu) {
+    const int64_t m = gu.size(0), inter = gu.size(1) / 2;
+    auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();
+    auto* ac = reinterpret_cast<uint16_t*>(act.data_ptr());
+    const auto* up = reinterpret_cast<const uint16_t*>(gu.data_ptr()) + inter;
+    for_rows(m, inter, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < inter; i += 16) {
+          const __mmask16 mask = lanes(inter - i);
+          uint16_t* a = ac + r * inter + i;
+          store_bf16(a, mask, _mm512_mul_ps(load_bf16(a, mask), load_bf16(up + r * 2 * inter + i, mask)));
+        }
+    });
+    return act;
   }
 
   inline void store_kv(void* pool, int64_t slot, const uint16_t* src, double kv_scale) const {
@@ -759,14 +911,58 @@ struct DecodeLayers : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor write_slots, at::Tensor ctx_slots,
                      at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool, int64_t begin, int64_t end,
                      c10::optional<at::Tensor> padded_slots, c10::optional<at::Tensor> padded_mask) {
-    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
-    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2, "rtk_kernels.DecodeLayers: h is [rows, hidden] bf16");
-    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == KVH &&
-                    k_pool.size(3) == D && k_pool.element_size() == (kv_kind == 0 ? 2 : 1),
-                "rtk_kernels.DecodeLayers: K/V pools [layers, slots, kv_heads, head_dim] of the pool's dtype");
+    const int64_t m = h.size(0);
+    check_pools(h, k_pool, v_pool);
     at::Tensor padded = check_decode_plan("rtk_kernels.DecodeLayers", m, positions, write_slots, ctx_slots, ctx_bounds,
                                           k_pool, begin, end, static_cast<int64_t>(layers.size()), cos.size(0),
                                           padded_slots, padded_mask);
+    return run(h, m, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, padded, padded_mask,
+               {});
+  }
+
+  // A step with prompt rows: rows [0, num_decode) decode as forward's rows do (with padded_slots / padded_mask,
+  // those rows' padded plan), the rest are prompt chunks (decode_plan.h, PromptPlan).  Each projection takes
+  // the decode rows through the GEMV and the prompt rows through oneDNN's GEMM (DecodeProjection::rows), as
+  // model.Projection splits a call; the prompt rows attend through torch's SDPA per unit as model.py calls it:
+  // so every row's numbers are the operator path's (model.Transformer._layers).
+  at::Tensor forward_rows(at::Tensor h, int64_t num_decode, at::Tensor positions, at::Tensor write_slots,
+                          at::Tensor ctx_slots, at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool,
+                          int64_t begin, int64_t end, c10::optional<at::Tensor> padded_slots,
+                          c10::optional<at::Tensor> padded_mask, at::Tensor chunks, std::vector<at::Tensor> chunk_slots,
+                          at::Tensor units, std::vector<at::Tensor> unit_masks) {
+    const char* who = "rtk_kernels.DecodeLayers.forward_rows";
+    const int64_t m = h.size(0), B = num_decode;
+    check_pools(h, k_pool, v_pool);
+    for (const DecodeLayer& layer : layers)
+      for (const DecodeProjection& p : layer.proj)
+        TORCH_CHECK(p.takes_prompt_rows(), who, ": prompt rows need every projection's library weights");
+    positions = positions.contiguous();
+    write_slots = write_slots.contiguous();
+    const PromptPlan prompts = check_prompt_plan(who, m, B, positions, write_slots, k_pool.size(1), cos.size(0),
+                                                 chunks, std::move(chunk_slots), units, std::move(unit_masks));
+    at::Tensor padded = check_decode_plan(who, B, positions.narrow(0, 0, B), write_slots.narrow(0, 0, B), ctx_slots,
+                                          ctx_bounds, k_pool, begin, end, static_cast<int64_t>(layers.size()),
+                                          cos.size(0), padded_slots, padded_mask);
+    return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, padded, padded_mask,
+               prompts);
+  }
+
+ private:
+  void check_pools(const at::Tensor& h, const at::Tensor& k_pool, const at::Tensor& v_pool) const {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2, "rtk_kernels.DecodeLayers: h is [rows, hidden] bf16");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == kv_heads &&
+                    k_pool.size(3) == head_dim && k_pool.element_size() == (kv_kind == 0 ? 2 : 1) &&
+                    v_pool.sizes() == k_pool.sizes() && v_pool.element_size() == k_pool.element_size(),
+                "rtk_kernels.DecodeLayers: K/V pools [layers, slots, kv_heads, head_dim] of the pool's dtype");
+  }
+
+  // The layers over all rows of h: decode rows [0, B) attend as forward describes, prompt rows (if any) by chunk
+  // and unit through torch's SDPA (prompt_attention).
+  at::Tensor run(at::Tensor h, int64_t B, const at::Tensor& positions, const at::Tensor& write_slots,
+                 const at::Tensor& ctx_slots, const at::Tensor& ctx_bounds, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool, int64_t begin, int64_t end, const at::Tensor& padded,
+                 const c10::optional<at::Tensor>& padded_mask, const PromptPlan& prompts) {
+    const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim;
     const bool batched = padded.defined();
     const int64_t slots = k_pool.size(1);
     const auto* pos = positions.data_ptr<int64_t>();
@@ -774,30 +970,14 @@ struct DecodeLayers : torch::CustomClassHolder {
     const auto* cs = ctx_slots.data_ptr<int64_t>();
     const auto* cb = ctx_bounds.data_ptr<int64_t>();
     h = h.contiguous().clone();
-    const auto* cos_t = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-    const auto* sin_t = reinterpret_cast<const uint16_t*>(sin.data_ptr());
     const int64_t layer_slots = slots * KVH * D;
     const int64_t kv_elt = k_pool.element_size();
     for (int64_t li = begin; li < end; ++li) {
       const DecodeLayer& layer = layers[li];
-      auto qkv = layer.proj[0](rms_norm(h, layer.input_norm));  // [m, (H + 2 KVH) D]
+      auto qkv = layer.proj[0].rows(rms_norm(h, layer.input_norm), B);  // [m, (H + 2 KVH) D]
       auto* q = reinterpret_cast<uint16_t*>(qkv.data_ptr());
       const int64_t width = (H + 2 * KVH) * D;
-      // RoPE on q and k heads, with model.py's bf16 roundings: x * cos + x[swap] * signed sin
-      for (int64_t r = 0; r < m; ++r) {
-        const uint16_t* c = cos_t + pos[r] * D;
-        const uint16_t* s = sin_t + pos[r] * D;
-        for (int64_t hd = 0; hd < H + KVH; ++hd) {
-          uint16_t* v = q + r * width + hd * D;
-          uint16_t out[512];
-          for (int64_t d = 0; d < D; ++d) {
-            const float a = round_bf16(bf16_to_float(v[d]) * bf16_to_float(c[d]));
-            const float b = round_bf16(bf16_to_float(v[(d + half) % D]) * bf16_to_float(s[d]));
-            out[d] = float_to_bf16(a + b);
-          }
-          std::memcpy(v, out, D * 2);
-        }
-      }
+      rope(q, m, width, pos);
       char* kp = static_cast<char*>(k_pool.data_ptr()) + li * layer_slots * kv_elt;
       char* vp = static_cast<char*>(v_pool.data_ptr()) + li * layer_slots * kv_elt;
       for (int64_t r = 0; r < m; ++r) {
@@ -809,38 +989,39 @@ struct DecodeLayers : torch::CustomClassHolder {
       // torch's SDPA called for that row alone (sdpa_decode.h), in one call; else torch's SDPA on float32 q/k/v
       // as model.py calls it: one call per row over its own context ("exact" decode batching, transformers' call
       // for a lone decode), or with padded_slots one masked call over every row's context padded to the longest
-      // ("attention" decode batching)
+      // ("attention" decode batching).  Prompt rows: prompt_attention.
       auto qf = qkv.narrow(1, 0, H * D).to(at::kFloat).contiguous().view({m, H, D});
       std::vector<at::Tensor> outs;
-      outs.reserve(m);
-      if (batched && !pool_attention && !sdpa_decode) {  // (else the padded plan is checked, not read)
+      outs.reserve(B + 1);
+      const at::Tensor qd = qf.narrow(0, 0, B);
+      if (B > 0 && batched && !pool_attention && !sdpa_decode) {  // (else the padded plan is checked, not read)
         const int64_t len = padded.size(1);
-        auto k = gather(kp, padded.data_ptr<int64_t>(), m * len, layer.k_scale).view({m, len, KVH, D}).transpose(1, 2);
-        auto v = gather(vp, padded.data_ptr<int64_t>(), m * len, layer.v_scale).view({m, len, KVH, D}).transpose(1, 2);
-        auto o = at::scaled_dot_product_attention(qf.view({m, H, 1, D}), k, v, padded_mask, 0.0, false, scale,
+        auto k = gather(kp, padded.data_ptr<int64_t>(), B * len, layer.k_scale).view({B, len, KVH, D}).transpose(1, 2);
+        auto v = gather(vp, padded.data_ptr<int64_t>(), B * len, layer.v_scale).view({B, len, KVH, D}).transpose(1, 2);
+        auto o = at::scaled_dot_product_attention(qd.view({B, H, 1, D}), k, v, padded_mask, 0.0, false, scale,
                                                   KVH != H);
-        outs.push_back(o.view({m, H * D}));
+        outs.push_back(o.view({B, H * D}));
       }
-      if (pool_attention) {  // every row over its own context where it lies in the bf16 pool (model.pool_attention)
-        auto o = at::empty({m, H * D}, at::kFloat);
+      if (B > 0 && pool_attention) {  // every row over its own context where it lies in the bf16 pool
+        auto o = at::empty({B, H * D}, at::kFloat);
         const auto* kb = reinterpret_cast<const uint16_t*>(kp);
         const auto* vb = reinterpret_cast<const uint16_t*>(vp);
-        rtk_attention::decode_attention_rows(qf.data_ptr<float>(), H * D, D, kb, vb, cs, cb, m, H, KVH, D,
+        rtk_attention::decode_attention_rows(qd.data_ptr<float>(), H * D, D, kb, vb, cs, cb, B, H, KVH, D,
                                              static_cast<float>(scale), o.data_ptr<float>());
         outs.push_back(o);
       }
-      if (sdpa_decode && !pool_attention) {  // SDPA's bits for every row in one call (sdpa_decode.h)
+      if (B > 0 && sdpa_decode && !pool_attention) {  // SDPA's bits for every row in one call (sdpa_decode.h)
         const char* who = "rtk_kernels.DecodeLayers";
         if (kv_kind == 0) {  // each row's context read from the bf16 pool by the thread that attends it
           auto pool_k = k_pool.select(0, li), pool_v = v_pool.select(0, li);
-          outs.push_back(rtk_sdpa::decode(who, qf, pool_k, pool_v, ctx_slots, ctx_bounds, scale));
+          outs.push_back(rtk_sdpa::decode(who, qd, pool_k, pool_v, ctx_slots, ctx_bounds, scale));
         } else {  // codes: every row's context decoded as KVPool.gather does
           const int64_t count = ctx_slots.numel();
           auto k = gather(kp, cs, count, layer.k_scale), v = gather(vp, cs, count, layer.v_scale);
-          outs.push_back(rtk_sdpa::decode(who, qf, k, v, c10::nullopt, ctx_bounds, scale));
+          outs.push_back(rtk_sdpa::decode(who, qd, k, v, c10::nullopt, ctx_bounds, scale));
         }
       }
-      for (int64_t r = 0; r < m && !batched && !pool_attention && !sdpa_decode; ++r) {
+      for (int64_t r = 0; r < B && !batched && !pool_attention && !sdpa_decode; ++r) {
         const int64_t count = cb[2 * r + 1] - cb[2 * r];
         auto k = gather(kp, cs + cb[2 * r], count, layer.k_scale).transpose(0, 1).unsqueeze(0);
         auto v = gather(vp, cs + cb[2 * r], count, layer.v_scale).transpose(0, 1).unsqueeze(0);
@@ -848,19 +1029,49 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                   KVH != H);
         outs.push_back(o.view({1, H * D}));
       }
+      if (B < m) outs.push_back(prompt_attention(qf, qkv, B, kp, vp, layer, prompts));
       auto attn = (outs.size() == 1 ? outs[0] : at::cat(outs)).to(at::kBFloat16);
-      add_into(h, layer.proj[1](attn));
-      auto gu = layer.proj[2](rms_norm(h, layer.post_norm));
-      const int64_t inter = gu.size(1) / 2;
-      auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the bf16 product
-      auto* ac = reinterpret_cast<uint16_t*>(act.data_ptr());
-      const auto* up = reinterpret_cast<const uint16_t*>(gu.data_ptr()) + inter;
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < inter; ++i)
-          ac[r * inter + i] = float_to_bf16(bf16_to_float(ac[r * inter + i]) * bf16_to_float(up[r * 2 * inter + i]));
-      add_into(h, layer.proj[3](act));
+      add_into(h, layer.proj[1].rows(attn, B));
+      auto gu = layer.proj[2].rows(rms_norm(h, layer.post_norm), B);
+      add_into(h, layer.proj[3].rows(silu_times_up(gu), B));
     }
     return h;
+  }
+
+  // Prompt rows' attention, float32 [m - B, H * D], with the views, conversions and SDPA calls of
+  // model.Transformer._layers: q the rotated q heads widened, a chunk's keys its own rotated k heads and v (from
+  // the qkv rows, widened) or the pool's at its slots as KVPool.gather gives them.
+  at::Tensor prompt_attention(const at::Tensor& qf, const at::Tensor& qkv, int64_t B, const char* kp, const char* vp,
+                              const DecodeLayer& layer, const PromptPlan& p) const {
+    const int64_t H = heads, KVH = kv_heads, D = head_dim, m = qkv.size(0);
+    const bool gqa = KVH != H;
+    const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({m, KVH, D});
+    const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({m, KVH, D});
+    auto attn = at::empty({m - B, H * D}, at::kFloat);
+    const auto* ch = p.chunks.data_ptr<int64_t>();
+    const auto* un = p.units.data_ptr<int64_t>();
+    int64_t u = 0;
+    for (int64_t c = 0; c < p.chunks.size(0); ++c) {
+      const int64_t start = ch[3 * c], len = ch[3 * c + 1], cached = ch[3 * c + 2];
+      at::Tensor kc, vc;
+      if (p.chunk_slots[c].numel() == 0) {
+        kc = k.narrow(0, start, len).transpose(0, 1).unsqueeze(0).to(at::kFloat);
+        vc = v.narrow(0, start, len).transpose(0, 1).unsqueeze(0).to(at::kFloat);
+      } else {
+        const at::Tensor& sl = p.chunk_slots[c];
+        kc = gather(kp, sl.data_ptr<int64_t>(), sl.numel(), layer.k_scale).transpose(0, 1).unsqueeze(0);
+        vc = gather(vp, sl.data_ptr<int64_t>(), sl.numel(), layer.v_scale).transpose(0, 1).unsqueeze(0);
+      }
+      const at::Tensor qc = qf.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+      for (; u < p.units.size(0) && un[3 * u] == c; ++u) {
+        const int64_t a = un[3 * u + 1], b = un[3 * u + 2], keys = cached + b;
+        const at::Tensor o = at::scaled_dot_product_attention(
+            qc.narrow(2, a, b - a), kc.narrow(2, 0, keys), vc.narrow(2, 0, keys), p.unit_masks[u], 0.0, false, scale,
+            gqa);
+        attn.narrow(0, start - B + a, b - a).copy_(o[0].transpose(0, 1).reshape({b - a, H * D}));
+      }
+    }
+    return attn;
   }
 };
 
@@ -888,7 +1099,8 @@ TORCH_LIBRARY(rtk_kernels, m) {
       .def("set_sdpa_decode", &DecodeLayers::set_sdpa_decode)
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
-      .def("forward", &DecodeLayers::forward);
+      .def("forward", &DecodeLayers::forward)
+      .def("forward_rows", &DecodeLayers::forward_rows);
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
   m.def("pack_q(Tensor codes, int kind) -> Tensor", &pack_q);

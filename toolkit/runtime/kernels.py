@@ -18,7 +18,8 @@ except the INT4 group sums (``int4-dot``), which are held to the float32 product
 * ``gather_kv``: K and V of a paged-cache layer at the given slots, bf16 -> float32 in one pass
   (for float32 attention; two index_select and two conversions otherwise).
 * ``DecodeLayers``: the decode rows' whole decoder layers in one call, the ~30 small operators per
-  layer between the GEMVs done in C++ with the operators' bits (:class:`DecodeLayers`).
+  layer between the GEMVs done in C++ with the operators' bits (:class:`DecodeLayers`); a step's prompt rows
+  too, through oneDNN's GEMM as the operator path calls it.
 * ``decode_attention``: decode rows' attention over the bf16 pool, read where it lies
   (``decode_attention.h``, shared with the float32 engines' ``kernels_avx2``): not SDPA's bits, within
   float32 rounding of them; the operator path and ``DecodeLayers`` both run it.
@@ -354,18 +355,19 @@ class DecodeLayers:
     the paged pool, float32 attention over each row's own context, residual adds, SiLU), with the
     projections through :func:`gemv` / :func:`gemv_q` and :func:`quantize_input` as the operator
     path calls them, and gives the operator path's bits: elementwise steps are single correctly
-    rounded operations done by hand, RMSNorm's sum, the attention and SiLU are ATen's own operators
-    called from C++ (no Python between them).  Each row attends alone, as decode batching "exact"; with
-    :meth:`set_pool_attention`, through :func:`decode_attention` over its context where it lies (as the operator
-    path does then), else gathered and through SDPA.
+    rounded operations done by hand (16 lanes at a time, rows split across threads in steps of many rows),
+    RMSNorm's sum, the attention and SiLU are ATen's own operators called from C++ (no Python between them).
+    Each row attends alone, as decode batching "exact"; with :meth:`set_pool_attention`, through
+    :func:`decode_attention` over its context where it lies (as the operator path does then), else gathered and
+    through SDPA.  A step with prompt rows takes the same call (:meth:`forward_rows`): prompt rows through
+    oneDNN's GEMM and SDPA per attention unit, as the operator path computes them.
     """
-
-    takes_prompt_rows = False  # a step's prompt rows go through torch's operators
 
     def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, cos, sin):
         self._layers = torch.classes.rtk_kernels.DecodeLayers(
             heads, kv_heads, head_dim, float(eps), float(scale), KV_KINDS[kv_kind], cos, sin
         )
+        self.takes_prompt_rows = True  # every projection added so far takes prompt rows (forward_rows)
 
     def set_pool_attention(self, on: bool) -> None:
         """Decode rows attend through :func:`decode_attention` over the bf16 pool (``Transformer.pool_attention``)."""
@@ -378,9 +380,15 @@ class DecodeLayers:
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
         self._layers.add_layer(input_norm, post_norm, float(k_scale), float(v_scale))
 
-    def add_projection(self, proj) -> None:
-        """A :class:`toolkit.runtime.model.Projection` with rtk's GEMV (qkv, o, gate_up, down in this order)."""
+    def add_projection(self, proj, prompt_rows: bool = True) -> None:
+        """A :class:`toolkit.runtime.model.Projection` with rtk's GEMV (qkv, o, gate_up, down in this order).
+
+        ``prompt_rows``: it also takes a step's prompt rows as ``Projection`` does when rows are batch-invariant
+        (the engine's default): through oneDNN's GEMM over its packed weights (else ``F.linear``'s), calls of
+        fewer than its ``min_rows`` padded; not where the library's calls are cut into tiles (AMX hosts)."""
         q = proj.quant
+        prompt_rows = prompt_rows and proj.tile_rows is None and (proj.packed is not None or proj.weight is not None)
+        self.takes_prompt_rows = self.takes_prompt_rows and prompt_rows
         self._layers.add_projection(
             proj.gemv,
             q.codes if q else None,
@@ -392,6 +400,10 @@ class DecodeLayers:
             proj.pre_quant_scale,
             ACT_KINDS[proj.act_kind],
             proj.act_scale_value,
+            proj.packed if prompt_rows else None,
+            proj.weight if prompt_rows and proj.packed is None else None,
+            proj.min_rows,
+            proj.own_rounding,
         )
 
     def forward(
@@ -403,3 +415,16 @@ class DecodeLayers:
         return self._layers.forward(
             h, positions, write_slots, ctx_slots, ctx_bounds, pool.k, pool.v, begin, end, padded, mask
         )
+
+    def forward_rows(self, h, plan, pool, begin: int, end: int) -> torch.Tensor:
+        """Every row of a step with prompt rows (a ``model.StepPlan``) through layers ``[begin, end)`` in one call,
+        where every projection takes them (:attr:`takes_prompt_rows`): decode rows as :meth:`forward`'s (with the
+        plan's padded contexts where it has them), prompt rows through each projection as ``model.Projection``
+        takes them and the SDPA calls of the operator path (``model.Transformer._layers``), so with its bits."""
+        B = plan.num_decode
+        empty = torch.empty(0, dtype=torch.int64)
+        ctx = plan.decode_slots if B else empty
+        bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B else empty.view(0, 2)
+        padded, mask = (plan.decode_padded, plan.decode_mask) if B else (None, None)
+        rows = (plan.positions, plan.write_slots, ctx, bounds, pool.k, pool.v, begin, end, padded, mask)
+        return self._layers.forward_rows(h, B, *rows, *plan.prompt_tensors())

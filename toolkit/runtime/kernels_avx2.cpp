@@ -1297,14 +1297,10 @@ struct DecodeLayers : torch::CustomClassHolder {
     return run(h, m, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, {});
   }
 
-  // A step with prompt rows: rows [0, num_decode) decode as forward's rows do; rows from num_decode on are
-  // prompt chunks, chunks [C, 3] = (first row, rows, positions already cached) in row order, each reading
-  // its keys from chunk_slots[c] (the cached positions and its own, in order) or, where that is empty,
-  // from its own rows (a chunk at position 0).  Their attention is model.py's: one torch SDPA call per
-  // unit of query rows, units [U, 3] = (chunk, first query row, end) with unit_masks[u] [rows, cached +
-  // end] bool.  Each projection takes every row through its W8A8 kernel (a row's result is its own) or
-  // its decode rows through gemv and its prompt rows through at::linear over its float32 weights, as
-  // model.Projection splits a call: so every row's numbers are the operator path's
+  // A step with prompt rows: rows [0, num_decode) decode as forward's rows do, the rest are prompt chunks
+  // (decode_plan.h, PromptPlan).  Each projection takes every row through its W8A8 kernel (a row's result is
+  // its own) or its decode rows through gemv and its prompt rows through at::linear over its float32 weights,
+  // as model.Projection splits a call: so every row's numbers are the operator path's
   // (model.Transformer._layers), decode rows' and prompt rows' alike.
   at::Tensor forward_rows(at::Tensor h, int64_t num_decode, at::Tensor positions, at::Tensor write_slots,
                           at::Tensor ctx_slots, at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool,
@@ -1318,66 +1314,14 @@ struct DecodeLayers : torch::CustomClassHolder {
         TORCH_CHECK(p.takes_prompt_rows(), who, ": prompt rows need W8A8 projections or the float32 weights");
     positions = positions.contiguous();
     write_slots = write_slots.contiguous();
-    TORCH_CHECK(0 <= B && B <= m && positions.numel() == m && write_slots.numel() == m &&
-                    positions.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong,
-                who, ": int64 positions and write_slots [rows], num_decode <= rows");
+    const PromptPlan prompts = check_prompt_plan(who, m, B, positions, write_slots, k_pool.size(1), cos.size(0),
+                                                 chunks, std::move(chunk_slots), units, std::move(unit_masks));
     check_decode_plan(who, B, positions.narrow(0, 0, B), write_slots.narrow(0, 0, B), ctx_slots, ctx_bounds, k_pool,
                       begin, end, static_cast<int64_t>(layers.size()), cos.size(0), {}, {});
-    const int64_t slots = k_pool.size(1);
-    const auto* pos = positions.data_ptr<int64_t>();
-    const auto* ws = write_slots.data_ptr<int64_t>();
-    for (int64_t r = B; r < m; ++r)
-      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && ws[r] >= 0 && ws[r] < slots, who,
-                  ": a position or slot is out of range");
-    chunks = chunks.contiguous();
-    units = units.contiguous();
-    TORCH_CHECK(chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 3 &&
-                    units.scalar_type() == at::kLong && units.dim() == 2 && units.size(1) == 3 &&
-                    static_cast<int64_t>(chunk_slots.size()) == chunks.size(0) &&
-                    static_cast<int64_t>(unit_masks.size()) == units.size(0),
-                who, ": chunks [C, 3] and units [U, 3] int64, a slots tensor per chunk and a mask per unit");
-    const auto* ch = chunks.data_ptr<int64_t>();
-    int64_t next_row = B;
-    for (int64_t c = 0; c < chunks.size(0); ++c) {
-      const int64_t start = ch[3 * c], len = ch[3 * c + 1], cached = ch[3 * c + 2];
-      TORCH_CHECK(start == next_row && len > 0 && cached >= 0, who, ": chunks must cover the prompt rows in order");
-      next_row = start + len;
-      const at::Tensor& cs = chunk_slots[c];
-      TORCH_CHECK(cs.numel() == 0 ? cached == 0 : (cs.scalar_type() == at::kLong && cs.numel() == cached + len),
-                  who, ": a chunk reads cached + rows slots, or its own rows from position 0");
-      if (cs.numel()) {
-        const at::Tensor cc = cs.contiguous();
-        const auto* sp = cc.data_ptr<int64_t>();
-        for (int64_t j = 0; j < cc.numel(); ++j) TORCH_CHECK(sp[j] >= 0 && sp[j] < slots, who, ": slot out of range");
-      }
-    }
-    TORCH_CHECK(next_row == m, who, ": chunks must cover the prompt rows in order");
-    const auto* un = units.data_ptr<int64_t>();
-    TORCH_CHECK(units.size(0) == 0 || chunks.size(0) > 0, who, ": units need their chunks");
-    int64_t chunk = 0, row = 0;  // units cover each chunk's rows in order, chunk after chunk
-    for (int64_t u = 0; u < units.size(0); ++u) {
-      const int64_t c = un[3 * u], a = un[3 * u + 1], b = un[3 * u + 2];
-      if (c == chunk + 1 && row == ch[3 * chunk + 1]) chunk = c, row = 0;
-      TORCH_CHECK(c == chunk && a == row && a < b && b <= ch[3 * c + 1], who,
-                  ": units must cover each chunk's rows in order");
-      row = b;
-      const at::Tensor& mask = unit_masks[u];
-      TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == b - a &&
-                      mask.size(1) == ch[3 * c + 2] + b,
-                  who, ": a unit's mask is [rows, cached + end] bool");
-    }
-    TORCH_CHECK(chunks.size(0) == 0 || (chunk == chunks.size(0) - 1 && row == ch[3 * chunk + 1]), who,
-                ": units must cover each chunk's rows in order");
-    Prompts prompts{chunks, units, chunk_slots, unit_masks};
     return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, prompts);
   }
 
  private:
-  struct Prompts {
-    at::Tensor chunks, units;
-    std::vector<at::Tensor> chunk_slots, unit_masks;
-  };
-
   void check_pools(const at::Tensor& h, const at::Tensor& k_pool, const at::Tensor& v_pool) const {
     TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2, "rtk_avx2.DecodeLayers: h is [rows, hidden] float32");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 &&
@@ -1390,7 +1334,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   // any) by chunk and unit through torch's SDPA, as model.Transformer._layers calls it.
   at::Tensor run(at::Tensor h, int64_t B, const at::Tensor& positions, const at::Tensor& write_slots,
                  const at::Tensor& ctx_slots, const at::Tensor& ctx_bounds, const at::Tensor& k_pool,
-                 const at::Tensor& v_pool, int64_t begin, int64_t end, const Prompts& prompts) {
+                 const at::Tensor& v_pool, int64_t begin, int64_t end, const PromptPlan& prompts) {
     const int64_t m = h.size(0), H = heads, KVH = kv_heads, D = head_dim, half = D / 2;
     const int64_t slots = k_pool.size(1);
     const auto* pos = positions.data_ptr<int64_t>();
@@ -1451,7 +1395,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   // Prompt rows' attention with the views and SDPA calls of model.Transformer._layers: q the rotated q
   // heads, a chunk's keys its own rotated k heads and v (from the qkv rows) or the pool's at its slots.
   void prompt_attention(const at::Tensor& qk, const at::Tensor& qkv, const at::Tensor& k_layer,
-                        const at::Tensor& v_layer, const Prompts& p, bool gqa, at::Tensor& attn) const {
+                        const at::Tensor& v_layer, const PromptPlan& p, bool gqa, at::Tensor& attn) const {
     const int64_t H = heads, KVH = kv_heads, D = head_dim, m = qk.size(0);
     const at::Tensor q = qk.narrow(1, 0, H), k = qk.narrow(1, H, KVH);
     const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({m, KVH, D});

@@ -534,23 +534,6 @@ class DecodeLayers:
         empty = torch.empty(0, dtype=torch.int64)
         ctx = plan.decode_slots if B else empty
         bounds = torch.tensor(plan.decode_bounds, dtype=torch.int64) if B else empty.view(0, 2)
-        chunks = torch.tensor([(c.start, c.length, c.cached) for c in plan.prefills], dtype=torch.int64).view(-1, 3)
-        slots = [empty if c.slots is None else c.slots for c in plan.prefills]
-        units = [(i, a, b) for i, c in enumerate(plan.prefills) for a, b, _ in c.units]
-        masks = [mask for c in plan.prefills for _, _, mask in c.units]
         return self._layers.forward_rows(
-            h,
-            B,
-            plan.positions,
-            plan.write_slots,
-            ctx,
-            bounds,
-            pool.k,
-            pool.v,
-            begin,
-            end,
-            chunks,
-            slots,
-            torch.tensor(units, dtype=torch.int64).view(-1, 3),
-            masks,
+            h, B, plan.positions, plan.write_slots, ctx, bounds, pool.k, pool.v, begin, end, *plan.prompt_tensors()
         )

@@ -844,6 +844,17 @@ class StepPlan:
         chunks = [PrefillChunk(c.start - b, c.length, c.cached, c.slots, c.units) for c in self.prefills]
         return StepPlan(positions=self.positions[b:], write_slots=self.write_slots[b:], prefills=chunks)
 
+    def prompt_tensors(self) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """The prompt chunks as rtk's fused layers take them (``DecodeLayers.forward_rows``): chunks ``[C, 3]``
+        (first row, rows, positions cached), each chunk's slots (empty: it reads its own rows), units ``[U, 3]``
+        (chunk, first query row, end) and each unit's mask."""
+        empty = torch.empty(0, dtype=torch.int64)
+        chunks = torch.tensor([(c.start, c.length, c.cached) for c in self.prefills], dtype=torch.int64).view(-1, 3)
+        slots = [empty if c.slots is None else c.slots for c in self.prefills]
+        units = [(i, a, b) for i, c in enumerate(self.prefills) for a, b, _ in c.units]
+        masks = [mask for c in self.prefills for _, _, mask in c.units]
+        return chunks, slots, torch.tensor(units, dtype=torch.int64).view(-1, 3), masks
+
 
 def build_plan(
     work: list[tuple[list[int], int, int, bool]],
@@ -1067,7 +1078,8 @@ class Transformer:
             rows = "prompt rows" if self.batch_invariant else f"prompt rows and calls of {TILE_DECODE_ROWS}+ rows"
             parts.append(f"{rows} of {tiles} in AMX tiles")
         if self.fused is not None:
-            parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]})")
+            rows = "every row" if self.fused.takes_prompt_rows else "decode rows"
+            parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]}, {rows})")
         if self.pool_attention or self.sdpa_decode:
             parts.append("decode attention " + ("in place" if self.pool_attention else "SDPA's bits in one call"))
         parts.append(f"head {self.lm_head.kernel}")
@@ -1111,12 +1123,15 @@ class Transformer:
         )
         fused.set_pool_attention(self.pool_attention)
         fused.set_sdpa_decode(self.sdpa_decode)
+        # a step's prompt rows through the same call where rows are batch-invariant; RTK_FUSED_PROMPT_ROWS=0 in the
+        # environment keeps torch's operators for them (docs/engine.md, "Prompt rows through the fused layers")
+        prompt_rows = self.batch_invariant and os.environ.get("RTK_FUSED_PROMPT_ROWS", "1") != "0"
         for li, layer in enumerate(self.layers):
             fused.add_layer(
                 layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
             )
             for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                fused.add_projection(g.parts[0])
+                fused.add_projection(g.parts[0], prompt_rows=prompt_rows)
         return fused
 
     def _fused_decode_fp32(self):
