@@ -1,8 +1,9 @@
 // rtk's CPU kernels for the decode step (CPUs with AVX512-BF16), each bit-identical to what it replaces
 // (1. gemv, 2. gemv_q, 3. quantize_input, 4. gather_kv below; gemv_q's INT4 group sums, kind int4-dot,
 // excepted: within a tolerance of the float32 product), 5. DecodeLayers: the decode rows' whole
-// decoder layers in one call (and a step's prompt rows, their projections through oneDNN's GEMM), and 6. decode_attention (decode_attention.h: within float32 rounding of SDPA,
-// the attention of DecodeLayers and of model.py's operators alike).
+// decoder layers in one call (and a step's prompt rows, their projections through oneDNN's GEMM), and
+// 6. decode_attention (decode_attention.h: within float32 rounding of SDPA, the attention of DecodeLayers and
+// of model.py's operators alike).
 //
 // 1. gemv: bf16 matmul of a few rows (the decode GEMV, y = x W^T [+ b]).
 // oneDNN's one-row bf16 kernel (brg_matmul:avx512_core_bf16) reads weights at well below the
