@@ -60,3 +60,24 @@ def test_the_advice_gives_huge_pages_where_the_kernel_allows_them():
     t = hugepages.empty(16 << 20)
     t.fill_(1)  # fault the pages in
     assert anon_huge_kb() - before >= 8 << 10  # most of 16 MiB on 2 MiB pages (fragmentation may deny some)
+
+
+def test_a_bf16_engines_gemv_weights_lie_in_one_advised_region(tiny_llama_dir):
+    """The decode GEMV's packed weights (bf16 and the codes of a quantized export) are moved into one region advised
+    for huge pages; ``huge_pages: false`` leaves each where it was made, and the logits do not change."""
+    from toolkit.runtime import kernels
+    from toolkit.runtime.engine import Engine, EngineConfig
+
+    if not kernels.available():
+        pytest.skip("rtk's bf16 kernels need AVX512-BF16 and a compiler")
+    base = dict(max_batch_size=2, max_num_tokens=64, max_input_len=64, max_seq_len=128, tokens_per_block=16)
+    engines = [Engine(tiny_llama_dir, EngineConfig(**base, huge_pages=on)) for on in (True, False)]
+    regions = []
+    for engine in engines:
+        model = engine.model
+        packed = [p.gemv for p in [model.lm_head, *model.projections] if p.gemv is not None]
+        assert len(packed) == len(model.projections) + 1  # every projection's decode rows run rtk's GEMV here
+        regions.append({t.untyped_storage().data_ptr() for t in packed})
+    assert len(regions[0]) == 1 and len(regions[1]) == len(engines[1].model.projections) + 1
+    ids = list(range(5, 15))  # 10 rows: through the GEMV (the tiny model's shapes give every row count its bits)
+    assert torch.equal(engines[0].prompt_logits(ids), engines[1].prompt_logits(ids))

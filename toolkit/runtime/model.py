@@ -1086,13 +1086,16 @@ class Transformer:
         return "; ".join(parts)
 
     def _weights_on_huge_pages(self) -> None:
-        """Move the weights the float32 decode kernels stream every step (``Fp32Weight``, ``W8A8Weight``,
-        ``W4A8Weight``) onto 2 MiB pages (:mod:`hugepages`): with 4 KiB pages the W8A8 kernel took 12-17 %
-        longer over SmolLM2's codes (docs/engine.md)."""
+        """Move the weights the decode kernels stream every step onto 2 MiB pages (:mod:`hugepages`): a float32
+        engine's (``Fp32Weight``, ``W8A8Weight``, ``W4A8Weight``; with 4 KiB pages the W8A8 kernel took 12-17 %
+        longer over SmolLM2's codes) and a bf16 engine's GEMV weights and codes (``kernels.gemv`` / ``gemv_q``: a
+        bf16 decode step's GEMVs 11-27 % faster, docs/engine.md "A bf16 engine's GEMV weights on 2 MiB pages")."""
         projections = [self.lm_head, *self.projections]
         owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
         owners += [(w, "plain") for w, _ in owners if w.plain is not None]  # the GEMM's copy of the codes
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]
+        owners += [(p, "gemv") for p in projections if p.gemv is not None]
+        owners += [(p.quant, "codes") for p in projections if p.quant is not None]
         if owners:
             moved = hugepages.pack([getattr(o, name) for o, name in owners])
             for (o, name), t in zip(owners, moved, strict=True):
