@@ -75,15 +75,15 @@ def _any_projection(ckpt: Checkpoint, takes: Callable[[Linear], bool]) -> bool:
     return any(isinstance(lin, Linear) and takes(lin) for layer in ckpt.layers for lin in layer.values())
 
 
-def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot") -> bool:
+def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot", kinds: tuple[str, ...] = ("int8", "int4")) -> bool:
     """Whether a float32 engine runs decoder projections of the checkpoint as rtk's integer products: int8 codes,
     or int4 codes with ``int4_gemv: dot``, whose inputs are unquantized or int8 (INT8-SQ, W8A16, INT4-AWQ; not
-    W4A8-AWQ's FP8 inputs)."""
+    W4A8-AWQ's FP8 inputs); ``kinds``: only codes of these kinds count."""
 
     def takes(lin: Linear) -> bool:
         kind = lin.codes.kind if lin.codes is not None else None
         inputs_ok = lin.act_quant is None or lin.act_quant.kind == "int8"
-        return inputs_ok and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
+        return inputs_ok and kind in kinds and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
 
     return _any_projection(ckpt, takes)
 
@@ -95,12 +95,20 @@ def resolve_dtype(
     native bf16, and for an export whose projections take rtk's integer products (:func:`integer_products_apply`)
     where they run with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls:
     on an Intel AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
-    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16."""
+    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16.  An export whose integer products
+    are INT4 alone stays bfloat16 where its prompt rows would not take AMX's int8 tiles (:func:`kernels_avx2.
+    prompt_tiles`) and rtk's bf16 kernels run: there the bf16 engine's fused layers prefill through oneDNN's bf16
+    GEMM and its decode rows read the codes (``int4-dot``), and SmolLM2's INT4-AWQ export served a first token
+    1.12-1.24x llama-server's against 0.76-0.99x on a float32 engine (AMD Zen 4; docs/engine.md, "INT4-AWQ on a
+    bf16 engine where AMX is absent")."""
     if name == "auto":
         if not bf16_is_fast():
             return torch.float32
         if cpu_kernels and ckpt is not None and integer_products_apply(ckpt, int4_gemv) and kernels_avx2.wants_vnni():
-            return torch.float32 if kernels_avx2.library() == "rtk_vnni" else torch.bfloat16
+            if kernels_avx2.library() != "rtk_vnni":
+                return torch.bfloat16
+            int8 = integer_products_apply(ckpt, int4_gemv, kinds=("int8",))
+            return torch.float32 if int8 or kernels_avx2.prompt_tiles() or not kernels.available() else torch.bfloat16
         return torch.bfloat16
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     if name not in table:
