@@ -114,3 +114,46 @@ inline PromptPlan check_prompt_plan(const char* who, int64_t m, int64_t num_deco
               ": units must cover each chunk's rows in order");
   return {chunks, units, std::move(chunk_slots), std::move(unit_masks)};
 }
+
+// A step with prompt rows (DecodeLayers.forward_rows): positions and write slots made contiguous, the prompt
+// plan checked (check_prompt_plan), then the decode rows' plan (check_decode_plan; their padded contexts where
+// given).  Returns the prompt plan and the padded slots (undefined where attention is not batched).
+struct PromptStep {
+  PromptPlan prompts;
+  at::Tensor padded;
+};
+
+inline PromptStep check_prompt_step(const char* who, int64_t m, int64_t num_decode, at::Tensor& positions,
+                                    at::Tensor& write_slots, const at::Tensor& ctx_slots, const at::Tensor& ctx_bounds,
+                                    const at::Tensor& k_pool, int64_t begin, int64_t end, int64_t layers,
+                                    int64_t positions_max, const at::Tensor& chunks, std::vector<at::Tensor> chunk_slots,
+                                    const at::Tensor& units, std::vector<at::Tensor> unit_masks,
+                                    const c10::optional<at::Tensor>& padded_slots,
+                                    const c10::optional<at::Tensor>& padded_mask) {
+  const int64_t B = num_decode;
+  positions = positions.contiguous();
+  write_slots = write_slots.contiguous();
+  PromptPlan prompts = check_prompt_plan(who, m, B, positions, write_slots, k_pool.size(1), positions_max, chunks,
+                                         std::move(chunk_slots), units, std::move(unit_masks));
+  at::Tensor padded = check_decode_plan(who, B, positions.narrow(0, 0, B), write_slots.narrow(0, 0, B), ctx_slots,
+                                        ctx_bounds, k_pool, begin, end, layers, positions_max, padded_slots,
+                                        padded_mask);
+  return {std::move(prompts), padded};
+}
+
+// Chunk c's attention units (from unit u on) as model.Transformer._layers calls them: one torch SDPA per unit over
+// the chunk's queries qc and keys / values kc, vc ([1, heads, rows, head_dim] views), each unit's rows copied into
+// attn ([rows, heads * head_dim], the chunk's first row at attn_row).  Returns the first unit of the next chunk.
+inline int64_t attend_units(const PromptPlan& p, int64_t c, int64_t u, const at::Tensor& qc, const at::Tensor& kc,
+                            const at::Tensor& vc, double scale, bool gqa, at::Tensor& attn, int64_t attn_row) {
+  const auto* ch = p.chunks.data_ptr<int64_t>();
+  const auto* un = p.units.data_ptr<int64_t>();
+  const int64_t cached = ch[3 * c + 2], width = attn.size(1);
+  for (; u < p.units.size(0) && un[3 * u] == c; ++u) {
+    const int64_t a = un[3 * u + 1], b = un[3 * u + 2], keys = cached + b;
+    const at::Tensor o = at::scaled_dot_product_attention(qc.narrow(2, a, b - a), kc.narrow(2, 0, keys),
+                                                          vc.narrow(2, 0, keys), p.unit_masks[u], 0.0, false, scale, gqa);
+    attn.narrow(0, attn_row + a, b - a).copy_(o[0].transpose(0, 1).reshape({b - a, width}));
+  }
+  return u;
+}

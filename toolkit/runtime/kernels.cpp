@@ -937,15 +937,12 @@ struct DecodeLayers : torch::CustomClassHolder {
     for (const DecodeLayer& layer : layers)
       for (const DecodeProjection& p : layer.proj)
         TORCH_CHECK(p.takes_prompt_rows(), who, ": prompt rows need every projection's library weights");
-    positions = positions.contiguous();
-    write_slots = write_slots.contiguous();
-    const PromptPlan prompts = check_prompt_plan(who, m, B, positions, write_slots, k_pool.size(1), cos.size(0),
-                                                 chunks, std::move(chunk_slots), units, std::move(unit_masks));
-    at::Tensor padded = check_decode_plan(who, B, positions.narrow(0, 0, B), write_slots.narrow(0, 0, B), ctx_slots,
-                                          ctx_bounds, k_pool, begin, end, static_cast<int64_t>(layers.size()),
-                                          cos.size(0), padded_slots, padded_mask);
-    return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, padded, padded_mask,
-               prompts);
+    const PromptStep step = check_prompt_step(who, m, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, begin,
+                                              end, static_cast<int64_t>(layers.size()), cos.size(0), chunks,
+                                              std::move(chunk_slots), units, std::move(unit_masks), padded_slots,
+                                              padded_mask);
+    return run(h, B, positions, write_slots, ctx_slots, ctx_bounds, k_pool, v_pool, begin, end, step.padded,
+               padded_mask, step.prompts);
   }
 
  private:
@@ -1050,10 +1047,9 @@ struct DecodeLayers : torch::CustomClassHolder {
     const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({m, KVH, D});
     auto attn = at::empty({m - B, H * D}, at::kFloat);
     const auto* ch = p.chunks.data_ptr<int64_t>();
-    const auto* un = p.units.data_ptr<int64_t>();
     int64_t u = 0;
     for (int64_t c = 0; c < p.chunks.size(0); ++c) {
-      const int64_t start = ch[3 * c], len = ch[3 * c + 1], cached = ch[3 * c + 2];
+      const int64_t start = ch[3 * c], len = ch[3 * c + 1];
       at::Tensor kc, vc;
       if (p.chunk_slots[c].numel() == 0) {
         kc = k.narrow(0, start, len).transpose(0, 1).unsqueeze(0).to(at::kFloat);
@@ -1064,13 +1060,7 @@ struct DecodeLayers : torch::CustomClassHolder {
         vc = gather(vp, sl.data_ptr<int64_t>(), sl.numel(), layer.v_scale).transpose(0, 1).unsqueeze(0);
       }
       const at::Tensor qc = qf.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
-      for (; u < p.units.size(0) && un[3 * u] == c; ++u) {
-        const int64_t a = un[3 * u + 1], b = un[3 * u + 2], keys = cached + b;
-        const at::Tensor o = at::scaled_dot_product_attention(
-            qc.narrow(2, a, b - a), kc.narrow(2, 0, keys), vc.narrow(2, 0, keys), p.unit_masks[u], 0.0, false, scale,
-            gqa);
-        attn.narrow(0, start - B + a, b - a).copy_(o[0].transpose(0, 1).reshape({b - a, H * D}));
-      }
+      u = attend_units(p, c, u, qc, kc, vc, scale, gqa, attn, start - B);
     }
     return attn;
   }
