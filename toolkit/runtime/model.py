@@ -1135,7 +1135,8 @@ class Transformer:
         fused.set_pool_attention(self.pool_attention)
         fused.set_sdpa_decode(self.sdpa_decode)
         # a step's prompt rows through the same call where rows are batch-invariant; RTK_FUSED_PROMPT_ROWS=0 in the
-        # environment keeps torch's operators for them (docs/engine.md, "Prompt rows through the fused layers")
+        # environment keeps torch's operators for them (docs/engine.md, "Prompt rows through the fused layers on bf16
+        # engines")
         prompt_rows = self.batch_invariant and os.environ.get("RTK_FUSED_PROMPT_ROWS", "1") != "0"
         for li, layer in enumerate(self.layers):
             fused.add_layer(
