@@ -337,6 +337,25 @@ def test_projection_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_row_probe_finds_a_rare_kernel_difference(seed):
+    """``Projection.min_rows`` (the smallest call whose rows get every larger call's bits) over a reduction of 1,160:
+    oneDNN's one-row bf16 kernel rounds ~1.5 outputs in 10,000 apart from its multi-row one, which the probe missed
+    for some weights when it compared 64 rows of 120 outputs.  Whatever it finds must hold over 2,048 other rows."""
+    from toolkit.runtime.checkpoint import Linear
+    from toolkit.runtime.model import Projection, bf16_is_fast
+
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(120, 1160, generator=g) * 0.05).to(torch.bfloat16)
+    proj = Projection([Linear(weight)], torch.bfloat16, pack=bf16_is_fast())
+    x = torch.randn(2048, 1160, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = proj._matmul(x)
+        m = proj.min_rows
+        parts = torch.cat([proj._matmul(x[i : i + m]) for i in range(0, x.shape[0], m)])
+    assert torch.equal(parts, whole), f"calls of {m} rows (min_rows) give other bits than one call"
+
+
 @pytest.mark.parametrize("least, tile", [(1, 32), (32, 32), (40, 128)])
 def test_library_tiles_give_a_row_the_bits_of_its_own_tile(least, tile):
     """Where the row probe sets ``tile_rows`` and ``pad_rows`` (oneDNN's AMX GEMM), every call has that many rows:

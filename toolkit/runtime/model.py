@@ -536,11 +536,15 @@ class Projection:
         a larger call gives it; where no count does but calls in a range of sizes agree (oneDNN's AMX GEMM), the
         range's largest and smallest size (``min_rows`` then 1).  The tile settings are set while probed."""
         self.tile_rows, self.pad_rows = None, 1
+        # a kernel difference shows in a few outputs per row: wide weights need fewer rows to see it.  Over more than
+        # 1,024 inputs oneDNN's one-row bf16 kernel parts from its multi-row one in only ~1.5 of 10,000 outputs (random
+        # weights of 120 x 1,160 and 120 x 1,536: 34-42 of 245,760), which 64 rows of 120 outputs missed for some
+        # weights: there at least 2^18 outputs are compared
+        long = self.in_features > 1024
+        cover = min(512 if long else 64, max(4, (1 << (18 if long else 16)) // self.out_features))
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(128, self.in_features, generator=g).to(self.dtype)
+        x = torch.randn(max(128, cover), self.in_features, generator=g).to(self.dtype)
         counts = list(range(1, MAX_PAD_ROWS + 1)) + [24, 32, 64]
-        # a kernel difference shows in a few outputs per row: wide weights need fewer rows to see it
-        cover = min(64, max(4, (1 << 16) // self.out_features))
         with torch.inference_mode():
             ref = self._matmul(x)
 
