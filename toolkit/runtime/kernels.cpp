@@ -643,8 +643,6 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
-constexpr int64_t kGemvMaxRows = 16;  // model.GEMV_MAX_ROWS
-
 struct DecodeProjection {
   c10::optional<at::Tensor> packed;    // the bf16 GEMV's weights (pack), for calls of more rows than the codes'
   c10::optional<at::Tensor> codes;     // gemv_q's codes and scales, read for up to codes_max_rows rows
@@ -658,10 +656,12 @@ struct DecodeProjection {
   double act_scale = 0.0;
   // prompt rows (forward_rows), as model.Projection takes them: oneDNN's GEMM over library (its packed bf16
   // weights) or at::linear over dense, calls of fewer than min_rows rows padded with zero rows; own_rounding:
-  // the GEMV rounds apart from the library, so one-row prompt calls take the library too
+  // the GEMV rounds apart from the library, so one-row prompt calls take the library too; calls of up to
+  // whole_gemv_rows rows go through the GEMV whole (model.Projection.whole_gemv_rows)
   c10::optional<at::Tensor> library, dense;
   int64_t min_rows = 1;
   bool own_rounding = false;
+  int64_t whole_gemv_rows = 0;
 
   bool takes_prompt_rows() const { return library.has_value() || dense.has_value(); }
 
@@ -704,7 +704,7 @@ struct DecodeProjection {
   at::Tensor rows(const at::Tensor& x, int64_t B) const {
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
-    if (B == m || (!own_rounding && m <= kGemvMaxRows && min_rows == 1)) return gemv_rows(in);
+    if (B == m || m <= whole_gemv_rows) return gemv_rows(in);
     TORCH_CHECK(takes_prompt_rows(), "rtk_kernels.DecodeLayers: prompt rows need the projection's library weights");
     const at::Tensor prompt = prompt_rows(in.narrow(0, B, m - B));
     return B == 0 ? prompt : at::cat({gemv_rows(in.narrow(0, 0, B)), prompt});
@@ -747,12 +747,12 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
-  // library / dense, min_rows, own_rounding: the projection's prompt rows (DecodeProjection), none for decode only
+  // library / dense, min_rows, own_rounding, whole_gemv_rows: the projection's prompt rows (DecodeProjection)
   void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
                       c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
                       double act_scale, c10::optional<at::Tensor> library, c10::optional<at::Tensor> dense,
-                      int64_t min_rows, bool own_rounding) {
+                      int64_t min_rows, bool own_rounding, int64_t whole_gemv_rows) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
     TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
     TORCH_CHECK(min_rows >= 1, "rtk_kernels.DecodeLayers: min_rows >= 1");
@@ -760,7 +760,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                 "rtk_kernels.DecodeLayers: a projection's dense weights are [out_features, in_features] bf16");
     if (bias.has_value()) bias = bias->contiguous();
     layers.back().proj.push_back({packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind,
-                                  act_scale, library, dense, min_rows, own_rounding});
+                                  act_scale, library, dense, min_rows, own_rounding, whole_gemv_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {

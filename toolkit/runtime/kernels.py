@@ -404,6 +404,7 @@ class DecodeLayers:
             proj.weight if prompt_rows and proj.packed is None else None,
             proj.min_rows,
             proj.own_rounding,
+            proj.whole_gemv_rows,
         )
 
     def forward(

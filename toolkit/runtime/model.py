@@ -377,6 +377,13 @@ class Projection:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
 
     @property
+    def whole_gemv_rows(self) -> int:
+        """Most rows a batch-invariant call sends through rtk's GEMV whole, decode and prompt rows alike: where the
+        GEMV's one-row bits are every call's bits (``min_rows`` 1, the library's rounding); else 0."""
+        whole = (self.gemv is not None or self.quant is not None) and not self.own_rounding and self.min_rows == 1
+        return GEMV_MAX_ROWS if whole else 0
+
+    @property
     def codes_max_rows(self) -> int:
         """Most rows a GEMV call reads the codes for (more read the bf16 copy); 0 without codes."""
         return 0 if self.quant is None else CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
@@ -637,7 +644,7 @@ class Projection:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.gemv is not None or self.quant is not None:
             rows = x.shape[0]
-            if rows <= GEMV_MAX_ROWS and (self.min_rows == 1 or singles is None):
+            if rows <= self.whole_gemv_rows or (singles is None and rows <= GEMV_MAX_ROWS):
                 # a row-invariant shape (its one-row bits are every call's bits), or decode_batching "full"
                 return self._gemv(x)
             if singles:
