@@ -767,6 +767,8 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(lm_head="fp8"), "lm_head"),
         (dict(step_budget_ms=0.0), "step_budget_ms"),
         (dict(step_budget_ms=40.0, enable_chunked_context=False), "step_budget_ms"),
+        (dict(step_budget_ratio=1.0), "step_budget_ratio"),
+        (dict(step_budget_ratio=2.0, enable_chunked_context=False), "step_budget_ratio"),
         (dict(context_chunk_unit=24), "context_chunk_unit"),
         (dict(context_chunk_unit=16, max_num_tokens=16), "context_chunk_unit"),
     ],
@@ -850,6 +852,7 @@ def test_engine_config_from_build_spec():
             "prefill_threads": 2,
             "lone_decode_threads": 2,
             "step_budget_ms": 40,
+            "step_budget_ratio": 2.5,
             "context_chunk_unit": 8,
             "lm_head": "int8",
             "decode_batching": "full",
@@ -864,7 +867,7 @@ def test_engine_config_from_build_spec():
         "auto",
     )
     assert (c.num_threads, c.prefill_threads, c.lone_decode_threads) == (1, 2, 2)
-    assert (c.step_budget_ms, c.context_chunk_unit) == (40.0, 8)
+    assert (c.step_budget_ms, c.step_budget_ratio, c.context_chunk_unit) == (40.0, 2.5, 8)
     assert (c.max_batch_size, c.max_num_tokens, c.tokens_per_block, c.kv_cache_blocks, c.enable_kv_cache_reuse) == (
         4,
         128,

@@ -1,5 +1,5 @@
-"""The step's time budget (``step_budget_ms``): the cost model fitted to measured steps, the scheduler's
-cut of prompt chunks, and an engine under it giving the same tokens as transformers."""
+"""The step's time budget (``step_budget_ms``, ``step_budget_ratio``): the cost model fitted to measured steps,
+the scheduler's cut of prompt chunks, and an engine under it giving the same tokens as transformers."""
 
 from __future__ import annotations
 
@@ -89,9 +89,11 @@ def sequence(order: int, prompt_len: int, max_new: int = 64) -> Sequence:
     )
 
 
-def decoding(budget_ms: float | None, coef=(5.0, 1.0, 2.0, 0.0), decoders: int = 3) -> Scheduler:
+def decoding(
+    budget_ms: float | None, coef=(5.0, 1.0, 2.0, 0.0), decoders: int = 3, ratio: float | None = None
+) -> Scheduler:
     """A scheduler (unit 16, 64-token steps) with ``decoders`` sequences generating and a known step cost."""
-    sched = Scheduler(BlockManager(256, 16, True), 8, 64, step_budget_ms=budget_ms)
+    sched = Scheduler(BlockManager(256, 16, True), 8, 64, step_budget_ms=budget_ms, step_budget_ratio=ratio)
     for i in range(decoders):
         sched.add(sequence(i, 4))
     for seq, n in sched.schedule():  # no one decodes yet: the three prompts whole
@@ -118,6 +120,23 @@ def planned(work) -> list[tuple[str, int]]:
 )
 def test_a_prompt_chunk_is_cut_to_the_time_the_decodes_leave(budget_ms, chunk):
     sched = decoding(budget_ms)
+    sched.add(sequence(10, 100))
+    assert planned(sched.schedule()) == [("r10", chunk)]
+
+
+@pytest.mark.parametrize(
+    "decoders, ratio, budget_ms, chunk",
+    [
+        (3, 7.0, None, 16),  # 3 decodes: 5 + 3 = 8 ms, x 7 leaves 48 ms: 24 rows, cut to 16 (whole units)
+        (7, 7.0, None, 32),  # 7 decodes: 12 ms leaves 72 ms: 36 rows, cut to 32
+        (3, 9.1, None, 32),  # 64.8 ms: 32 rows
+        (7, 9.1, None, 48),  # 97.2 ms: 48 rows, within the 57 tokens the step has left
+        (7, 9.1, 80.0, 32),  # both budgets: the smaller (80 - 12 = 68 ms, 34 rows)
+        (3, 1.01, None, 16),  # nothing left: still one unit, so the prompt advances
+    ],
+)
+def test_a_ratio_budget_follows_the_decode_rows(decoders, ratio, budget_ms, chunk):
+    sched = decoding(budget_ms, decoders=decoders, ratio=ratio)
     sched.add(sequence(10, 100))
     assert planned(sched.schedule()) == [("r10", chunk)]
 
@@ -158,14 +177,20 @@ def test_no_time_cut_without_decodes_or_before_the_fit():
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("unit", [None, 8], ids=["unit16", "unit8"])
-def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(tiny_llama_dir, unit):
+@pytest.mark.parametrize(
+    "unit, time_budget",
+    [(None, dict(step_budget_ms=1e-3)), (8, dict(step_budget_ms=1e-3)), (8, dict(step_budget_ratio=1.0001))],
+    ids=["unit16", "unit8", "unit8-ratio"],
+)
+def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(
+    tiny_llama_dir, unit, time_budget
+):
     from test_runtime_engine import config, greedy, hf_greedy, prompt, run, tokens, transformers_model
 
     from toolkit.runtime.engine import Engine
 
     hf_model = transformers_model(tiny_llama_dir)
-    budget = dict(max_num_tokens=64, step_budget_ms=1e-3, context_chunk_unit=unit)
+    budget = dict(max_num_tokens=64, context_chunk_unit=unit, **time_budget)
     eng = Engine(tiny_llama_dir, config(enable_kv_cache_reuse=False, **budget))
     run(eng, [greedy(prompt(8, 70 + i), n=6) for i in range(4)], arrivals={1: 1, 2: 2, 3: 3})  # the fit's data
     # the engine fed the fit both kinds of step; the tiny model's rows cost microseconds, so the fit itself is noise

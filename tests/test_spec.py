@@ -60,6 +60,13 @@ def test_examples_validate(path):
             "enable_chunked_context: true",
         ),
         ("name: x\nbuild: {target: llmapi, step_budget_ms: 40}\n", "build.step_budget_ms", "in tokens only"),
+        ("name: x\nbuild: {step_budget_ratio: 1}\n", "build.step_budget_ratio", "greater than 1"),
+        (
+            "name: x\nbuild: {step_budget_ratio: 2, enable_chunked_context: false, max_num_tokens: 1024}\n",
+            "build.step_budget_ratio",
+            "enable_chunked_context: true",
+        ),
+        ("name: x\nbuild: {target: trt-engine, step_budget_ratio: 2}\n", "build.step_budget_ratio", "in tokens only"),
         ("name: x\nbuild: {context_chunk_unit: 12}\n", "build.context_chunk_unit", "power of two"),
         ("name: x\nbuild: {lm_head: fp8}\n", "build.lm_head", "'exported' or 'int8'"),
         ("name: x\nbuild: {target: trt-engine, lm_head: int8}\n", "build.lm_head", "quantize_lm_head"),

@@ -167,6 +167,15 @@ class BuildSpec(Section):
         "one attention unit a step. Set it below the ITL p99 objective; max_num_tokens still caps the rows "
         "(docs/engine.md, 'A step budget in time')",
     )
+    step_budget_ratio: float | None = Field(
+        None,
+        gt=1,
+        description="cpu: the time budget of a step in which a request is generating, as a multiple of the "
+        "predicted time of its decode rows alone: prompt chunks are cut so the step stays within it, at least one "
+        "attention unit a step. Bounds the ITL tail against the ITL median at any load (2: ITL p99/p50 near 2 "
+        "or below); with step_budget_ms too, the smaller budget applies (docs/engine.md, 'A step budget relative "
+        "to the decode step')",
+    )
     context_chunk_unit: int | None = Field(
         None,
         ge=1,
@@ -861,12 +870,13 @@ class Spec(Section):
                 f"{b.max_num_tokens_without_decode} is below build.max_num_tokens ({b.max_num_tokens}); a step "
                 "without decodes may take more tokens, not fewer. Raise it or leave it unset",
             )
-        if b.step_budget_ms is not None and b.target != "cpu":
-            raise _Rule(
-                "build.step_budget_ms",
-                f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in tokens "
-                "only: drop step_budget_ms and size build.max_num_tokens",
-            )
+        for name in ("step_budget_ms", "step_budget_ratio"):
+            if getattr(b, name) is not None and b.target != "cpu":
+                raise _Rule(
+                    f"build.{name}",
+                    f"is rtk's cpu engine's; the {b.target} target's scheduler (TensorRT-LLM's) budgets steps in "
+                    f"tokens only: drop {name} and size build.max_num_tokens",
+                )
         if b.compute_dtype != "auto" and b.target != "cpu":
             raise _Rule(
                 "build.compute_dtype",
@@ -904,11 +914,12 @@ class Spec(Section):
                     f"{u} does not fit a step beside a full batch's decodes (build.max_num_tokens - "
                     f"build.max_batch_size + 1 = {room}); lower it or raise build.max_num_tokens",
                 )
-        if b.step_budget_ms is not None and not b.enable_chunked_context:
-            raise _Rule(
-                "build.step_budget_ms",
-                "cuts prompt chunks, so it needs build.enable_chunked_context: true; set that or drop step_budget_ms",
-            )
+        for name in ("step_budget_ms", "step_budget_ratio"):
+            if getattr(b, name) is not None and not b.enable_chunked_context:
+                raise _Rule(
+                    f"build.{name}",
+                    f"cuts prompt chunks, so it needs build.enable_chunked_context: true; set that or drop {name}",
+                )
         if b.max_num_tokens < b.max_batch_size:
             raise _Rule(
                 "build.max_num_tokens",

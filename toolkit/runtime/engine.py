@@ -68,6 +68,9 @@ class EngineConfig:
     # predicted time (runtime/step_times.py, fitted to the last steps' measured times) stays within it,
     # keeping at least one attention unit a step; None: max_num_tokens alone
     step_budget_ms: float | None = None
+    # the same budget as a multiple of the predicted time of the step's decode rows alone (> 1), so it
+    # follows the load: a bound on ITL p99 / p50.  With step_budget_ms too, the smaller applies
+    step_budget_ratio: float | None = None
     # prompt chunks end on multiples of this many tokens (or at the prompt's end) and prefill attention
     # runs this many query rows a call, so a prompt's numbers never depend on how the load split it; a
     # power of two <= tokens_per_block.  None: tokens_per_block, halved until a step with a full batch
@@ -143,6 +146,7 @@ class EngineConfig:
             max_num_tokens=build.max_num_tokens,
             max_num_tokens_without_decode=build.max_num_tokens_without_decode,
             step_budget_ms=build.step_budget_ms,
+            step_budget_ratio=build.step_budget_ratio,
             context_chunk_unit=build.context_chunk_unit,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
@@ -188,11 +192,13 @@ class EngineConfig:
                 f"{self.max_num_tokens_without_decode} is below max_num_tokens ({self.max_num_tokens}); "
                 "leave it unset or raise it",
             )
-        if self.step_budget_ms is not None:
-            if not self.step_budget_ms > 0:
-                bad("step_budget_ms", f"{self.step_budget_ms} must be above 0 ms")
-            if not self.enable_chunked_context:
-                bad("step_budget_ms", "cuts prompt chunks; set enable_chunked_context true or leave it unset")
+        if self.step_budget_ms is not None and not self.step_budget_ms > 0:
+            bad("step_budget_ms", f"{self.step_budget_ms} must be above 0 ms")
+        if self.step_budget_ratio is not None and not self.step_budget_ratio > 1:
+            bad("step_budget_ratio", f"{self.step_budget_ratio} must be above 1 (the decode rows' own time)")
+        for name in ("step_budget_ms", "step_budget_ratio"):
+            if getattr(self, name) is not None and not self.enable_chunked_context:
+                bad(name, "cuts prompt chunks; set enable_chunked_context true or leave it unset")
         if self.context_chunk_unit is not None:
             u, room = self.context_chunk_unit, self.max_num_tokens - self.max_batch_size + 1
             if u < 1 or u & (u - 1) or u > self.tokens_per_block:
@@ -327,6 +333,7 @@ class Engine:
             config.step_tokens_without_decode,
             config.step_budget_ms,
             config.context_chunk_unit,
+            config.step_budget_ratio,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()
@@ -453,7 +460,7 @@ class Engine:
         row = decode_rows = prompt_rows = 0
         attention = 0.0
         # the step's shape and time feed the budget's fit (and the step trace)
-        timed = self.config.step_budget_ms is not None or self._trace is not None
+        timed = self.scheduler.budgets_time or self._trace is not None
         cpu_started = time.process_time() if self._trace is not None else 0.0
         for seq, n in work:
             if seq.first_scheduled_ns is None:

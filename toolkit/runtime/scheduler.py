@@ -6,7 +6,8 @@ step in which no sequence is generating has nobody waiting, and its budget is
 ``max_num_tokens_without_decode`` (the engine's default: the larger of ``max_num_tokens`` and the
 longest prompt, ``EngineConfig.step_tokens_without_decode``), so a prompt that arrives at an idle
 engine runs in one step.  A step with someone generating may also have a time budget
-(``step_budget_ms``): prompt chunks are then cut to what the step's predicted time leaves
+(``step_budget_ms``, or ``step_budget_ratio`` times its decode rows' own predicted time, whichever
+is smaller when both are set): prompt chunks are then cut to what the step's predicted time leaves
 (step_times.py: the engine's measured step times), keeping at least one attention unit of prompt a
 step, so the wait between tokens follows the host's speed of the moment rather than a token count
 chosen for one hour of it.
@@ -125,6 +126,7 @@ class Scheduler:
         max_num_tokens_without_decode: int | None = None,
         step_budget_ms: float | None = None,
         unit: int | None = None,
+        step_budget_ratio: float | None = None,
     ):
         if policy not in POLICIES:
             from ..errors import UsageError
@@ -139,8 +141,9 @@ class Scheduler:
         self.chunked = chunked
         self.policy = policy
         self.step_budget_ms = step_budget_ms
+        self.step_budget_ratio = step_budget_ratio
         self.step_times = StepTimes()  # the engine reports every step's time to it
-        self._time_left: float | None = None  # ms this step's prompt chunks may still take (step_budget_ms)
+        self._time_left: float | None = None  # ms this step's prompt chunks may still take (time budget)
         self._prompt_rows = 0  # prompt rows planned so far this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
@@ -199,7 +202,7 @@ class Scheduler:
         if not seq.prefilling:  # one row per token; a recompute takes at most a unit of rows per step
             return min(seq.remaining, budget, self.unit)
         left = seq.prompt_len - seq.num_cached
-        if self._time_left is not None:  # step_budget_ms; the step's first chunk keeps at least a unit
+        if self._time_left is not None:  # a time budget; the step's first chunk keeps at least a unit
             fit = self.step_times.prompt_rows_within(self._time_left, seq.num_cached)
             budget = min(budget, max(fit, 0 if self._prompt_rows else min(left, self.unit)))
         if left <= budget:
@@ -263,12 +266,12 @@ class Scheduler:
 
         self._prompt_rows, self._time_left = 0, None
         if (
-            self.step_budget_ms is not None
+            self.budgets_time
             and decoding
             and (self.waiting or any(s.prefilling for s in self.running))
             and self.step_times.ready  # fits only here: a step with decodes and a prompt to cut
         ):
-            self._time_left = self.step_budget_ms - self.step_times.decode_ms(sum(n for _, n in generating))
+            self._time_left = self._prompt_time(self.step_times.decode_ms(sum(n for _, n in generating)))
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.order):
             if seq not in self.running or budget == 0:
                 continue
@@ -299,6 +302,18 @@ class Scheduler:
             self._charge(seq, n)
         self._time_left = None
         return generating + prefills
+
+    @property
+    def budgets_time(self) -> bool:
+        """Whether steps with someone generating have a time budget (and so the engine times its steps)."""
+        return self.step_budget_ms is not None or self.step_budget_ratio is not None
+
+    def _prompt_time(self, decode_ms: float) -> float:
+        """ms a step's prompt chunks may take beside decode rows predicted to take ``decode_ms``."""
+        left = [self.step_budget_ms - decode_ms] if self.step_budget_ms is not None else []
+        if self.step_budget_ratio is not None:
+            left.append((self.step_budget_ratio - 1) * decode_ms)
+        return min(left)
 
     def _charge(self, seq: Sequence, n: int) -> None:
         """Take a planned prompt chunk's predicted time off what is left of the step's time budget."""
