@@ -337,6 +337,37 @@ def test_projection_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(proj(x[28:36], singles=4), batch[28:36])
 
 
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_a_mixed_calls_decode_rows_join_the_gemm_only_where_they_keep_the_gemvs_bits(in_features, monkeypatch):
+    """A shape whose one-row bits are every call's (``whole_gemv_rows``) takes a call of more rows than the GEMV's
+    whole through the library's GEMM, decode rows included (the weights read once); its decode rows keep the bits
+    rtk's GEMV gives them alone.  Elsewhere (``min_rows`` > 1) decode rows still go through the GEMV."""
+    from toolkit.runtime import kernels
+    from toolkit.runtime.checkpoint import Linear
+    from toolkit.runtime.model import GEMV_MAX_ROWS, Projection, bf16_is_fast
+
+    if not (bf16_is_fast() and kernels.available()):
+        pytest.skip("rtk's bf16 GEMV needs AVX512-BF16")
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(weight=(torch.randn(1536 if in_features == 576 else 576, in_features, generator=g) * 0.05))
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    if proj.gemv is None:
+        pytest.skip("rtk's GEMV does not give oneDNN's bits on this host")
+    x = torch.randn(64, in_features, generator=g).to(torch.bfloat16)
+    gemv_rows: list[int] = []
+    gemv = proj._gemv
+    monkeypatch.setattr(proj, "_gemv", lambda rows: gemv_rows.append(rows.shape[0]) or gemv(rows))
+    with torch.inference_mode():
+        batch = proj(x, singles=3)  # 3 decode rows and a 61-row prompt chunk
+        through_gemv = list(gemv_rows)
+        for i in range(3):
+            assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
+    if proj.whole_gemv_rows:
+        assert proj.whole_gemv_rows == GEMV_MAX_ROWS and through_gemv == []
+    else:
+        assert through_gemv == [3]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_row_probe_finds_a_rare_kernel_difference(seed):
     """``Projection.min_rows`` (the smallest call whose rows get every larger call's bits) over a reduction of 1,160:

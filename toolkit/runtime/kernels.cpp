@@ -706,6 +706,7 @@ struct DecodeProjection {
     const int64_t m = in.size(0);
     if (B == m || m <= whole_gemv_rows) return gemv_rows(in);
     TORCH_CHECK(takes_prompt_rows(), "rtk_kernels.DecodeLayers: prompt rows need the projection's library weights");
+    if (whole_gemv_rows > 0) return prompt_rows(in);  // every row's bits are the GEMV's: one GEMM, weights read once
     const at::Tensor prompt = prompt_rows(in.narrow(0, B, m - B));
     return B == 0 ? prompt : at::cat({gemv_rows(in.narrow(0, 0, B)), prompt});
   }

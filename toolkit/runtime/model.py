@@ -647,6 +647,8 @@ class Projection:
             if rows <= self.whole_gemv_rows or (singles is None and rows <= GEMV_MAX_ROWS):
                 # a row-invariant shape (its one-row bits are every call's bits), or decode_batching "full"
                 return self._gemv(x)
+            if self.whole_gemv_rows:  # the same shape in a bigger call: decode rows too through the library's GEMM,
+                return self._matmul(x)  # whose bits are the GEMV's there, so the weights are read once, not twice
             if singles:
                 # decode rows with the one-row bits, as a lone decode (and transformers') computes them
                 parts = [self._gemv(x[:singles])]
