@@ -353,18 +353,18 @@ def test_a_mixed_calls_decode_rows_join_the_gemm_only_where_they_keep_the_gemvs_
     proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
     if proj.gemv is None:
         pytest.skip("rtk's GEMV does not give oneDNN's bits on this host")
-    x = torch.randn(64, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(128, in_features, generator=g).to(torch.bfloat16)
     gemv_rows: list[int] = []
     gemv = proj._gemv
     monkeypatch.setattr(proj, "_gemv", lambda rows: gemv_rows.append(rows.shape[0]) or gemv(rows))
     with torch.inference_mode():
-        batch = proj(x, singles=3)  # 3 decode rows and a 61-row prompt chunk
+        batch = proj(x, singles=3)  # 3 decode rows and a 125-row prompt chunk
         through_gemv = list(gemv_rows)
         for i in range(3):
             assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
         gemv_rows.clear()
         assert torch.equal(proj(x[:40], singles=3), batch[:40])  # a smaller call: the same bits
-    if proj.whole_gemv_rows:  # 64 rows through the GEMM, 40 through the GEMV whole
+    if proj.whole_gemv_rows:  # 128 rows through the GEMM, 40 through the GEMV whole
         assert proj.whole_gemv_rows == WHOLE_GEMV_MAX_ROWS and through_gemv == [] and gemv_rows == [40]
     else:
         assert through_gemv == [3] and gemv_rows == [3]

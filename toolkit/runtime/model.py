@@ -196,9 +196,12 @@ INT_MAX_ROWS = {8: 4, 4: 8}
 GEMV_MAX_ROWS = 16
 # Where a shape's one-row bits are every call's (Projection.whole_gemv_rows), a call of up to this many rows goes
 # through the GEMV whole, prompt rows and decode rows alike: with the weights in DRAM it beat oneDNN's GEMM there
-# (AMD Zen 4, 2 threads, 2026-12-05: a bf16 prompt of 17-64 tokens prefilled in 0.88-0.95x the time, level from 96
-# on; over FP8 codes 0.91-0.96x up to 48 tokens, 1.02x at 64)
-WHOLE_GEMV_MAX_ROWS = 48
+# (AMD Zen 4, 2 threads, 2026-12-05: a bf16 prompt of 17-96 tokens prefilled in 0.88-0.97x the time, level from 128
+# on) ...
+WHOLE_GEMV_MAX_ROWS = 96
+# ... and over codes it reads for every call (FP8's table, INT4's group sums; no bf16 copy), which it rebuilds into
+# weights per row group: 0.91-0.96x up to 48 tokens, 1.02x at 64
+WHOLE_CODES_MAX_ROWS = 48
 # decode_batching "full": from this many rows on, an INT4 call takes AMX's tiles (W4A8Weight.prompt) for all its rows,
 # decode rows too, where they pay: SmolLM2's INT4-AWQ decode steps on one thread on the AMX host (2026-12-05), w4a8
 # against the tiles from 4 rows on, 13.8-15.7 / 17.3-18.0 ms at 4 rows, 26.7-27.6 / 24.0-24.9 at 8
@@ -384,10 +387,12 @@ class Projection:
     @property
     def whole_gemv_rows(self) -> int:
         """Most rows a batch-invariant call sends through rtk's GEMV whole, decode and prompt rows alike
-        (:data:`WHOLE_GEMV_MAX_ROWS`): where the GEMV's one-row bits are every call's bits (``min_rows`` 1, the
-        library's rounding); else 0."""
+        (:data:`WHOLE_GEMV_MAX_ROWS`, :data:`WHOLE_CODES_MAX_ROWS` over codes alone): where the GEMV's one-row
+        bits are every call's bits (``min_rows`` 1, the library's rounding); else 0."""
         whole = (self.gemv is not None or self.quant is not None) and not self.own_rounding and self.min_rows == 1
-        return WHOLE_GEMV_MAX_ROWS if whole else 0
+        if not whole:
+            return 0
+        return WHOLE_CODES_MAX_ROWS if self.quant is not None and self.gemv is None else WHOLE_GEMV_MAX_ROWS
 
     @property
     def codes_max_rows(self) -> int:
