@@ -924,9 +924,10 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   // A step with prompt rows: rows [0, num_decode) decode as forward's rows do (with padded_slots / padded_mask,
   // those rows' padded plan), the rest are prompt chunks (decode_plan.h, PromptPlan).  Each projection takes
-  // the decode rows through the GEMV and the prompt rows through oneDNN's GEMM, or every row through the GEMM
-  // where that gives the decode rows the GEMV's bits (DecodeProjection::rows), as model.Projection splits a call; the prompt rows attend through torch's SDPA per unit as model.py calls it:
-  // so every row's numbers are the operator path's (model.Transformer._layers).
+  // the decode rows through the GEMV and the prompt rows through oneDNN's GEMM, or every row through the GEMV or
+  // the GEMM where that gives the decode rows the GEMV's bits (DecodeProjection::rows), as model.Projection splits
+  // a call; the prompt rows attend through torch's SDPA per unit as model.py calls it: so every row's numbers are
+  // the operator path's (model.Transformer._layers).
   at::Tensor forward_rows(at::Tensor h, int64_t num_decode, at::Tensor positions, at::Tensor write_slots,
                           at::Tensor ctx_slots, at::Tensor ctx_bounds, at::Tensor k_pool, at::Tensor v_pool,
                           int64_t begin, int64_t end, c10::optional<at::Tensor> padded_slots,
