@@ -199,8 +199,8 @@ GEMV_MAX_ROWS = 16
 # (AMD Zen 4, 2 threads, 2026-12-05: a bf16 prompt of 17-96 tokens prefilled in 0.88-0.97x the time, level from 128
 # on) ...
 WHOLE_GEMV_MAX_ROWS = 96
-# ... and over codes it reads for every call (FP8's table, INT4's group sums; no bf16 copy), which it rebuilds into
-# weights per row group: 0.91-0.96x up to 48 tokens, 1.02x at 64
+# ... and over codes it reads for every call (FP8's table, which has no bf16 copy), rebuilding the weights per row
+# group: 0.91-0.96x up to 48 tokens, 1.02x at 64.  (INT4's group sums round their own way and never go whole.)
 WHOLE_CODES_MAX_ROWS = 48
 # decode_batching "full": from this many rows on, an INT4 call takes AMX's tiles (W4A8Weight.prompt) for all its rows,
 # decode rows too, where they pay: SmolLM2's INT4-AWQ decode steps on one thread on the AMX host (2026-12-05), w4a8
