@@ -654,12 +654,12 @@ class Projection:
                 parts.append(self._padded(x[singles:]) if self.single_rows else self._matmul(x[singles:]))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.gemv is not None or self.quant is not None:
-            rows = x.shape[0]
-            if rows <= self.whole_gemv_rows or (singles is None and rows <= GEMV_MAX_ROWS):
+            rows, whole = x.shape[0], self.whole_gemv_rows
+            if rows <= whole or (singles is None and rows <= GEMV_MAX_ROWS):
                 # a row-invariant shape (its one-row bits are every call's bits), or decode_batching "full"
                 return self._gemv(x)
-            if self.whole_gemv_rows:  # the same shape in a bigger call: decode rows too through the library's GEMM,
-                return self._matmul(x)  # whose bits are the GEMV's there, so the weights are read once, not twice
+            if whole:  # the same shape in a bigger call: decode rows too through the library's GEMM, whose bits are
+                return self._matmul(x)  # the GEMV's there, so the weights are read once, not twice
             if singles:
                 # decode rows with the one-row bits, as a lone decode (and transformers') computes them
                 parts = [self._gemv(x[:singles])]
