@@ -44,6 +44,7 @@ It is a benchmark, not a test; run it on a quiet host (under the shared CPU lock
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import itertools
@@ -427,6 +428,19 @@ def stream_one(server, prompt: str, n: int, conn: http.client.HTTPConnection) ->
     return sent, times
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """``count`` processes that spin on a core each while the level runs: other work on the host, the same
+    for both servers."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
 def run_level(server, prompts: list[str], concurrency: int, n: int, warmup: int) -> Level:
     """Closed loop: ``concurrency`` streams, each sending its next prompt when the previous answer ends."""
     level = Level()
@@ -550,6 +564,13 @@ def main(argv=None) -> int:
         default="frontdoor",
         help="rtk's side: its front door's /v1/completions (default) or Triton's ensemble generate_stream",
     )
+    ap.add_argument(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPU during every measured level, for both servers (other work on the host)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -611,7 +632,8 @@ def main(argv=None) -> int:
                         prompts = make_prompts(
                             args.requests + args.warmup, args.prompt_words, seed=hash((fmt, side, r, c)) % 997
                         )
-                        lv = run_level(server, prompts, c, n, args.warmup)
+                        with cpu_hogs(args.cpu_hogs):
+                            lv = run_level(server, prompts, c, n, args.warmup)
                         per[side][c] = merge(per[side][c], lv)
                 log(f"{fmt} round {r + 1}: {side} done, load average {loadavg()}")
         results[fmt] = per
@@ -625,6 +647,9 @@ def main(argv=None) -> int:
         f"; llama-server -np {slots}, "
         f"{args.requests} measured requests per level and side, {n} output tokens, ~{args.prompt_words}-word prompts;"
         f" rtk through {'its front door' if args.rtk_endpoint == 'frontdoor' else 'the ensemble (generate_stream)'}"
+        f"{f'; {args.cpu_hogs} spinning processes beside both servers' if args.cpu_hogs else ''}"
+        f"; GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}, OMP_WAIT_POLICY "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} in both servers' environment"
     )
     if args.json:
         args.json.write_text(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict
 
@@ -14,7 +15,7 @@ from toolkit.artifacts import read_manifest
 from toolkit.errors import SourceError
 from toolkit.runtime.engine import EngineConfig, GenerationRequest
 from toolkit.targets import build
-from toolkit.targets.cpu import ENGINE_CONFIG, load_engine
+from toolkit.targets.cpu import ENGINE_CONFIG, SERVED_GOMP_SPINCOUNT, load_engine
 
 BUILD = {"max_batch_size": 4, "max_input_len": 200, "max_seq_len": 256, "max_num_tokens": 64, "tokens_per_block": 16}
 
@@ -118,6 +119,43 @@ def test_a_served_engine_takes_every_core_unless_the_spec_says(tmp_path, tiny_ll
         assert (config.num_threads, config.prefill_threads, config.lone_decode_threads) == (1, None, None)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "env, spin",
+    [({}, "10000"), ({"GOMP_SPINCOUNT": "5000"}, "5000"), ({"OMP_WAIT_POLICY": "active"}, None)],
+    ids=["unset", "user-spincount", "user-wait-policy"],
+)
+def test_a_served_engines_idle_openmp_workers_spin_briefly_unless_the_environment_says(env, spin):
+    """libgomp reads GOMP_SPINCOUNT when torch loads it; OMP_DISPLAY_ENV=verbose makes it print what it read."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from toolkit.targets.cpu import bound_openmp_spin\n"
+        "print('set' if bound_openmp_spin() else 'left', flush=True)\n"
+        "import torch\n"
+        "torch.ones(64).sum()\n"
+        "print('late' if bound_openmp_spin() else 'left', flush=True)\n"  # torch is loaded: too late to set
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env, "OMP_DISPLAY_ENV": "verbose"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    shown = re.search(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
+    if shown is None:
+        pytest.skip(f"torch's OpenMP runtime is not libgomp here: {out.stderr[-300:]!r}")
+    assert out.stdout.split() == (["set", "left"] if not env else ["left", "left"])
+    if spin is not None:
+        assert shown.group(1) == spin
+    else:  # the user's wait policy stands: libgomp's own spin for it, not rtk's
+        assert shown.group(1) != str(SERVED_GOMP_SPINCOUNT)
 
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path, tiny_llama_dir, quantized_dir):

@@ -22,6 +22,7 @@ from toolkit.triton.server import (
     TritonServer,
     find_tritonserver,
     free_ports,
+    log_tail,
     prepare_bundled_backends,
     read_state,
     state_path,
@@ -118,6 +119,20 @@ def test_broken_repository_fails_fast_with_the_log_tail(tmp_path):
     assert time.monotonic() - t < 30  # failed when the process exited, not at the timeout
     msg = str(err.value)
     assert "exited with code" in msg and "no_such_backend" in msg and str(repo.parent / ".rtk-triton") in msg
+
+
+def test_the_log_tail_keeps_a_load_error_that_scrolled_out_of_it(tmp_path):
+    """With several models, the lines of the server unloading the healthy ones pushed the failed model's
+    reason out of the tail (an ensemble whose tensorrt_llm stub had a SyntaxError said only 'failed to load')."""
+    log = tmp_path / "server.log"
+    error = "E1205 16:29:11.477935 32535 model_lifecycle.cc:642] \"failed to load 'tensorrt_llm': SyntaxError\""
+    unloading = [f'I1205 16:29:14.{i:06d} 32535 server.cc:345] "Timeout {i}: Found 3 live models"' for i in range(60)]
+    log.write_text("\n".join(["I1205 loading: tensorrt_llm:1", error, *unloading, "error: creating server"]) + "\n")
+    lines = log_tail(log, 30).splitlines()
+    assert lines[0] == error and lines[1] == "..." and lines[-1] == "error: creating server"
+    assert lines[2:] == [*unloading[-29:], "error: creating server"]
+    log.write_text("\n".join([error, "error: creating server"]) + "\n")  # in the tail already: once
+    assert log_tail(log, 30).splitlines() == [error, "error: creating server"]
 
 
 def test_model_that_raises_at_load_is_reported(tmp_path):

@@ -100,6 +100,31 @@ def served_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+# libgomp's rounds of spinning before an idle OpenMP worker sleeps, for a served engine (GOMP_SPINCOUNT;
+# libgomp's own default is 300,000, several milliseconds).
+SERVED_GOMP_SPINCOUNT = 10_000
+
+
+def bound_openmp_spin() -> bool:
+    """Let a served engine's idle OpenMP workers sleep after ~10,000 spin rounds (``GOMP_SPINCOUNT``), unless
+    the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` itself.  Returns whether it set it (not
+    when torch, and so libgomp, is already loaded).
+
+    libgomp reads the variable once, when it loads (gcc-mirror/gcc ``libgomp/env.c``, ``initialize_env``):
+    call this before torch is imported.  With libgomp's default, the engine's worker keeps a core spinning for
+    milliseconds after each parallel region, also between steps, while tritonserver, the python stubs and the
+    front door wait for a core.  When other processes also want the cores, requests then reached the model's
+    ``execute`` only after the running ones had ended (100-550 ms late; docs/engine.md, "Idle OpenMP workers
+    sleep sooner when served").
+    """
+    import sys
+
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
+        return False  # the user's choice, or too late: libgomp is loaded
+    os.environ["GOMP_SPINCOUNT"] = str(SERVED_GOMP_SPINCOUNT)
+    return True
+
+
 def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides):
     """The :class:`toolkit.runtime.engine.Engine` of a cpu engine directory (``overrides``: EngineConfig fields).
 

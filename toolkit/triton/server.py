@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -592,7 +593,11 @@ def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return "(no log)"
     kept = [ln for ln in text.splitlines() if ln.strip() and not any(n in ln for n in _NOISE)]
-    return "\n".join(kept[-lines:]) or "(log is empty)"
+    tail = kept[-lines:]
+    # glog's error lines (E<mmdd> ...: a model that failed to load says why there) scroll out of the tail
+    # while the server unloads the others; they come first
+    errors = [ln for ln in kept[: len(kept) - len(tail)] if re.match(r"E\d{4} ", ln)][-10:]
+    return "\n".join([*errors, *(["..."] if errors else []), *tail]) or "(log is empty)"
 
 
 def read_states(repository: str | os.PathLike) -> list[ServerState]:

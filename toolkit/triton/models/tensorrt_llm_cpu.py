@@ -34,6 +34,7 @@ and the target, never ignored.  Invalid sampling values (NaN or negative tempera
 """
 
 import json
+import os
 import queue
 import threading
 import time
@@ -212,15 +213,18 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.where = f"model 'tensorrt_llm', target '{p.get('target') or 'cpu'}'"
 
+        from toolkit.targets.cpu import bound_openmp_spin, load_engine
+
+        bound_openmp_spin()  # before the engine's import loads torch and its libgomp
+        spin = ", ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ)
         from toolkit.runtime.engine import BackgroundEngine
-        from toolkit.targets.cpu import load_engine
 
         policy = p.get("batch_scheduler_policy") or "guaranteed_no_evict"
         # loaded on the thread that steps it: one OpenMP pool (BackgroundEngine)
         self.background = BackgroundEngine(lambda: load_engine(p["engine_dir"], served=True, scheduler_policy=policy))
         self.engine = self.background.engine
         self.config = self.engine.config
-        self.logger.log_info(f"{self.where}: {self.engine.model.kernels}")
+        self.logger.log_info(f"{self.where}: {self.engine.model.kernels}; {spin or 'libgomp default wait'}")
         self.sender = _Sender(self.logger)
         self.lock = threading.Lock()
         self.streams = {}  # engine request id -> _Stream
