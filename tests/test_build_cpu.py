@@ -111,12 +111,14 @@ def test_a_served_engine_takes_every_core_unless_the_spec_says(tmp_path, tiny_ll
         served = load_engine(unset, served=True)
         # served: every core for every step (one OpenMP pool, docs/engine.md); the step kinds' own counts unset
         assert served.config.num_threads == cores and torch.get_num_threads() == cores
+        assert served.config.follow_free_cores  # fewer while other processes take cores (test_runtime_free_cores)
         assert (served.config.prefill_threads, served.config.lone_decode_threads) == (None, None)
         assert load_engine(unset, served=True, lone_decode_threads=1).config.lone_decode_threads == 1
         spec = spec_for("t", tiny_llama_dir, quantization={"format": "none"}, build={**BUILD, "num_threads": 1})
         config = load_engine(build(spec, quantized_dir, tmp_path / "set").path, served=True).config
         # the spec's threads, for every step
         assert (config.num_threads, config.prefill_threads, config.lone_decode_threads) == (1, None, None)
+        assert not config.follow_free_cores  # the spec's count, whatever the load
     finally:
         torch.set_num_threads(before)
 

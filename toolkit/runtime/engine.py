@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
+from .free_cores import FreeCores
 from .kv_cache import BlockManager, blocks_for
 from .sampling import SamplingParams, sample_sequences
 from .scheduler import POLICIES, Scheduler, Sequence
@@ -88,6 +89,9 @@ class EngineConfig:
     prefill_threads: int | None = None  # threads for steps that prefill prompt rows; None = num_threads
     # threads for decode steps of one sequence alone (no prompt rows); None = num_threads
     lone_decode_threads: int | None = None
+    # step with no more threads than the cores other processes leave free (free_cores.FreeCores); served engines
+    # whose spec sets no threads do (targets.cpu.load_engine)
+    follow_free_cores: bool = False
     # auto = bfloat16 where the CPU has native bf16, else float32; float32 for an INT8 / INT4 export where rtk's
     # VNNI integer products run (model.resolve_dtype)
     dtype: str = "auto"
@@ -322,6 +326,7 @@ class Engine:
         )
         if prompt_threads:
             torch.set_num_threads(decode_threads)
+        self.free_cores = FreeCores() if config.follow_free_cores else None
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)
         self.scheduler = Scheduler(
@@ -490,6 +495,8 @@ class Engine:
             threads = self.config.prefill_threads
         else:
             threads = self.config.lone_decode_threads if len(work) == 1 else None
+        if self.free_cores is not None:
+            threads = min(threads or torch.get_num_threads(), self.free_cores.threads())
         switch = threads is not None and threads != torch.get_num_threads()
         if switch:
             decode_threads = torch.get_num_threads()

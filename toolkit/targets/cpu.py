@@ -129,8 +129,9 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
     """The :class:`toolkit.runtime.engine.Engine` of a cpu engine directory (``overrides``: EngineConfig fields).
 
     ``served``: the engine runs inside tritonserver, so without a ``num_threads`` it takes
-    :func:`served_threads` (every core) for every step; ``prefill_threads`` and ``lone_decode_threads`` still
-    override it for their steps. Load a served engine on the thread that steps it
+    :func:`served_threads` (every core) for every step, or as many as other processes leave free
+    (``follow_free_cores``); ``prefill_threads`` and ``lone_decode_threads`` still override it for their steps.
+    Load a served engine on the thread that steps it
     (``BackgroundEngine(lambda: load_engine(...))``).
     """
     from ..runtime.engine import Engine, EngineConfig
@@ -148,6 +149,7 @@ def load_engine(engine_dir: str | os.PathLike, served: bool = False, **overrides
         ) from None
     if served and config.num_threads is None:
         config.num_threads = served_threads()
+        config.follow_free_cores = True
     return Engine(engine_dir / CHECKPOINT_DIR, config)
 
 

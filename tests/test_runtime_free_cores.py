@@ -1,0 +1,86 @@
+"""A served engine's threads follow the cores other processes leave free (toolkit/runtime/free_cores.py).
+
+The contention is real: processes that spin on the CPU, as many as leave this process one core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from toolkit.runtime.engine import Engine
+from toolkit.runtime.free_cores import FreeCores, free_cores
+
+CORES = len(os.sched_getaffinity(0))
+needs_cores = pytest.mark.skipif(not 2 <= CORES <= 8, reason=f"needs 2 to 8 cores to take all but one ({CORES})")
+
+
+@contextlib.contextmanager
+def spinning(count: int):
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def wait_for(cond, timeout_s: float = 15.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_free_cores_are_the_cores_less_what_other_processes_used():
+    # 2 cores for 1 s at 100 ticks a second: 200 ticks, 150 busy, 0.5 s of them this process's
+    assert free_cores(2, busy_ticks=150, total_ticks=200, own_cpu_s=0.5, hz=100) == pytest.approx(1.0)
+    assert free_cores(2, busy_ticks=60, total_ticks=200, own_cpu_s=0.6, hz=100) == pytest.approx(2.0)  # only us
+    assert free_cores(4, busy_ticks=400, total_ticks=400, own_cpu_s=0.0, hz=100) == 0.0  # all taken by others
+    assert free_cores(2, busy_ticks=0, total_ticks=0, own_cpu_s=0.0, hz=100) == 2.0  # no window yet
+
+
+@needs_cores
+def test_the_threads_drop_while_other_processes_take_the_cores_and_come_back_after():
+    cores = FreeCores(window_s=0.3)
+    assert cores.threads() == CORES
+    with spinning(CORES - 1):
+        assert wait_for(lambda: cores.threads() == 1), f"still {cores.current} threads, {cores.free} cores free"
+    assert wait_for(lambda: cores.threads() == CORES), f"still {cores.current} threads, {cores.free} cores free"
+
+
+@needs_cores
+def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads(tiny_llama_dir):
+    from test_runtime_engine import config, greedy, prompt
+
+    before = torch.get_num_threads()
+    try:
+        engine = Engine(tiny_llama_dir, config(num_threads=CORES, follow_free_cores=True))
+        engine.free_cores = FreeCores(window_s=0.3)
+        reference = engine.generate(greedy(prompt(30, 1), n=24))  # every core free
+        seen = []
+        forward = engine.model.forward
+
+        def record(ids, plan, pool):
+            seen.append(torch.get_num_threads())
+            return forward(ids, plan, pool)
+
+        engine.model.forward = record
+        with spinning(CORES - 1):
+            end = time.monotonic() + 15
+            while 1 not in seen and time.monotonic() < end:
+                assert engine.generate(greedy(prompt(30, 1), n=24)) == reference
+            assert 1 in seen, f"every step on {set(seen)} threads; {engine.free_cores.free} cores free"
+            assert engine.generate(greedy(prompt(30, 1), n=24)) == reference
+        assert torch.get_num_threads() == CORES  # each step's own count; the engine's stays
+    finally:
+        torch.set_num_threads(before)
