@@ -3,7 +3,7 @@
 Two OpenMP threads on a 2-core host where another process keeps one core busy wait for each other in
 every parallel region: one of them shares its core with the other process, and the region ends only
 when it has had its turn.  SmolLM2 FP8 served 2.7-27 tokens/s that way against 99-155 on one thread
-(docs/engine.md, "Threads that follow the free cores").  :class:`FreeCores` reads ``/proc/stat`` for the
+(docs/engine.md, "Served engines beside other load").  :class:`FreeCores` reads ``/proc/stat`` for the
 cores this process may run on and this process's own CPU time, and gives the number of cores the others
 left over the last window.
 """

@@ -114,8 +114,8 @@ def bound_openmp_spin() -> bool:
     call this before torch is imported.  With libgomp's default, the engine's worker keeps a core spinning for
     milliseconds after each parallel region, also between steps, while tritonserver, the python stubs and the
     front door wait for a core.  When other processes also want the cores, requests then reached the model's
-    ``execute`` only after the running ones had ended (100-550 ms late; docs/engine.md, "Idle OpenMP workers
-    sleep sooner when served").
+    ``execute`` only after the running ones had ended (100-550 ms late; docs/engine.md, "Served engines beside
+    other load").
     """
     import sys
 
