@@ -34,6 +34,9 @@
   llama-server has at least as many parallel slots (``-np``) as the highest concurrency.  Only
   one server is alive at a time: per format, rtk runs every concurrency level, stops, then the
   peer does; with ``--rounds`` > 1 they alternate again and samples are pooled.
+* **Other load.** ``--cpu-hogs N`` runs N processes spinning on the CPU beside whichever server is measured,
+  for every level of both: how each keeps its speed when it does not have the host to itself. The footer
+  says which libgomp spin settings (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``) both servers inherited.
 * **Reported**, per format and concurrency: TTFT p50/p99, ITL p50/p99 (every gap between events),
   aggregate output tokens/s (tokens / wall time of the level), and rtk / peer ratios (> 1 means rtk
   is better: faster TTFT, more tokens/s), with the load average and the client's own CPU time.
