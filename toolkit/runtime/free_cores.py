@@ -10,7 +10,10 @@ left over the last window.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
 
 # A window long enough for /proc/stat's ticks (10 ms each) to be counted in the hundreds.
@@ -84,3 +87,16 @@ class FreeCores:
         elif self.free >= self.current + 1 - RISE and self.current < self.max_threads:
             self.current = min(self.max_threads, int(self.free + RISE))
         return self.current
+
+
+@contextlib.contextmanager
+def spinning_processes(count: int):
+    """``count`` processes that each keep a core busy until the block ends: other load on the host, for the
+    benchmarks and tests that measure how a served engine copes with it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
