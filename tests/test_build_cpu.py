@@ -160,6 +160,54 @@ def test_a_served_engines_idle_openmp_workers_spin_briefly_unless_the_environmen
         assert shown.group(1) != str(SERVED_GOMP_SPINCOUNT)
 
 
+def _cgroupfs(root, files: dict[str, str], proc: str):
+    """A cgroup file system as the kernel lays it out: ``files`` relative to ``root``; /proc/self/cgroup's text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "proc-self-cgroup").write_text(proc)
+    return root, root / "proc-self-cgroup"
+
+
+@pytest.mark.parametrize(
+    "files, proc, cores",
+    [
+        ({"cpu.max": "max 100000\n"}, "0::/\n", None),  # v2 without a limit
+        ({"cpu.max": "200000 100000\n"}, "0::/\n", 2.0),  # a container's own cgroup (cgroup namespace)
+        # the pod's limit on the parent, none on the container: the parent's applies
+        (
+            {"kubepods/pod1/cpu.max": "150000 100000\n", "kubepods/pod1/c1/cpu.max": "max 100000\n"},
+            "0::/kubepods/pod1/c1\n",
+            1.5,
+        ),
+        # v1: a host path that is not under the container's mount: the mount's own files
+        (
+            {"cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            "12:memory:/kubepods/x\n4:cpu,cpuacct:/kubepods/x\n0::/\n",
+            0.5,
+        ),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, "1:cpu:/\n", None),  # this host's
+    ],
+    ids=["v2-none", "v2-limit", "v2-parent", "v1-limit", "v1-none"],
+)
+def test_a_cpu_quota_is_read_from_the_cgroup_files(tmp_path, files, proc, cores):
+    from toolkit.targets.cpu import cpu_quota_cores
+
+    assert cpu_quota_cores(*_cgroupfs(tmp_path, files, proc)) == cores
+    assert cpu_quota_cores(tmp_path, tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("quota, threads", [(None, None), (0.5, 1), (1.5, 1), (64.0, None)])
+def test_a_served_engine_takes_no_more_threads_than_its_cpu_quota_allows(monkeypatch, quota, threads):
+    import os
+
+    from toolkit.targets import cpu
+
+    monkeypatch.setattr(cpu, "cpu_quota_cores", lambda: quota)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu.served_threads() == min(cores, threads or cores)
+
+
 def test_a_failed_build_leaves_nothing_behind(tmp_path, tiny_llama_dir, quantized_dir):
     spec = spec_for("b", tiny_llama_dir, quantization={"format": "none"}, build=BUILD)
     with pytest.raises(SourceError, match="rtk quantize"):

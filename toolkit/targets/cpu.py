@@ -96,8 +96,62 @@ def served_threads() -> int:
     pairs, 2026-12-05) served INT8-SQ 12-36 % more tokens a second at 1, 4 and 8 streams, and INT4-AWQ 16-21 %
     more at one stream; bf16 and FP8 stayed within the host's drift. On the AMX host, INT4-AWQ gained
     15-37 %.
+
+    Under a CPU quota (a container's CPU limit: :func:`cpu_quota_cores`) the cores of the affinity mask may be
+    many more than the quota lets run at once; then the whole cores of the quota, at least one.
     """
-    return len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
+    quota = cpu_quota_cores()
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def cpu_quota_cores(
+    root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup"
+) -> float | None:
+    """The cores a CFS quota lets this process's cgroup (or an ancestor's) use at once, or None without one.
+
+    A Kubernetes CPU limit is such a quota: cgroup v2's ``cpu.max`` ("QUOTA PERIOD", or "max PERIOD" for none),
+    cgroup v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1 for none); see the kernel's
+    Documentation/admin-guide/cgroup-v2.rst ("cpu.max") and Documentation/scheduler/sched-bwc.rst.
+    """
+    root = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",") if controllers else []
+        if not names:  # cgroup v2's unified hierarchy
+            mounts = [root]
+        elif "cpu" in names:
+            mounts = [root / controllers, root / "cpu"]
+        else:
+            continue
+        for mount in (m for m in mounts if m.is_dir()):
+            d = mount / path.lstrip("/")
+            while True:  # the cgroup, then its ancestors up to the mount: each one's limit applies
+                limits.append(_quota(d, v2=not names))
+                if d == mount:
+                    break
+                d = d.parent
+            break
+    found = [q for q in limits if q is not None]
+    return min(found) if found else None
+
+
+def _quota(d: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
 
 
 # libgomp's rounds of spinning before an idle OpenMP worker sleeps, for a served engine (GOMP_SPINCOUNT;
