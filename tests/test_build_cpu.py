@@ -195,6 +195,8 @@ def test_a_cpu_quota_is_read_from_the_cgroup_files(tmp_path, files, proc, cores)
 
     assert cpu_quota_cores(*_cgroupfs(tmp_path, files, proc)) == cores
     assert cpu_quota_cores(tmp_path, tmp_path / "absent") is None
+    (tmp_path / "odd").write_text(f"not a cgroup line\n{proc}")  # a line it cannot read is passed over
+    assert cpu_quota_cores(tmp_path, tmp_path / "odd") == cores
 
 
 @pytest.mark.parametrize("quota, threads", [(None, None), (0.5, 1), (1.5, 1), (64.0, None)])

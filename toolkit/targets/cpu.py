@@ -121,7 +121,10 @@ def cpu_quota_cores(
         return None
     limits = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         names = controllers.split(",") if controllers else []
         if not names:  # cgroup v2's unified hierarchy
             mounts = [root]
