@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -174,8 +175,6 @@ def bound_openmp_spin() -> bool:
     ``execute`` only after the running ones had ended (100-550 ms late; docs/engine.md, "Served engines beside
     other load").
     """
-    import sys
-
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
         return False  # the user's choice, or too late: libgomp is loaded
     os.environ["GOMP_SPINCOUNT"] = str(SERVED_GOMP_SPINCOUNT)
