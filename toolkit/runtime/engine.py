@@ -326,7 +326,7 @@ class Engine:
         )
         if prompt_threads:
             torch.set_num_threads(decode_threads)
-        self.free_cores = FreeCores() if config.follow_free_cores else None
+        self.free_cores = FreeCores(config.num_threads) if config.follow_free_cores else None
         self.blocks = BlockManager(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         self.pool = self.model.new_pool(config.num_blocks, config.tokens_per_block)
         self.scheduler = Scheduler(

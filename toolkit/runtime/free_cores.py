@@ -55,15 +55,17 @@ def free_cores(cores: int, busy_ticks: int, total_ticks: int, own_cpu_s: float, 
 
 
 class FreeCores:
-    """The most threads to step with: between 1 and the cores this process may use, following the cores the
-    others leave free.  ``threads()`` is cheap between windows (one clock read); at the end of a window it
-    reads /proc/stat.
+    """The most threads to step with: between 1 and ``max_threads`` (default: the cores this process may use),
+    following the cores the others leave free.  ``threads()`` is cheap between windows (one clock read); at the
+    end of a window it reads /proc/stat.
     """
 
-    def __init__(self, window_s: float = WINDOW_S):
+    def __init__(self, max_threads: int | None = None, window_s: float = WINDOW_S):
         self.window_s = window_s
         self.cpus = os.sched_getaffinity(0)
-        self.max_threads = len(self.cpus)
+        # the engine's own count (a container's CPU quota may allow fewer than the mask's cores), so that the
+        # hysteresis starts from the threads the engine really has
+        self.max_threads = max(1, min(len(self.cpus), max_threads or len(self.cpus)))
         self.hz = os.sysconf("SC_CLK_TCK")
         self.current = self.max_threads
         self.free: float | None = None  # the last window's free cores
