@@ -15,7 +15,7 @@ from toolkit.artifacts import read_manifest
 from toolkit.errors import SourceError
 from toolkit.runtime.engine import EngineConfig, GenerationRequest
 from toolkit.targets import build
-from toolkit.targets.cpu import ENGINE_CONFIG, SERVED_GOMP_SPINCOUNT, load_engine
+from toolkit.targets.cpu import ENGINE_CONFIG, SERVED_GOMP_SPINCOUNT, engine_config, load_engine
 
 BUILD = {"max_batch_size": 4, "max_input_len": 200, "max_seq_len": 256, "max_num_tokens": 64, "tokens_per_block": 16}
 
@@ -124,26 +124,40 @@ def test_a_served_engine_takes_every_core_unless_the_spec_says(tmp_path, tiny_ll
 
 
 @pytest.mark.parametrize(
-    "env, spin",
-    [({}, "10000"), ({"GOMP_SPINCOUNT": "5000"}, "5000"), ({"OMP_WAIT_POLICY": "active"}, None)],
-    ids=["unset", "user-spincount", "user-wait-policy"],
+    "env, configured, spin",
+    [
+        ({}, None, "10000"),
+        ({}, 100000, "100000"),
+        ({"GOMP_SPINCOUNT": "5000"}, None, "5000"),
+        ({"GOMP_SPINCOUNT": "5000"}, 100000, "5000"),
+        ({"OMP_WAIT_POLICY": "active"}, None, None),
+    ],
+    ids=["unset", "spec", "user-spincount", "user-spincount-over-spec", "user-wait-policy"],
 )
-def test_a_served_engines_idle_openmp_workers_spin_briefly_unless_the_environment_says(env, spin):
-    """libgomp reads GOMP_SPINCOUNT when torch loads it; OMP_DISPLAY_ENV=verbose makes it print what it read."""
+def test_a_served_engines_idle_openmp_workers_spin_briefly_unless_the_spec_or_environment_says(
+    env, configured, spin, tmp_path
+):
+    """libgomp reads GOMP_SPINCOUNT when torch loads it; OMP_DISPLAY_ENV=verbose makes it print what it read.
+    The count comes from the engine config that ``build.openmp_spin_count`` writes."""
     import os
     import subprocess
     import sys
 
+    spec = spec_for("t", tmp_path, build={"target": "cpu", "openmp_spin_count": configured})
+    config = asdict(engine_config(spec))
+    assert config["openmp_spin_count"] == configured
+    (tmp_path / ENGINE_CONFIG).write_text(json.dumps(config))
     code = (
+        "import sys\n"
         "from toolkit.targets.cpu import bound_openmp_spin\n"
-        "print('set' if bound_openmp_spin() else 'left', flush=True)\n"
+        "print('set' if bound_openmp_spin(sys.argv[1]) else 'left', flush=True)\n"
         "import torch\n"
         "torch.ones(64).sum()\n"
-        "print('late' if bound_openmp_spin() else 'left', flush=True)\n"  # torch is loaded: too late to set
+        "print('late' if bound_openmp_spin(sys.argv[1]) else 'left', flush=True)\n"  # torch is loaded: too late
     )
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, str(tmp_path)],
         env={**clean, **env, "OMP_DISPLAY_ENV": "verbose"},
         capture_output=True,
         text=True,

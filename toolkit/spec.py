@@ -210,6 +210,15 @@ class BuildSpec(Section):
         ge=1,
         description="cpu: torch threads for decode steps of a single sequence (default: num_threads)",
     )
+    openmp_spin_count: int | None = Field(
+        None,
+        ge=0,
+        description="cpu, served: rounds an idle OpenMP worker of the engine spins before it sleeps (libgomp's "
+        "GOMP_SPINCOUNT; default 10,000, about 0.1 ms). 100000 on a host that serves alone: a lone stream's ITL p99 "
+        "14-16 ms instead of 24-25 and 10-20 % more tokens a second; beside other busy processes it delays intake "
+        "and the other streams (docs/serving.md, 'Threads and the host's other work'). GOMP_SPINCOUNT or "
+        "OMP_WAIT_POLICY in tritonserver's environment overrides it",
+    )
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",
         description="cpu, INT4-AWQ exports: the decode GEMV. dot = per-group sums of code x activation, scaled "

@@ -89,6 +89,9 @@ class EngineConfig:
     prefill_threads: int | None = None  # threads for steps that prefill prompt rows; None = num_threads
     # threads for decode steps of one sequence alone (no prompt rows); None = num_threads
     lone_decode_threads: int | None = None
+    # served engines: GOMP_SPINCOUNT for the stub's libgomp, read before torch loads (targets.cpu.bound_openmp_spin);
+    # None: targets.cpu.SERVED_GOMP_SPINCOUNT
+    openmp_spin_count: int | None = None
     # step with no more threads than the cores other processes leave free (free_cores.FreeCores); served engines
     # whose spec sets no threads do (targets.cpu.load_engine)
     follow_free_cores: bool = False
@@ -161,6 +164,7 @@ class EngineConfig:
             num_threads=build.num_threads,
             prefill_threads=build.prefill_threads,
             lone_decode_threads=build.lone_decode_threads,
+            openmp_spin_count=build.openmp_spin_count,
             int4_gemv=build.int4_gemv,
             lm_head=build.lm_head,
             dtype=build.compute_dtype,
@@ -243,6 +247,8 @@ class EngineConfig:
             bad("prefill_threads", f"{self.prefill_threads} must be at least 1")
         if self.lone_decode_threads is not None and self.lone_decode_threads < 1:
             bad("lone_decode_threads", f"{self.lone_decode_threads} must be at least 1")
+        if self.openmp_spin_count is not None and self.openmp_spin_count < 0:
+            bad("openmp_spin_count", f"{self.openmp_spin_count} must be 0 or more")
 
 
 @dataclass

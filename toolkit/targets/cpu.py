@@ -158,15 +158,16 @@ def _quota(d: Path, v2: bool) -> float | None:
         return None
 
 
-# libgomp's rounds of spinning before an idle OpenMP worker sleeps, for a served engine (GOMP_SPINCOUNT;
-# libgomp's own default is 300,000, several milliseconds).
+# libgomp's rounds of spinning before an idle OpenMP worker sleeps, for a served engine whose spec sets none
+# (build.openmp_spin_count; GOMP_SPINCOUNT; libgomp's own default is 300,000, several milliseconds).
 SERVED_GOMP_SPINCOUNT = 10_000
 
 
-def bound_openmp_spin() -> bool:
-    """Let a served engine's idle OpenMP workers sleep after ~10,000 spin rounds (``GOMP_SPINCOUNT``), unless
-    the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` itself.  Returns whether it set it (not
-    when torch, and so libgomp, is already loaded).
+def bound_openmp_spin(engine_dir: str | os.PathLike | None = None) -> bool:
+    """Let a served engine's idle OpenMP workers sleep after the spin rounds its engine config sets
+    (``openmp_spin_count``, from ``build.openmp_spin_count``; else :data:`SERVED_GOMP_SPINCOUNT`) as
+    ``GOMP_SPINCOUNT``, unless the environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` itself.  Returns
+    whether it set it (not when torch, and so libgomp, is already loaded).
 
     libgomp reads the variable once, when it loads (gcc-mirror/gcc ``libgomp/env.c``, ``initialize_env``):
     call this before torch is imported.  With libgomp's default, the engine's worker keeps a core spinning for
@@ -177,7 +178,14 @@ def bound_openmp_spin() -> bool:
     """
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
         return False  # the user's choice, or too late: libgomp is loaded
-    os.environ["GOMP_SPINCOUNT"] = str(SERVED_GOMP_SPINCOUNT)
+    spin = None
+    if engine_dir is not None:  # the engine config as JSON: EngineConfig's module would load torch
+        try:
+            spin = json.loads((Path(engine_dir) / ENGINE_CONFIG).read_text()).get("openmp_spin_count")
+            spin = None if spin is None else int(spin)
+        except (OSError, ValueError, TypeError, AttributeError):
+            spin = None  # load_engine reports a missing or damaged config
+    os.environ["GOMP_SPINCOUNT"] = str(SERVED_GOMP_SPINCOUNT if spin is None else spin)
     return True
 
 

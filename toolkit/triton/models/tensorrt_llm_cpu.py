@@ -215,7 +215,7 @@ class TritonPythonModel:
 
         from toolkit.targets.cpu import bound_openmp_spin, load_engine
 
-        bound_openmp_spin()  # before the engine's import loads torch and its libgomp
+        bound_openmp_spin(p["engine_dir"])  # before the engine's import loads torch and its libgomp
         spin = ", ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ)
         from toolkit.runtime.engine import BackgroundEngine
 
