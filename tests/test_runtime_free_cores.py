@@ -45,8 +45,12 @@ def test_the_threads_drop_while_other_processes_take_the_cores_and_come_back_aft
 
 
 @needs_cores
-def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads(tiny_llama_dir):
+def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads(tiny_llama_dir, monkeypatch):
+    """Sampling too runs on the step's threads: its parallel regions would otherwise wake the OpenMP worker on a
+    core the free-core count gave away."""
     from test_runtime_engine import config, greedy, prompt
+
+    import toolkit.runtime.engine as engine_module
 
     before = torch.get_num_threads()
     try:
@@ -61,12 +65,21 @@ def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads
             return forward(ids, plan, pool)
 
         engine.model.forward = record
+        sampled = []  # (the step's forward threads, the sampling's)
+        sample_sequences = engine_module.sample_sequences
+
+        def sample(logits, seqs):
+            sampled.append((seen[-1], torch.get_num_threads()))
+            return sample_sequences(logits, seqs)
+
+        monkeypatch.setattr(engine_module, "sample_sequences", sample)
         with spinning_processes(CORES - 1):
             end = time.monotonic() + 15
             while 1 not in seen and time.monotonic() < end:
                 assert engine.generate(greedy(prompt(30, 1), n=24)) == reference
             assert 1 in seen, f"every step on {set(seen)} threads; {engine.free_cores.free} cores free"
             assert engine.generate(greedy(prompt(30, 1), n=24)) == reference
+        assert (1, 1) in sampled and all(step == sampling for step, sampling in sampled), set(sampled)
         assert torch.get_num_threads() == CORES  # each step's own count; the engine's stays
     finally:
         torch.set_num_threads(before)

@@ -507,15 +507,18 @@ class Engine:
         if switch:
             decode_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
-        with torch.inference_mode():
-            try:
+        # the step's thread count holds through sampling too: its operators over the logits (a float32 copy, the
+        # argmax) are parallel regions, which on two threads would wake the OpenMP worker on a core that the
+        # free-core count just gave to another process
+        try:
+            with torch.inference_mode():
                 logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
-            finally:
-                if switch:
-                    torch.set_num_threads(decode_threads)
-            for seq, n in work:
-                self.scheduler.commit(seq, n)
-            next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
+                for seq, n in work:
+                    self.scheduler.commit(seq, n)
+                next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
+        finally:
+            if switch:
+                torch.set_num_threads(decode_threads)
         if timed:
             ms = (time.perf_counter() - started) * 1e3
             self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, ms)
