@@ -293,7 +293,8 @@ def test_concurrent_requests_are_batched_in_flight_and_get_their_solo_tokens(ser
     # long enough that the four overlap even when one is sent late: with 80 tokens (~0.13 s each in a CI run)
     # one request once ended before the other three, sent ~0.14 s after it, were scheduled.  With 200 tokens
     # (0.3 s) requests still reached the model 0.1-0.4 s late in a CI run: other processes wanted the cores while
-    # the engine's idle OpenMP worker spun, which the served engine now bounds (targets.cpu.bound_openmp_spin)
+    # the engine's idle OpenMP worker spun; a served engine now steps on the cores others leave free, sampling included
+    # (Engine.step), with a bounded spin (targets.cpu.bound_openmp_spin)
     n = 200
     solo = [tokens_of(run(served["grpc"], "tensorrt_llm", llm_inputs(p, n))) for p in prompts]  # one at a time
     streams = [Stream(served["grpc"]) for _ in prompts]  # connected before the clock starts

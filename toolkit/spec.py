@@ -214,10 +214,10 @@ class BuildSpec(Section):
         None,
         ge=0,
         description="cpu, served: rounds an idle OpenMP worker of the engine spins before it sleeps (libgomp's "
-        "GOMP_SPINCOUNT; default 10,000, about 0.1 ms). 100000 on a host that serves alone: a lone stream's ITL p99 "
-        "14-16 ms instead of 24-25 and 10-20 % more tokens a second; beside other busy processes it delays intake "
-        "and the other streams (docs/serving.md, 'Threads and the host's other work'). GOMP_SPINCOUNT or "
-        "OMP_WAIT_POLICY in tritonserver's environment overrides it",
+        "GOMP_SPINCOUNT; default 100,000, about 1 ms: longer than the gaps between a step's parallel regions). "
+        "10000 lets the worker sleep sooner, for a host whose other processes want the cores more than the engine's "
+        "tokens do, at 8-34 % of its tok/s on a quiet host (docs/serving.md, 'Threads and the host's other work'). "
+        "GOMP_SPINCOUNT or OMP_WAIT_POLICY in tritonserver's environment overrides it",
     )
     int4_gemv: Literal["dot", "exact"] = Field(
         "dot",

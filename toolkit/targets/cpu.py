@@ -159,8 +159,9 @@ def _quota(d: Path, v2: bool) -> float | None:
 
 
 # libgomp's rounds of spinning before an idle OpenMP worker sleeps, for a served engine whose spec sets none
-# (build.openmp_spin_count; GOMP_SPINCOUNT; libgomp's own default is 300,000, several milliseconds).
-SERVED_GOMP_SPINCOUNT = 10_000
+# (build.openmp_spin_count; GOMP_SPINCOUNT; libgomp's own default is 300,000, several milliseconds): about 1 ms,
+# longer than the gaps between a step's parallel regions, shorter than an idle engine's wait
+SERVED_GOMP_SPINCOUNT = 100_000
 
 
 def bound_openmp_spin(engine_dir: str | os.PathLike | None = None) -> bool:
@@ -170,11 +171,12 @@ def bound_openmp_spin(engine_dir: str | os.PathLike | None = None) -> bool:
     whether it set it (not when torch, and so libgomp, is already loaded).
 
     libgomp reads the variable once, when it loads (gcc-mirror/gcc ``libgomp/env.c``, ``initialize_env``):
-    call this before torch is imported.  With libgomp's default, the engine's worker keeps a core spinning for
-    milliseconds after each parallel region, also between steps, while tritonserver, the python stubs and the
-    front door wait for a core.  When other processes also want the cores, requests then reached the model's
-    ``execute`` only after the running ones had ended (100-550 ms late; docs/engine.md, "Served engines beside
-    other load").
+    call this before torch is imported.  With libgomp's default (300,000 rounds), the engine's worker kept a
+    core spinning for milliseconds after each parallel region while tritonserver, the python stubs and the front
+    door waited for one; beside other busy processes requests then reached the model's ``execute`` only after
+    the running ones had ended (docs/engine.md, "Served engines beside other load").  With 10,000 a decode step's
+    worker slept through the gaps between its parallel regions, which cost a quiet host 8-34 % of its tok/s
+    ("The served OpenMP spin as a spec setting").
     """
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
         return False  # the user's choice, or too late: libgomp is loaded
