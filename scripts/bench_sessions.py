@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -62,12 +61,6 @@ def message(turn: int, words: int) -> str:
     return " ".join(text.split()[:words]) + " Summarise the most important change in one sentence."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ttft_of(client, url: str, body: dict) -> float:
     sent = time.perf_counter()
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -89,12 +82,13 @@ def run_config(repo: Path, model: str, args, *, exact_ids: bool, db: Path) -> di
     from toolkit.frontdoor import FrontDoorServer, create_app
     from toolkit.frontdoor.config import config_from
     from toolkit.spec import SessionsSpec
+    from toolkit.triton.server import free_ports
 
     with running_server(repo, ready_timeout_s=600) as triton:
         cfg = config_from(repo)
         cfg.sessions = SessionsSpec(path=str(db), exact_ids=exact_ids)
         with (
-            FrontDoorServer(create_app(cfg, triton.grpc_url), "127.0.0.1", free_port()) as fd,
+            FrontDoorServer(create_app(cfg, triton.grpc_url), "127.0.0.1", free_ports(1)[0]) as fd,
             httpx.Client(timeout=300) as client,
         ):
             ttfts = [[] for _ in range(8)]
