@@ -18,8 +18,8 @@
 //   * the bias, if any, added in fp32, then one round-to-nearest-even to bf16.
 //
 // Weights are packed once into blocks of 64 outputs: [ceil(N / 64), K / 2, 64, 2] (outputs padded
-// with zeros), so one thread reads each block as one contiguous stream.  Blocks are split across
-// torch's intra-op threads (at::parallel_for: the same OpenMP pool as torch's own operators).
+// with zeros), so one thread reads each block as one contiguous stream.  (Block, group of 4 rows) pairs are
+// split across torch's intra-op threads (at::parallel_for: the same OpenMP pool as torch's own operators).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -108,7 +108,10 @@ inline void rows_of_block(const uint32_t* xs, int64_t r0, Weights& weights, int6
     block_rows<R>(xs, r0, weights, pairs, group_pairs, total);
 }
 
-// y = x W^T (+ bias) over the blocks, rows in groups of 4; make_weights(b) gives block b's loader.
+// y = x W^T (+ bias) over the blocks, rows in groups of 4; make_weights(b) gives block b's loader.  The threads
+// share (block, group of rows) pairs, block by block: with one group that is the blocks; with more (prompt rows,
+// many decode rows) the split is even where the block count is not (SmolLM2's 9-block projections on 2 threads:
+// 5 blocks against 4, the second thread waiting a fifth of the call).  A row's arithmetic is the same either way.
 template <class MakeWeights>
 at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64_t group_pairs, int64_t n,
                        const c10::optional<at::Tensor>& bias, MakeWeights make_weights) {
@@ -122,30 +125,30 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
   const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t groups = (m + 3) / 4;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float total[4 * kBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        auto weights = make_weights(b);
-        const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
-        switch (rows) {
-          case 4: rows_of_block<4>(xs, r0, weights, pairs, group_pairs, total); break;
-          case 3: rows_of_block<3>(xs, r0, weights, pairs, group_pairs, total); break;
-          case 2: rows_of_block<2>(xs, r0, weights, pairs, group_pairs, total); break;
-          default: rows_of_block<1>(xs, r0, weights, pairs, group_pairs, total); break;
-        }
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < 4; ++j) {
-            const int64_t first = b * kBlock + j * 16;
-            if (first >= n) break;
-            const int64_t count = std::min<int64_t>(16, n - first);
-            const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-            __m512 v = _mm512_loadu_ps(total + (r * 4 + j) * 16);
-            if (bs) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bs + first));
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
-            _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, out);
-          }
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / groups, r0 = i % groups * 4;
+      auto weights = make_weights(b);
+      const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+      switch (rows) {
+        case 4: rows_of_block<4>(xs, r0, weights, pairs, group_pairs, total); break;
+        case 3: rows_of_block<3>(xs, r0, weights, pairs, group_pairs, total); break;
+        case 2: rows_of_block<2>(xs, r0, weights, pairs, group_pairs, total); break;
+        default: rows_of_block<1>(xs, r0, weights, pairs, group_pairs, total); break;
       }
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j) {
+          const int64_t first = b * kBlock + j * 16;
+          if (first >= n) break;
+          const int64_t count = std::min<int64_t>(16, n - first);
+          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+          __m512 v = _mm512_loadu_ps(total + (r * 4 + j) * 16);
+          if (bs) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bs + first));
+          const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
+          _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, out);
+        }
     }
   });
   return y;
