@@ -319,14 +319,19 @@ def test_auto_decode_batching_is_full_only_where_int4_projections_take_amx_tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_projection_rows_do_not_depend_on_the_batch(dtype):
-    """The GEMM kernel choice by row count must not change any row's bits (see model.Projection)."""
+def test_projection_rows_do_not_depend_on_the_batch(dtype, caplog):
+    """The GEMM kernel choice by row count must not change any row's bits (see model.Projection), where the
+    library has a row count from which calls agree or tiles whose calls do; where it has neither, the probe
+    says so (MKL's float32 GEMM on an Intel AMX host, 2026-12-05: no call of 2 to 64 rows gave a row its one-row
+    bits, for any SmolLM2 shape)."""
     from toolkit.runtime.checkpoint import Linear
     from toolkit.runtime.model import Projection, bf16_is_fast
 
     g = torch.Generator().manual_seed(0)
     lin = Linear(weight=torch.randn(576, 1536, generator=g) * 0.05)  # SmolLM2's down_proj shape
     proj = Projection([lin], dtype, pack=dtype == torch.bfloat16 and bf16_is_fast())
+    if "is not row-invariant for large batches here" in caplog.text:
+        pytest.skip(f"this host's {dtype} GEMM of 576 x 1536 has no batch-invariant row count (the probe warned)")
     x = torch.randn(64, 1536, generator=g).to(dtype)
     with torch.inference_mode():
         batch = proj(x, singles=32)  # 32 decode rows, then a 32-row prompt chunk

@@ -85,7 +85,8 @@ def test_every_row_has_sdpas_bits_alone_and_together(threads, heads, kv_heads, h
 def test_sdpas_bits_follow_the_thread_count_and_so_do_its_own():
     """Why the op places its buffers as torch's threads would: torch's SDPA itself gives other bits for some heads
     with 2 threads than with 1 (MKL's sgemm rounds an output that starts off a 64-byte boundary another way, and
-    torch's buffer for its second thread starts at keys + 2 + head_dim floats); the op follows each count."""
+    torch's buffer for its second thread starts at keys + 2 + head_dim floats, on the AMD Zen 4 host; on an Intel
+    AMX host, 2026-12-05, MKL gave both counts the same bits); the op follows each count."""
     assert kernels.sdpa_decode_agrees(9, 3, 64)
     q, k, v, bounds = rows(9, 3, 64, [7, 33, 255, 300])
     before = torch.get_num_threads()
@@ -97,7 +98,6 @@ def test_sdpas_bits_follow_the_thread_count_and_so_do_its_own():
             assert torch.equal(kernels.sdpa_decode(q, k, v, bounds, 0.125), by_threads[t])
     finally:
         torch.set_num_threads(before)
-    assert not torch.equal(by_threads[1], by_threads[2])
 
 
 def test_bad_input_is_refused_by_name():
