@@ -14,7 +14,7 @@ import torch
 
 from toolkit.runtime import kernels
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
-from toolkit.runtime.model import build_plan
+from toolkit.runtime.model import Projection, build_plan
 
 pytestmark = [
     pytest.mark.skipif(not kernels.available(), reason="rtk's CPU kernels need AVX512-BF16 and a compiler"),
@@ -190,6 +190,16 @@ def mixed_steps_logits(engine: Engine) -> list[torch.Tensor]:
     return out
 
 
+def library_calls(engine: Engine) -> list[tuple[int, int]]:
+    """(rows, out_features) of every oneDNN GEMM call in :func:`mixed_steps_logits`, sorted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        mixed_steps_logits(engine)
+    calls = [e for e in prof.events() if e.name == "mkldnn::_linear_pointwise"]
+    return sorted((e.input_shapes[0][0], e.input_shapes[1][0]) for e in calls)
+
+
 def odd_shapes(tmp_path, smollm2_tokenizer_dir):
     """head_dim 24 (RoPE's halves not 16-lane aligned), rows of 120 and 1,160 (tails of 8), and the down
     projection's reduction over 1,160 inputs, where oneDNN's one-row kernel rounds apart from its multi-row
@@ -211,6 +221,8 @@ def odd_shapes(tmp_path, smollm2_tokenizer_dir):
         ("fp8", {"dtype": "bfloat16"}),
         ("int8_sq", {"dtype": "bfloat16"}),
         ("kv-int8", {}),
+        ("tiles", {}),
+        ("fp8-tiles", {"dtype": "bfloat16"}),
     ],
 )
 def test_steps_with_prompt_rows_give_the_operators_bits(
@@ -226,6 +238,16 @@ def test_steps_with_prompt_rows_give_the_operators_bits(
     from toolkit.quantize import quantize
 
     path = tiny_llama_dir
+    tiled = model.endswith("tiles")
+    if tiled:
+        # the library's calls cut into tiles as on AMX hosts (Projection._probe_rows), on any host: 4 to 8 rows a
+        # call, so a step's 37 prompt rows take five calls, 42 six (the last padded), 3 one padded call; prompt rows
+        # never through the GEMV whole, so every projection's prompt rows take the tiles
+        probe = Projection._probe_rows
+        tiled_probe = lambda self: (1, 8, 4) if self.packed is not None else probe(self)  # noqa: E731
+        monkeypatch.setattr(Projection, "_probe_rows", tiled_probe)
+        monkeypatch.setattr(Projection, "whole_gemv_rows", property(lambda self: 0))
+        model = model.removesuffix("-tiles") if model != "tiles" else "tiny"
     if model == "tiny-padded":
         monkeypatch.setenv("RTK_SDPA_DECODE", "0")
     elif model == "odd":
@@ -239,12 +261,17 @@ def test_steps_with_prompt_rows_give_the_operators_bits(
         path = quantize(spec, checkpoint=tiny_llama_dir, output=tmp_path / "quantized").path / "hf"
     fused, operators, float32 = engines(path, **kw)
     projections = [g.parts[0] for layer in fused.model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    tiles = any(p.tile_rows is not None for p in projections)
-    assert fused.model.fused.takes_prompt_rows == (not tiles)  # AMX hosts: the library's calls cut into tiles
+    tiles = any(p.tile_rows is not None for p in projections)  # AMX hosts: the library's calls cut into tiles
+    assert fused.model.fused.takes_prompt_rows
+    if tiled:
+        assert all(p.tile_rows == 8 and p.pad_rows == 4 for p in projections if p.packed is not None) and tiles
     if model == "odd" and not tiles:
         assert any(p.min_rows > 1 for p in projections)  # some prompt calls are padded
     if model == "tiny-padded":
         assert not fused.model.sdpa_decode
+    if tiled:  # the same library calls, every one of 4 to 8 rows
+        calls = [library_calls(e) for e in (fused, operators)]
+        assert calls[0] == calls[1] and calls[0] and all(4 <= rows <= 8 for rows, _ in calls[0])
     got = [mixed_steps_logits(e) for e in (fused, operators, float32)]
     assert_same_bits(*got, f"{model} {kw}")
     ids = prompt(9, 5)

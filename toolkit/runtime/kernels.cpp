@@ -660,11 +660,13 @@ struct DecodeProjection {
   // prompt rows (forward_rows), as model.Projection takes them: oneDNN's GEMM over library (its packed bf16
   // weights) or at::linear over dense, calls of fewer than min_rows rows padded with zero rows; own_rounding:
   // the GEMV rounds apart from the library, so one-row prompt calls take the library too; calls of up to
-  // whole_gemv_rows rows go through the GEMV whole (model.Projection.whole_gemv_rows)
+  // whole_gemv_rows rows go through the GEMV whole (model.Projection.whole_gemv_rows); tile_rows > 0 (oneDNN's
+  // AMX GEMM): every library call has pad_rows to tile_rows rows, longer ones cut into tiles, the last one padded
   c10::optional<at::Tensor> library, dense;
   int64_t min_rows = 1;
   bool own_rounding = false;
   int64_t whole_gemv_rows = 0;
+  int64_t tile_rows = 0, pad_rows = 1;
 
   bool takes_prompt_rows() const { return library.has_value() || dense.has_value(); }
 
@@ -688,8 +690,18 @@ struct DecodeProjection {
     return gemv(in, *packed, n, bias);
   }
 
+  // model.Projection._library_gemm
   at::Tensor library_gemm(const at::Tensor& in) const {
-    return library.has_value() ? onednn_linear(in, *library, bias) : at::linear(in, *dense, bias);
+    if (!library.has_value()) return at::linear(in, *dense, bias);
+    const int64_t rows = in.size(0);
+    if (tile_rows == 0 || rows == 0 || (pad_rows <= rows && rows <= tile_rows)) return onednn_linear(in, *library, bias);
+    at::Tensor x = in;
+    const int64_t last = rows % tile_rows;
+    if (last > 0 && last < pad_rows) x = at::cat({in, at::zeros({pad_rows - last, in.size(1)}, in.options())});
+    std::vector<at::Tensor> tiles;
+    for (int64_t r = 0; r < x.size(0); r += tile_rows)
+      tiles.push_back(onednn_linear(x.narrow(0, r, std::min(tile_rows, x.size(0) - r)), *library, bias));
+    return at::cat(tiles).narrow(0, 0, rows);
   }
 
   // model.Projection._padded(_matmul): the library's GEMM (one row through the GEMV where it keeps its bits)
@@ -751,20 +763,25 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
-  // library / dense, min_rows, own_rounding, whole_gemv_rows: the projection's prompt rows (DecodeProjection)
+  // library / dense, min_rows, own_rounding, whole_gemv_rows, tile_rows, pad_rows: the projection's prompt rows
+  // (DecodeProjection)
   void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
                       c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
                       double act_scale, c10::optional<at::Tensor> library, c10::optional<at::Tensor> dense,
-                      int64_t min_rows, bool own_rounding, int64_t whole_gemv_rows) {
+                      int64_t min_rows, bool own_rounding, int64_t whole_gemv_rows, int64_t tile_rows,
+                      int64_t pad_rows) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
     TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
     TORCH_CHECK(min_rows >= 1, "rtk_kernels.DecodeLayers: min_rows >= 1");
+    TORCH_CHECK(tile_rows == 0 || (library.has_value() && 1 <= pad_rows && pad_rows <= tile_rows),
+                "rtk_kernels.DecodeLayers: tiles need the library's weights and 1 <= pad_rows <= tile_rows");
     TORCH_CHECK(!dense.has_value() || (dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 && dense->size(0) == n),
                 "rtk_kernels.DecodeLayers: a projection's dense weights are [out_features, in_features] bf16");
     if (bias.has_value()) bias = bias->contiguous();
     layers.back().proj.push_back({packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind,
-                                  act_scale, library, dense, min_rows, own_rounding, whole_gemv_rows});
+                                  act_scale, library, dense, min_rows, own_rounding, whole_gemv_rows,
+                                  tile_rows, pad_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {

@@ -360,7 +360,8 @@ class DecodeLayers:
     Each row attends alone, as decode batching "exact"; with :meth:`set_pool_attention`, through
     :func:`decode_attention` over its context where it lies (as the operator path does then), else gathered and
     through SDPA.  A step with prompt rows takes the same call (:meth:`forward_rows`): prompt rows through
-    oneDNN's GEMM and SDPA per attention unit, as the operator path computes them.
+    oneDNN's GEMM (in its tiles where the library's calls are cut into tiles) and SDPA per attention unit, as the
+    operator path computes them.
     """
 
     def __init__(self, heads, kv_heads, head_dim, eps, scale, kv_kind, cos, sin):
@@ -385,9 +386,10 @@ class DecodeLayers:
 
         ``prompt_rows``: it also takes a step's prompt rows as ``Projection`` does when rows are batch-invariant
         (the engine's default): through oneDNN's GEMM over its packed weights (else ``F.linear``'s), calls of
-        fewer than its ``min_rows`` padded; not where the library's calls are cut into tiles (AMX hosts)."""
+        fewer than its ``min_rows`` padded, and where the library's calls are cut into tiles (oneDNN's AMX GEMM:
+        ``tile_rows``), cut and padded the same way."""
         q = proj.quant
-        prompt_rows = prompt_rows and proj.tile_rows is None and (proj.packed is not None or proj.weight is not None)
+        prompt_rows = prompt_rows and (proj.packed is not None or proj.weight is not None)
         self.takes_prompt_rows = self.takes_prompt_rows and prompt_rows
         self._layers.add_projection(
             proj.gemv,
@@ -405,6 +407,8 @@ class DecodeLayers:
             proj.min_rows,
             proj.own_rounding,
             proj.whole_gemv_rows,
+            (proj.tile_rows or 0) if prompt_rows else 0,
+            proj.pad_rows,
         )
 
     def forward(
