@@ -244,7 +244,10 @@ def test_steps_with_prompt_rows_give_the_operators_bits(
         # call, so a step's 37 prompt rows take five calls, 42 six (the last padded), 3 one padded call; prompt rows
         # never through the GEMV whole, so every projection's prompt rows take the tiles
         probe = Projection._probe_rows
-        tiled_probe = lambda self: (1, 8, 4) if self.packed is not None else probe(self)  # noqa: E731
+
+        def tiled_probe(self):
+            return (1, 8, 4) if self.packed is not None else probe(self)
+
         monkeypatch.setattr(Projection, "_probe_rows", tiled_probe)
         monkeypatch.setattr(Projection, "whole_gemv_rows", property(lambda self: 0))
         model = model.removesuffix("-tiles") if model != "tiles" else "tiny"

@@ -690,14 +690,18 @@ struct DecodeProjection {
     return gemv(in, *packed, n, bias);
   }
 
+  // in with zero rows appended up to ``rows`` rows (as model.Projection pads a call)
+  static at::Tensor with_zero_rows(const at::Tensor& in, int64_t rows) {
+    return in.size(0) >= rows ? in : at::cat({in, at::zeros({rows - in.size(0), in.size(1)}, in.options())});
+  }
+
   // model.Projection._library_gemm
   at::Tensor library_gemm(const at::Tensor& in) const {
     if (!library.has_value()) return at::linear(in, *dense, bias);
     const int64_t rows = in.size(0);
     if (tile_rows == 0 || rows == 0 || (pad_rows <= rows && rows <= tile_rows)) return onednn_linear(in, *library, bias);
-    at::Tensor x = in;
-    const int64_t last = rows % tile_rows;
-    if (last > 0 && last < pad_rows) x = at::cat({in, at::zeros({pad_rows - last, in.size(1)}, in.options())});
+    const int64_t last = rows % tile_rows;  // a short last tile (or call) is padded to pad_rows
+    const at::Tensor x = last > 0 && last < pad_rows ? with_zero_rows(in, rows - last + pad_rows) : in;
     std::vector<at::Tensor> tiles;
     for (int64_t r = 0; r < x.size(0); r += tile_rows)
       tiles.push_back(onednn_linear(x.narrow(0, r, std::min(tile_rows, x.size(0) - r)), *library, bias));
@@ -708,8 +712,7 @@ struct DecodeProjection {
   at::Tensor prompt_rows(const at::Tensor& in) const {
     const int64_t rows = in.size(0);
     if (rows >= min_rows) return rows == 1 && !own_rounding ? gemv_rows(in) : library_gemm(in);
-    const at::Tensor pad = at::zeros({min_rows - rows, in.size(1)}, in.options());
-    return library_gemm(at::cat({in, pad})).narrow(0, 0, rows);
+    return library_gemm(with_zero_rows(in, min_rows)).narrow(0, 0, rows);
   }
 
   // A decode step's rows (all through the GEMV, model.Projection with decode rows only)
