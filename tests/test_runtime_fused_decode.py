@@ -134,9 +134,9 @@ def test_prompt_rows_are_the_operators_bits(tiny_llama_dir):
 
 def test_it_applies_only_where_rtks_kernels_run(tiny_llama_dir, monkeypatch):
     assert Engine(tiny_llama_dir, EngineConfig(**BASE, cpu_kernels=False)).model.fused is None
-    # prompt rows: only where rows are batch-invariant (not decode_batching "full"), and RTK_FUSED_PROMPT_ROWS=0
-    # keeps them on torch's operators
-    assert not Engine(tiny_llama_dir, EngineConfig(**BASE, decode_batching="full")).model.fused.takes_prompt_rows
+    # prompt rows: decode_batching "full" too (every call by its row count); RTK_FUSED_PROMPT_ROWS=0 keeps them on
+    # torch's operators
+    assert Engine(tiny_llama_dir, EngineConfig(**BASE, decode_batching="full")).model.fused.takes_prompt_rows
     monkeypatch.setenv("RTK_FUSED_PROMPT_ROWS", "0")
     engine = Engine(tiny_llama_dir, EngineConfig(**BASE))
     assert engine.model.fused is not None and not engine.model.fused.takes_prompt_rows
@@ -223,6 +223,8 @@ def odd_shapes(tmp_path, smollm2_tokenizer_dir):
         ("kv-int8", {}),
         ("tiles", {}),
         ("fp8-tiles", {"dtype": "bfloat16"}),
+        ("tiny", {"decode_batching": "full"}),
+        ("fp8-tiles", {"dtype": "bfloat16", "decode_batching": "full"}),
     ],
 )
 def test_steps_with_prompt_rows_give_the_operators_bits(
@@ -272,11 +274,21 @@ def test_steps_with_prompt_rows_give_the_operators_bits(
         assert any(p.min_rows > 1 for p in projections)  # some prompt calls are padded
     if model == "tiny-padded":
         assert not fused.model.sdpa_decode
+    full = kw.get("decode_batching") == "full"
     if tiled:  # the same library calls, every one of 4 to 8 rows
         calls = [library_calls(e) for e in (fused, operators)]
         assert calls[0] == calls[1] and calls[0] and all(4 <= rows <= 8 for rows, _ in calls[0])
+        if full:
+            # every call by its row count: the steps of more than 16 rows (37 prompt rows; 1 decode and 42 prompt
+            # rows, the last tile padded to 4) through the library whole, decode rows too; the others through the
+            # GEMV. The steps' prompt rows alone would take 37 + 44 + 5 + 4 rows a projection.
+            n = projections[0].out_features
+            alike = sum(p.out_features == n for p in projections)
+            assert sum(rows for rows, out in calls[0] if out == n) == (37 + 44) * alike
     got = [mixed_steps_logits(e) for e in (fused, operators, float32)]
     assert_same_bits(*got, f"{model} {kw}")
+    if full:  # a row's bits depend on its step
+        return
     ids = prompt(9, 5)
     alone = Engine(path, EngineConfig(**BASE, **kw)).generate(GenerationRequest(ids, 20, end_id=-1))
     assert tokens_beside_a_long_prompt(Engine(path, EngineConfig(**BASE, **kw)), ids) == alone

@@ -667,6 +667,10 @@ struct DecodeProjection {
   bool own_rounding = false;
   int64_t whole_gemv_rows = 0;
   int64_t tile_rows = 0, pad_rows = 1;
+  // full_rows > 0 (decode_batching "full", no batch invariance): a call goes through the GEMV whole up to full_rows
+  // rows and through the library whole beyond, decode rows too (model.Projection.__call__ without singles), so a
+  // step with prompt rows reads the weights once where the GEMV rounds apart from the library (AMX hosts)
+  int64_t full_rows = 0;
 
   bool takes_prompt_rows() const { return library.has_value() || dense.has_value(); }
 
@@ -722,6 +726,7 @@ struct DecodeProjection {
   at::Tensor rows(const at::Tensor& x, int64_t B) const {
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
+    if (full_rows > 0) return m <= full_rows ? gemv_rows(in) : library_gemm(in);  // whatever B: no batch invariance
     if (B == m || m <= whole_gemv_rows) return gemv_rows(in);
     TORCH_CHECK(takes_prompt_rows(), "rtk_kernels.DecodeLayers: prompt rows need the projection's library weights");
     if (whole_gemv_rows > 0) return prompt_rows(in);  // every row's bits are the GEMV's: one GEMM, weights read once
@@ -766,17 +771,19 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
-  // library / dense, min_rows, own_rounding, whole_gemv_rows, tile_rows, pad_rows: the projection's prompt rows
-  // (DecodeProjection)
+  // library / dense, min_rows, own_rounding, whole_gemv_rows, tile_rows, pad_rows, full_rows: the projection's prompt
+  // rows (DecodeProjection)
   void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
                       c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
                       double act_scale, c10::optional<at::Tensor> library, c10::optional<at::Tensor> dense,
                       int64_t min_rows, bool own_rounding, int64_t whole_gemv_rows, int64_t tile_rows,
-                      int64_t pad_rows) {
+                      int64_t pad_rows, int64_t full_rows) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
     TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
     TORCH_CHECK(min_rows >= 1, "rtk_kernels.DecodeLayers: min_rows >= 1");
+    TORCH_CHECK(full_rows == 0 || library.has_value() || dense.has_value(),
+                "rtk_kernels.DecodeLayers: full_rows needs the library's weights");
     TORCH_CHECK(tile_rows == 0 || (library.has_value() && 1 <= pad_rows && pad_rows <= tile_rows),
                 "rtk_kernels.DecodeLayers: tiles need the library's weights and 1 <= pad_rows <= tile_rows");
     TORCH_CHECK(!dense.has_value() || (dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 && dense->size(0) == n),
@@ -784,7 +791,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     if (bias.has_value()) bias = bias->contiguous();
     layers.back().proj.push_back({packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind,
                                   act_scale, library, dense, min_rows, own_rounding, whole_gemv_rows,
-                                  tile_rows, pad_rows});
+                                  tile_rows, pad_rows, full_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {

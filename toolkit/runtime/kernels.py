@@ -381,13 +381,15 @@ class DecodeLayers:
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, k_scale: float, v_scale: float) -> None:
         self._layers.add_layer(input_norm, post_norm, float(k_scale), float(v_scale))
 
-    def add_projection(self, proj, prompt_rows: bool = True) -> None:
+    def add_projection(self, proj, prompt_rows: bool = True, full: bool = False) -> None:
         """A :class:`toolkit.runtime.model.Projection` with rtk's GEMV (qkv, o, gate_up, down in this order).
 
         ``prompt_rows``: it also takes a step's prompt rows as ``Projection`` does when rows are batch-invariant
         (the engine's default): through oneDNN's GEMM over its packed weights (else ``F.linear``'s), calls of
         fewer than its ``min_rows`` padded, and where the library's calls are cut into tiles (oneDNN's AMX GEMM:
-        ``tile_rows``), cut and padded the same way."""
+        ``tile_rows``), cut and padded the same way.  ``full`` (``decode_batching: full``): as ``Projection``
+        without ``singles``, a call by its row count (:attr:`~toolkit.runtime.model.Projection.full_gemv_rows`),
+        decode rows too."""
         q = proj.quant
         prompt_rows = prompt_rows and (proj.packed is not None or proj.weight is not None)
         self.takes_prompt_rows = self.takes_prompt_rows and prompt_rows
@@ -409,6 +411,7 @@ class DecodeLayers:
             proj.whole_gemv_rows,
             (proj.tile_rows or 0) if prompt_rows else 0,
             proj.pad_rows,
+            proj.full_gemv_rows if prompt_rows and full else 0,
         )
 
     def forward(

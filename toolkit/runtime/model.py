@@ -395,6 +395,15 @@ class Projection:
         return WHOLE_CODES_MAX_ROWS if self.quant is not None and self.gemv is None else WHOLE_GEMV_MAX_ROWS
 
     @property
+    def full_gemv_rows(self) -> int:
+        """Without ``singles`` (``decode_batching: full``): most rows a call sends through rtk's GEMV whole; a call of
+        more goes through the library's GEMM whole, decode rows too (no batch invariance; where the GEMV rounds its
+        own way, AMX hosts, a step with prompt rows then reads the weights once, not twice).  0 without the GEMV."""
+        if self.gemv is None and self.quant is None:
+            return 0
+        return max(self.whole_gemv_rows, GEMV_MAX_ROWS)
+
+    @property
     def codes_max_rows(self) -> int:
         """Most rows a GEMV call reads the codes for (more read the bf16 copy); 0 without codes."""
         return 0 if self.quant is None else CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
@@ -655,7 +664,7 @@ class Projection:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.gemv is not None or self.quant is not None:
             rows, whole = x.shape[0], self.whole_gemv_rows
-            if rows <= whole or (singles is None and rows <= GEMV_MAX_ROWS):
+            if rows <= whole or (singles is None and rows <= self.full_gemv_rows):
                 # a row-invariant shape (its one-row bits are every call's bits), or decode_batching "full"
                 return self._gemv(x)
             if whole:  # the same shape in a bigger call: decode rows too through the library's GEMM, whose bits are
@@ -1158,16 +1167,16 @@ class Transformer:
         )
         fused.set_pool_attention(self.pool_attention)
         fused.set_sdpa_decode(self.sdpa_decode)
-        # a step's prompt rows through the same call where rows are batch-invariant; RTK_FUSED_PROMPT_ROWS=0 in the
-        # environment keeps torch's operators for them (docs/engine.md, "Prompt rows through the fused layers on bf16
-        # engines")
-        prompt_rows = self.batch_invariant and os.environ.get("RTK_FUSED_PROMPT_ROWS", "1") != "0"
+        # a step's prompt rows through the same call (decode_batching "full": every call by its row count, as
+        # Projection without singles); RTK_FUSED_PROMPT_ROWS=0 in the environment keeps torch's operators for them
+        # (docs/engine.md, "Prompt rows through the fused layers on bf16 engines")
+        prompt_rows = os.environ.get("RTK_FUSED_PROMPT_ROWS", "1") != "0"
         for li, layer in enumerate(self.layers):
             fused.add_layer(
                 layer.input_norm, layer.post_norm, kv.k_scales[li] if kv else 1.0, kv.v_scales[li] if kv else 1.0
             )
             for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                fused.add_projection(g.parts[0], prompt_rows=prompt_rows)
+                fused.add_projection(g.parts[0], prompt_rows=prompt_rows, full=not self.batch_invariant)
         return fused
 
     def _fused_decode_fp32(self):
