@@ -121,6 +121,66 @@ def test_every_row_of_a_multi_row_call_gets_the_one_row_bits(shape):
     assert_one_row_result(many, x, weight, None)
 
 
+amx_tiles = pytest.mark.skipif(
+    not kernels.wants_gemv_tiles(), reason="AMX's bf16 tiles need AMX-BF16 (Sapphire Rapids and later), RTK_AMX not 0"
+)
+
+
+@contextlib.contextmanager
+def gemv_tiles(on: bool):
+    """The GEMVs in AMX's tiles (``on``) or the AVX512 GEMV for a block, restored after."""
+    assert torch.ops.rtk_kernels.set_gemv_tiles(on) == on
+    try:
+        yield
+    finally:
+        torch.ops.rtk_kernels.set_gemv_tiles(kernels.gemv_tiles())
+
+
+@amx_tiles
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp8", "fp8-table", "int4"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 640), (64, 288)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_in_amx_tiles_gives_every_row_onednns_one_row_bits(kind, shape, threads):
+    """Where the CPU has AMX-BF16 the GEMVs run in its tiles (``kernels.gemv_tiles``, kernels.cpp ``tile_blocks``):
+    every row of a call of 1 to 40 rows (row tiles of 16 and a short last one; outputs not a multiple of 64) gets
+    oneDNN's one-row bits over the same bf16 weights, with and without a bias, bf16 weights and codes alike."""
+    assert kernels.gemv_tiles()
+    if kind == "bf16":
+        g = torch.Generator().manual_seed(shape[0])
+        weight = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        packed = kernels.pack(weight)
+
+        def kernel(x, b):
+            return kernels.gemv(x, packed, shape[0], b)
+    else:
+        codes, scale, dense = quantized(kind, *shape, seed=shape[0], group=32)
+        weight = dense.to(torch.bfloat16)
+        kernel = kernels.QuantizedWeight.pack(kind.removesuffix("-table"), codes, scale)
+        assert kernel.kind == kind
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
+    with torch_threads(threads):
+        for rows in (1, 5, 16, 17, 40):
+            x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
+            for b in (None, bias):
+                want = torch.cat([onednn(x[i : i + 1], weight, b) for i in range(rows)])
+                assert torch.equal(kernel(x, b), want), (rows, b is not None)
+
+
+@amx_tiles
+def test_the_avx512_gemv_rounds_apart_from_onednn_where_amx_runs():
+    """What the tiles are for: on such a CPU the AVX512 GEMV (vdpbf16ps: a pair's products in the other order,
+    the sum in chunks) parts from oneDNN's AMX kernel in a few of the LM head's outputs, the tiles in none."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(49152, 576, generator=g).to(torch.bfloat16)
+    packed = kernels.pack(weight)
+    x = torch.randn(4, 576, generator=g).to(torch.bfloat16)
+    want = torch.cat([onednn(x[i : i + 1], weight, None) for i in range(4)])
+    with gemv_tiles(False):
+        assert not torch.equal(kernels.gemv(x, packed, 49152, None), want)
+    assert torch.equal(kernels.gemv(x, packed, 49152, None), want)
+
+
 def test_gather_kv_is_index_select_then_float():
     g = torch.Generator().manual_seed(6)
     k = torch.randn(300, 3, 64, generator=g).to(torch.bfloat16)

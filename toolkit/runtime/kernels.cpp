@@ -20,6 +20,8 @@
 // Weights are packed once into blocks of 64 outputs: [ceil(N / 64), K / 2, 64, 2] (outputs padded
 // with zeros), so one thread reads each block as one contiguous stream.  (Block, group of 4 rows) pairs are
 // split across torch's intra-op threads (at::parallel_for: the same OpenMP pool as torch's own operators).
+// On CPUs with AMX-BF16, where oneDNN runs its AMX kernel, the same products run in AMX's tiles with that kernel's
+// order instead (1b, tile_blocks).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +41,12 @@
 #include "decode_attention.h"
 #include "decode_plan.h"
 #include "sdpa_decode.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>  // arch_prctl: AMX's tile data (tile_blocks)
+#include <unistd.h>
+#define RTK_GEMV_TILES 1
+#endif
 
 namespace {
 
@@ -94,6 +102,146 @@ inline void block_rows(const uint32_t* xs, int64_t r0, Weights& weights, int64_t
 }
 
 struct Int4DotWeights;
+
+// 1b. The same products in AMX's bf16 tiles (Intel Sapphire Rapids and later; set_gemv_tiles).  On such CPUs
+// oneDNN's bf16 matmul (one row or many) runs tdpbf16ps: per output, the products of the reduction added to one
+// float32 accumulator in order, pair element 0 before 1, from the first input to the last, with no chunks; then the
+// bias in float32 and one round to nearest even.  vdpbf16ps (above) adds a pair's two products in the other order
+// and its chunks apart, so there the GEMV's results part from oneDNN's in a few outputs (docs/engine.md, "Intel
+// CPUs with AMX").  tile_blocks makes the same tdpbf16ps sequence as oneDNN: every row of any call gets oneDNN's
+// one-row bits (checked at load as before: kernels.agrees, QuantizedWeight.agrees), a row's bits never depend on
+// its call, and the weights stream at the memory's speed for one row as for many.  bf16 weights are read into B
+// tiles straight from the packed layout (a k-pair's 64 outputs are 4 tile rows of 16 outputs x 2); codes are
+// turned into bf16 by their loader (the GEMV's, the same bits) into a tile-ordered buffer, a tile's 16 pairs at a
+// time for calls of up to 16 rows, the whole block at once for more (its row tiles all read it).
+bool gemv_tiles_on = false;
+
+#ifdef RTK_GEMV_TILES
+struct alignas(64) TileConfig {  // ldtilecfg's palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lets a process use AMX's tile data once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
+// Documentation/arch/x86/xstate.rst); asked once, process-wide
+bool tiles_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// gemv_blocks' y = x W^T (+ bias) in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs, 4 its
+// inputs (up to 16 rows x 32), 5 the weights of 16 pairs x 16 outputs.  Threads share the blocks.
+template <class Weights, class MakeWeights>
+at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64_t group_pairs, int64_t n,
+                       const c10::optional<at::Tensor>& bias, MakeWeights make_weights) {
+  constexpr bool direct = std::is_same_v<Weights, Bf16Weights>;
+  const int64_t m = x.size(0), tiles_k = pairs / 16;
+  auto xc = x.contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const bool whole = m > 16;  // several row tiles: a block's codes converted once for all of them
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    static thread_local std::vector<uint16_t> buffer;  // a block's converted weights: [tile][j][16 pairs][32]
+    uint16_t* wb = nullptr;
+    if constexpr (!direct) {
+      buffer.resize(std::max<size_t>(buffer.size(), static_cast<size_t>(pairs) * kBlock * 2 + 32));
+      wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    }
+    int configured = -1;
+    alignas(64) float sums[4][256];
+    for (int64_t b = b0; b < b1; ++b) {
+      auto weights = make_weights(b);
+      int64_t next_group = 0;
+      const auto convert = [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k) {
+          if (k == next_group) weights.begin_group(k / group_pairs), next_group += group_pairs;
+          __m512bh w[4];
+          weights.load(k, w);
+          for (int j = 0; j < 4; ++j) _mm512_store_si512(wb + (((k / 16) * 4 + j) * 16 + k % 16) * 32, (__m512i)w[j]);
+        }
+      };
+      if constexpr (!direct)
+        if (whole) convert(0, pairs);
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, m - r0));
+        if (rows != configured) {  // the last row tile's own row count: no padding rows
+          TileConfig cfg;
+          for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+          cfg.rows[5] = 16, cfg.colsb[5] = 64;
+          _tile_loadconfig(&cfg);
+          configured = rows;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t = 0; t < tiles_k; ++t) {
+          const uint16_t* tile;
+          int64_t stride;
+          if constexpr (direct) {
+            tile = weights.base + t * 16 * kBlock * 2;
+            stride = kBlock * 2 * 2;
+            if (t + 1 < tiles_k)  // the next tile's 4 KiB: tile loads are strided, the prefetcher lags them
+              for (int l = 0; l < 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 16 * kBlock * 2) + 64 * l, _MM_HINT_T0);
+          } else {
+            if (!whole) convert(16 * t, 16 * t + 16);
+            tile = wb + t * 4 * 512;
+            stride = 64;
+          }
+          _tile_loadd(4, xs + r0 * 2 * pairs + 32 * t, 4 * pairs);
+          _tile_loadd(5, tile, stride);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(5, tile + (direct ? 32 : 512), stride);
+          _tile_dpbf16ps(1, 4, 5);
+          _tile_loadd(5, tile + (direct ? 64 : 1024), stride);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, tile + (direct ? 96 : 1536), stride);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        for (int j = 0; j < 4; ++j) {
+          const int64_t first = b * kBlock + j * 16;
+          if (first >= n) break;
+          const int64_t count = std::min<int64_t>(16, n - first);
+          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+          const __m512 bv = bs ? _mm512_maskz_loadu_ps(mask, bs + first) : _mm512_setzero_ps();
+          for (int r = 0; r < rows; ++r) {
+            __m512 v = _mm512_load_ps(sums[j] + r * 16);
+            if (bs) v = _mm512_add_ps(v, bv);
+            _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, (__m256i)_mm512_cvtneps_pbh(v));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
+// Whether the GEMVs (bf16 and codes, int4-dot excepted) run in AMX's tiles from now on (tile_blocks): on asks for
+// them, granted where this build has them and Linux grants the tile data.  Returns what holds.
+bool set_gemv_tiles(bool on) {
+#ifdef RTK_GEMV_TILES
+  gemv_tiles_on = on && tiles_permitted();
+#else
+  gemv_tiles_on = false;
+#endif
+  return gemv_tiles_on;
+}
+
 template <int R>
 inline void block_rows_dot(const uint32_t* xs, int64_t r0, const Int4DotWeights& weights, int64_t pairs,
                            int64_t group_pairs, float* total);
@@ -117,6 +265,11 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
                        const c10::optional<at::Tensor>& bias, MakeWeights make_weights) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "rtk_kernels: x is [M, K] bf16");
   TORCH_CHECK(x.size(1) == 2 * pairs && n <= blocks * kBlock, "rtk_kernels: shapes do not match");
+#ifdef RTK_GEMV_TILES
+  using Weights = decltype(make_weights(int64_t{0}));
+  if constexpr (!std::is_same_v<Weights, Int4DotWeights>)  // int4-dot's group sums round their own way
+    if (gemv_tiles_on && pairs % 16 == 0) return tile_blocks<Weights>(x, blocks, pairs, group_pairs, n, bias, make_weights);
+#endif
   const int64_t m = x.size(0);
   auto xc = x.contiguous();
   at::Tensor bf;
@@ -1126,6 +1279,7 @@ TORCH_LIBRARY(rtk_kernels, m) {
       .def("forward_rows", &DecodeLayers::forward_rows);
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
+  m.def("set_gemv_tiles(bool on) -> bool", &set_gemv_tiles);
   m.def("pack_q(Tensor codes, int kind) -> Tensor", &pack_q);
   m.def("pack_scales(Tensor scale) -> Tensor", &pack_scales);
   m.def("gemv_q(Tensor x, Tensor codes, Tensor scales, int kind, int n, Tensor? bias) -> Tensor", &gemv_q);

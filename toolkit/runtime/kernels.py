@@ -60,6 +60,9 @@ FLAGS.append("-fopenmp")
 FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and sum rounded as torch rounds it
 # sdpa_decode.h: ATen's Vectorized<float> as torch's AVX512 kernels compile it (16 lanes; needs AVX512DQ)
 FLAGS += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+# AMX's bf16 tiles for the GEMVs (kernels.cpp, tile_blocks), run only where the CPU has them (:func:`gemv_tiles`)
+FLAGS += ["-mamx-tile", "-mamx-bf16"]
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 CPU_FLAGS = hostinfo.BF16_KERNEL_FLAGS
 
 
@@ -137,12 +140,29 @@ def build_and_load(name: str, source: Path, flags: list[str]) -> bool:
 @functools.cache
 def available() -> bool:
     """Build (first use on this host) and load the kernel; False, logged, where it cannot be."""
-    if hasattr(torch.ops.rtk_kernels, "gemv"):
-        return True
-    if not cpu_supports_kernels():
-        log.info("rtk's CPU kernels need %s; this CPU lacks some, torch's operators run", ", ".join(CPU_FLAGS))
-        return False
-    return build_and_load("rtk_kernels", SOURCE, FLAGS)
+    if not hasattr(torch.ops.rtk_kernels, "gemv"):
+        if not cpu_supports_kernels():
+            log.info("rtk's CPU kernels need %s; this CPU lacks some, torch's operators run", ", ".join(CPU_FLAGS))
+            return False
+        if not build_and_load("rtk_kernels", SOURCE, FLAGS):
+            return False
+    gemv_tiles()
+    return True
+
+
+@functools.cache
+def gemv_tiles() -> bool:
+    """Whether rtk's GEMVs run in AMX's bf16 tiles (kernels.cpp, ``tile_blocks``): the CPU has AMX-BF16 (Intel
+    Sapphire Rapids and later), Linux grants the tile data, and RTK_AMX is not 0.  There every row of a call gets
+    oneDNN's one-row bits, as tdpbf16ps sums them, where the AVX512 GEMV rounds its own way (``model.Projection``),
+    and reads bf16 weights at the memory's speed for one row as for many; elsewhere the AVX512 GEMV runs."""
+    loaded = hasattr(torch.ops.rtk_kernels, "gemv")
+    return bool(torch.ops.rtk_kernels.set_gemv_tiles(wants_gemv_tiles())) if loaded else False
+
+
+def wants_gemv_tiles() -> bool:
+    """Whether :func:`gemv_tiles` asks for AMX's tiles: the CPU has AMX-BF16 and RTK_AMX is not 0."""
+    return os.environ.get("RTK_AMX", "1") != "0" and cpu_has(AMX_CPU_FLAGS)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -238,9 +238,10 @@ class Projection:
     gives every larger call's bits (oneDNN's AMX GEMM), every call has ``pad_rows`` to ``tile_rows`` rows
     (:data:`LIBRARY_TILE_ROWS`): longer ones are cut into tiles, shorter ones padded.
 
-    rtk's GEMV (``kernels.py``) sums in the order of oneDNN's AVX512-BF16 one-row kernel.  Where oneDNN
-    picks another one-row kernel (its AMX one, on Intel Sapphire Rapids and later) the bits part in a few
-    outputs; there the GEMV runs with its own rounding (``own_rounding``), checked at load to be the float
+    rtk's GEMV (``kernels.py``) sums in the order of oneDNN's AVX512-BF16 one-row kernel, and where oneDNN runs
+    its AMX kernel (Intel Sapphire Rapids and later) it runs in AMX's tiles with that kernel's order
+    (``kernels.gemv_tiles``).  Where the bits still part (a reduction that is not a multiple of 32 inputs there,
+    or ``RTK_AMX=0``) the GEMV runs with its own rounding (``own_rounding``), checked at load to be the float
     product within ``kernels.GEMV_TOLERANCE`` and batch-invariant: decode rows always take it, prompt rows
     never do.
     """
