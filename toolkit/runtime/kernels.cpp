@@ -112,8 +112,8 @@ struct Int4DotWeights;
 // one-row bits (checked at load as before: kernels.agrees, QuantizedWeight.agrees), a row's bits never depend on
 // its call, and the weights stream at the memory's speed for one row as for many.  bf16 weights are read into B
 // tiles straight from the packed layout (a k-pair's 64 outputs are 4 tile rows of 16 outputs x 2); codes are
-// turned into bf16 by their loader (the GEMV's, the same bits) into a tile-ordered buffer, a tile's 16 pairs at a
-// time for calls of up to 16 rows, the whole block at once for more (its row tiles all read it).
+// turned into bf16 by their loader (the GEMV's, the same bits) into a tile-ordered buffer, a tile's 16 pairs one tile
+// ahead of the first row tile's products; further row tiles read the buffer.
 bool gemv_tiles_on = false;
 
 #ifdef RTK_GEMV_TILES
@@ -148,7 +148,6 @@ at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const bool whole = m > 16;  // several row tiles: a block's codes converted once for all of them
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     static thread_local std::vector<uint16_t> buffer;  // a block's converted weights: [tile][j][16 pairs][32]
     uint16_t* wb = nullptr;
@@ -169,8 +168,7 @@ at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
           for (int j = 0; j < 4; ++j) _mm512_store_si512(wb + (((k / 16) * 4 + j) * 16 + k % 16) * 32, (__m512i)w[j]);
         }
       };
-      if constexpr (!direct)
-        if (whole) convert(0, pairs);
+      if constexpr (!direct) convert(0, 16);
       for (int64_t r0 = 0; r0 < m; r0 += 16) {
         const int rows = static_cast<int>(std::min<int64_t>(16, m - r0));
         if (rows != configured) {  // the last row tile's own row count: no padding rows
@@ -192,8 +190,8 @@ at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
             stride = kBlock * 2 * 2;
             if (t + 1 < tiles_k)  // the next tile's 4 KiB: tile loads are strided, the prefetcher lags them
               for (int l = 0; l < 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 16 * kBlock * 2) + 64 * l, _MM_HINT_T0);
-          } else {
-            if (!whole) convert(16 * t, 16 * t + 16);
+          } else {  // the next tile's pairs converted before this one's products (its stores drain meanwhile)
+            if (r0 == 0 && t + 1 < tiles_k) convert(16 * (t + 1), 16 * (t + 2));
             tile = wb + t * 4 * 512;
             stride = 64;
           }
