@@ -167,16 +167,17 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
     zen4 = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"])
     assert zen4.status == "ok" and "bf16" in zen4.found and "AMX" not in zen4.found
     sapphire_rapids_flags = ["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "amx_bf16"]
+    sapphire_rapids_flags.append("amx_tile")
     sapphire_rapids = engine_check(sapphire_rapids_flags)
-    assert sapphire_rapids.status == "ok" and "apart from oneDNN" in sapphire_rapids.found
+    assert sapphire_rapids.status == "ok" and "AMX's bf16 tiles, every row with oneDNN's bits" in sapphire_rapids.found
     assert "integer products" not in sapphire_rapids.found  # no AVX512-VNNI listed: rtk's VNNI build cannot run
     vnni = ["avx512f", "avx512_vnni"]
     zen4_vnni = engine_check(["avx2", "fma", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", *vnni])
     assert "bf16" in zen4_vnni.found and "INT8-SQ / INT4-AWQ exports compute in float32" in zen4_vnni.found
     amx_vnni = engine_check([*sapphire_rapids_flags, *vnni])
-    assert "apart from oneDNN" in amx_vnni.found and "VNNI integer products" in amx_vnni.found
+    assert "AMX's bf16 tiles" in amx_vnni.found and "VNNI integer products" in amx_vnni.found
     assert "int8 tiles" not in amx_vnni.found  # no AMX-INT8 listed
-    amx_int8 = engine_check([*sapphire_rapids_flags, *vnni, "amx_tile", "amx_int8"])
+    amx_int8 = engine_check([*sapphire_rapids_flags, *vnni, "amx_int8"])
     assert "INT4-AWQ prompt rows in AMX's int8 tiles" in amx_int8.found and "decode_batching" in amx_int8.found
     zen3 = engine_check(["avx2", "fma"])
     assert zen3.status == "warn" and "float32" in zen3.found and "AVX2 kernels" in zen3.found

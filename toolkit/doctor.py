@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 from .hostinfo import (
+    AMX_BF16_FLAGS,
+    AMX_INT8_FLAGS,
     AVX2_KERNEL_FLAGS,
     BF16_KERNEL_FLAGS,
     VNNI_KERNEL_FLAGS,
@@ -272,19 +274,19 @@ def _cpu_engine(host: HostInfo) -> Check:
         if vnni
         else ""
     )
-    if vnni and {"amx_tile", "amx_int8"} <= flags:
+    if vnni and set(AMX_INT8_FLAGS) <= flags:
         integer += (
             "; INT4-AWQ prompt rows in AMX's int8 tiles, and decode rows too in steps of 8 rows or more "
             "(`build.decode_batching: auto` takes `full` there; docs/engine.md, 'INT4-AWQ prompt rows in AMX's int8 "
             "tiles')"
         )
-    if set(BF16_KERNEL_FLAGS) <= flags and "amx_bf16" in flags:
+    if set(BF16_KERNEL_FLAGS) <= flags and set(AMX_BF16_FLAGS) <= flags:
         return Check(
             "CPU engine",
             "ok",
-            "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels; their decode rows round apart from oneDNN's AMX one-row "
-            "kernel (within each output's bf16 rounding), oneDNN's prompt rows run in calls of at most 32 rows "
-            "(docs/engine.md, 'Intel CPUs with AMX')" + integer,
+            "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels in AMX's bf16 tiles, every row with oneDNN's bits "
+            "(RTK_AMX=0: the AVX512 GEMV, rounding apart from oneDNN's AMX kernel; docs/engine.md, 'rtk's GEMVs in "
+            "AMX's bf16 tiles')" + integer,
             need,
         )
     if set(BF16_KERNEL_FLAGS) <= flags:

@@ -62,7 +62,7 @@ FLAGS.append("-ffp-contract=off")  # no fused multiply-adds: every product and s
 FLAGS += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
 # AMX's bf16 tiles for the GEMVs (kernels.cpp, tile_blocks), run only where the CPU has them (:func:`gemv_tiles`)
 FLAGS += ["-mamx-tile", "-mamx-bf16"]
-AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+AMX_CPU_FLAGS = hostinfo.AMX_BF16_FLAGS
 CPU_FLAGS = hostinfo.BF16_KERNEL_FLAGS
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..hostinfo import AVX2_KERNEL_FLAGS, VNNI_KERNEL_FLAGS
+from ..hostinfo import AMX_INT8_FLAGS, AVX2_KERNEL_FLAGS, VNNI_KERNEL_FLAGS
 from . import kernels
 from .checkpoint import fake_quant
 
@@ -57,7 +57,7 @@ VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "
 VNNI_FLAGS += ["-mamx-tile", "-mamx-int8"]
 VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
 VNNI_CPU_FLAGS = VNNI_KERNEL_FLAGS
-AMX_CPU_FLAGS = ("amx_tile", "amx_int8")
+AMX_CPU_FLAGS = AMX_INT8_FLAGS
 KINDS = {"bf16": 0, "int8": 1, "fp8": 2}
 INT_KINDS = {"int8": 0, "int4": 4}  # DecodeLayers' integer path: w8a8 / w8a8_blockwise, or w4a8 (kW4)
 # The kernel's sums against the float64 product, relative to the largest output: float32 rounding of a
