@@ -28,8 +28,8 @@ elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
 fi
 # The example's objectives were measured on an AVX512-BF16 host without AMX (AMD Zen 4); elsewhere the gate is the
 # one measured there before (examples/smollm2-cpu.yaml, docs/engine.md "The main job's gate"), which an Intel AMX
-# host met with TTFT p99 394-528 ms, ITL p99 63-70 ms (docs/engine.md, "Prompt rows through the fused layers on AMX
-# hosts")
+# host met with TTFT p99 370 ms, ITL p99 48 ms, and the stricter one in two of three runs, not the first after a
+# server start (docs/engine.md, "rtk's GEMVs in AMX's bf16 tiles")
 SLO_ARGS=()
 if [ $# -eq 0 ] && { ! grep -qw avx512_bf16 /proc/cpuinfo || grep -qw amx_tile /proc/cpuinfo; }; then
   SLO_ARGS=(--objective 'ttft:p99<=680' --objective 'itl:p99<=75' --objective 'error_rate<=0.001')
