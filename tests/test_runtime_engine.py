@@ -349,7 +349,7 @@ def test_a_mixed_calls_decode_rows_join_the_gemm_only_where_they_keep_the_gemvs_
     rtk's GEMV gives them alone.  Elsewhere (``min_rows`` > 1) decode rows still go through the GEMV."""
     from toolkit.runtime import kernels
     from toolkit.runtime.checkpoint import Linear
-    from toolkit.runtime.model import WHOLE_GEMV_MAX_ROWS, Projection, bf16_is_fast
+    from toolkit.runtime.model import WHOLE_GEMV_MAX_ROWS, WHOLE_TILES_MAX_ROWS, Projection, bf16_is_fast
 
     if not (bf16_is_fast() and kernels.available()):
         pytest.skip("rtk's bf16 GEMV needs AVX512-BF16")
@@ -369,7 +369,9 @@ def test_a_mixed_calls_decode_rows_join_the_gemm_only_where_they_keep_the_gemvs_
             assert torch.equal(proj(x[i : i + 1], singles=1), batch[i : i + 1]), f"decode row {i}"
         gemv_rows.clear()
         assert torch.equal(proj(x[:40], singles=3), batch[:40])  # a smaller call: the same bits
-    if proj.whole_gemv_rows:  # 128 rows through the GEMM, 40 through the GEMV whole
+    if proj.whole_gemv_rows >= 128:  # AMX's tiles: any call through the GEMV whole
+        assert proj.whole_gemv_rows == WHOLE_TILES_MAX_ROWS and through_gemv == [128] and gemv_rows == [40]
+    elif proj.whole_gemv_rows:  # 128 rows through the GEMM, 40 through the GEMV whole
         assert proj.whole_gemv_rows == WHOLE_GEMV_MAX_ROWS and through_gemv == [] and gemv_rows == [40]
     else:
         assert through_gemv == [3] and gemv_rows == [3]

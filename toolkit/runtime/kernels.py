@@ -160,6 +160,11 @@ def gemv_tiles() -> bool:
     return bool(torch.ops.rtk_kernels.set_gemv_tiles(wants_gemv_tiles())) if loaded else False
 
 
+def tiles_take(in_features: int) -> bool:
+    """Whether a GEMV over ``in_features`` inputs runs in AMX's tiles here (:func:`gemv_tiles`, a multiple of 32)."""
+    return in_features % 32 == 0 and available() and gemv_tiles()
+
+
 def wants_gemv_tiles() -> bool:
     """Whether :func:`gemv_tiles` asks for AMX's tiles: the CPU has AMX-BF16 and RTK_AMX is not 0."""
     return os.environ.get("RTK_AMX", "1") != "0" and cpu_has(AMX_CPU_FLAGS)

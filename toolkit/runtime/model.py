@@ -202,6 +202,10 @@ WHOLE_GEMV_MAX_ROWS = 96
 # ... and over codes it reads for every call (FP8's table, which has no bf16 copy), rebuilding the weights per row
 # group: 0.91-0.96x up to 48 tokens, 1.02x at 64.  (INT4's group sums round their own way and never go whole.)
 WHOLE_CODES_MAX_ROWS = 48
+# With the GEMVs in AMX's bf16 tiles (kernels.tiles_take) their time hardly grows with the rows: SmolLM2's layers
+# took 0.37-0.6x oneDNN's time (in its 32-row tiles) at 96-512 rows over bf16 weights, 0.38-0.54x at 24-256 over FP8
+# codes converted once a call (Intel AMX host, 2 threads, 2026-12-06), so there a call of any size goes through them
+WHOLE_TILES_MAX_ROWS = 4096
 # decode_batching "full": from this many rows on, an INT4 call takes AMX's tiles (W4A8Weight.prompt) for all its rows,
 # decode rows too, where they pay: SmolLM2's INT4-AWQ decode steps on one thread on the AMX host (2026-12-05), w4a8
 # against the tiles from 4 rows on, 13.8-15.7 / 17.3-18.0 ms at 4 rows, 26.7-27.6 / 24.0-24.9 at 8
@@ -388,12 +392,16 @@ class Projection:
     @property
     def whole_gemv_rows(self) -> int:
         """Most rows a batch-invariant call sends through rtk's GEMV whole, decode and prompt rows alike
-        (:data:`WHOLE_GEMV_MAX_ROWS`, :data:`WHOLE_CODES_MAX_ROWS` over codes alone): where the GEMV's one-row
-        bits are every call's bits (``min_rows`` 1, the library's rounding); else 0."""
+        (:data:`WHOLE_GEMV_MAX_ROWS`, :data:`WHOLE_CODES_MAX_ROWS` over codes alone, :data:`WHOLE_TILES_MAX_ROWS`
+        in AMX's tiles): where the GEMV's one-row bits are every call's bits (``min_rows`` 1, the library's
+        rounding); else 0."""
         whole = (self.gemv is not None or self.quant is not None) and not self.own_rounding and self.min_rows == 1
         if not whole:
             return 0
-        return WHOLE_CODES_MAX_ROWS if self.quant is not None and self.gemv is None else WHOLE_GEMV_MAX_ROWS
+        codes = self.quant is not None and self.gemv is None
+        if kernels.tiles_take(self.in_features):
+            return WHOLE_TILES_MAX_ROWS
+        return WHOLE_CODES_MAX_ROWS if codes else WHOLE_GEMV_MAX_ROWS
 
     @property
     def full_gemv_rows(self) -> int:
@@ -406,8 +414,14 @@ class Projection:
 
     @property
     def codes_max_rows(self) -> int:
-        """Most rows a GEMV call reads the codes for (more read the bf16 copy); 0 without codes."""
-        return 0 if self.quant is None else CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
+        """Most rows a GEMV call reads the codes for (more read the bf16 copy, or, without one, go in calls of this
+        many); 0 without codes.  In AMX's tiles a call over FP8 table codes converts each block once for all its
+        rows, so there it takes any count."""
+        if self.quant is None:
+            return 0
+        if self.quant.kind == "fp8-table" and kernels.tiles_take(self.in_features):
+            return WHOLE_TILES_MAX_ROWS
+        return CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
 
     @property
     def kernel(self) -> str:
