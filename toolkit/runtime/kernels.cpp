@@ -38,13 +38,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"  // tile_blocks
 #include "decode_attention.h"
 #include "decode_plan.h"
 #include "sdpa_decode.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>  // arch_prctl: AMX's tile data (tile_blocks)
-#include <unistd.h>
 #define RTK_GEMV_TILES 1
 #endif
 
@@ -117,21 +116,8 @@ struct Int4DotWeights;
 bool gemv_tiles_on = false;
 
 #ifdef RTK_GEMV_TILES
-struct alignas(64) TileConfig {  // ldtilecfg's palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux lets a process use AMX's tile data once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
-// Documentation/arch/x86/xstate.rst); asked once, process-wide
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using rtk_amx::TileConfig;
+using rtk_amx::tiles_permitted;
 
 // gemv_blocks' y = x W^T (+ bias) in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs, 4 its
 // inputs (up to 16 rows x 32), 5 the weights of 16 pairs x 16 outputs.  Threads share the blocks.

@@ -31,11 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>  // arch_prctl: AMX's tile data (w4a8_tiles)
-#include <unistd.h>
-#endif
-
+#include "amx_tiles.h"  // w4a8_tiles
 #include "decode_attention.h"
 #include "decode_plan.h"
 
@@ -958,21 +954,8 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 // 4 kk + i) stored as nibbles code + 8, bytes j (low) and j + 256 (high) of the tile in byte j.  Each thread
 // unpacks one tile of 16 outputs at a time (K / 2 bytes into K bytes) and runs every row tile over it.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-struct alignas(64) TileConfig {  // ldtilecfg's palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux lets a process use AMX's tile data once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
-// Documentation/arch/x86/xstate.rst); asked once, process-wide
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using rtk_amx::TileConfig;
+using rtk_amx::tiles_permitted;
 
 at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias) {
