@@ -264,17 +264,19 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     """INT8 / INT4: up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy; per-tensor FP8
-    (the table kernel) reads its codes for every row count and keeps no bf16 GEMV copy.  Every row has
-    the bits of the dense weights' one-row product either way."""
+    (the table kernel) reads its codes for every row count (in calls of at most GEMV_MAX_ROWS rows, or any count in
+    AMX's tiles) and keeps no bf16 GEMV copy.  Every row has the bits of the dense weights' one-row product either
+    way."""
     from toolkit.runtime import kernels
-    from toolkit.runtime.model import GEMV_MAX_ROWS, QUANT_MAX_ROWS
+    from toolkit.runtime.model import GEMV_MAX_ROWS, QUANT_MAX_ROWS, WHOLE_TILES_MAX_ROWS
 
     if not kernels.available():
         pytest.skip("rtk's CPU kernels are not available on this host")
     lin = int_linear(576, 1536, bits=bits, seed=11)
     proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True, int4_gemv="exact")
     if bits == "fp8":
-        assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == GEMV_MAX_ROWS
+        calls = WHOLE_TILES_MAX_ROWS if kernels.tiles_take(1536) else GEMV_MAX_ROWS
+        assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == calls
     else:
         assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None and proj.codes_max_rows == QUANT_MAX_ROWS
     # oneDNN over the dequantized bf16 weights; where rtk's GEMV rounds its own way (AMX hosts), that GEMV over them
