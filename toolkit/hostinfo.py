@@ -131,8 +131,12 @@ VNNI_KERNEL_FLAGS = (*AVX2_KERNEL_FLAGS, "avx512f", "avx512vl", "avx512bw", "avx
 AMX_BF16_FLAGS = ("amx_tile", "amx_bf16")  # rtk's GEMVs in AMX's bf16 tiles (runtime/kernels.py, gemv_tiles)
 AMX_INT8_FLAGS = ("amx_tile", "amx_int8")  # INT4 prompt rows in AMX's int8 tiles (runtime/kernels_avx2.py)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either: bf16 dot products (Cooper Lake, Sapphire Rapids, Zen 4 on)
-KERNEL_FLAG_SETS = (AVX2_KERNEL_FLAGS, VNNI_KERNEL_FLAGS, BF16_KERNEL_FLAGS, NATIVE_BF16_FLAGS)
-CPU_FLAGS = tuple(dict.fromkeys(f for flags in (*KERNEL_FLAG_SETS, AMX_BF16_FLAGS, AMX_INT8_FLAGS) for f in flags))
+CPU_FLAGS = tuple(
+    dict.fromkeys(
+        (*AVX2_KERNEL_FLAGS, *VNNI_KERNEL_FLAGS, *BF16_KERNEL_FLAGS, *NATIVE_BF16_FLAGS)
+        + (*AMX_BF16_FLAGS, *AMX_INT8_FLAGS)
+    )
+)
 
 
 def cpu_flags() -> set[str]:

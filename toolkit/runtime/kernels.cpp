@@ -102,6 +102,16 @@ inline void block_rows(const uint32_t* xs, int64_t r0, Weights& weights, int64_t
 
 struct Int4DotWeights;
 
+// A row's float32 sums of outputs [first, first + 16) (fewer where n ends first) into its bf16 outputs: the bias added
+// in float32, then one round to nearest even
+inline void store_outputs(const float* sums, const float* bias, int64_t first, int64_t n, uint16_t* row) {
+  const int64_t count = std::min<int64_t>(16, n - first);
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  __m512 v = _mm512_loadu_ps(sums);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + first));
+  _mm256_mask_storeu_epi16(row + first, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // 1b. The same products in AMX's bf16 tiles (Intel Sapphire Rapids and later; set_gemv_tiles).  On such CPUs
 // oneDNN's bf16 matmul (one row or many) runs tdpbf16ps: per output, the products of the reduction added to one
 // float32 accumulator in order, pair element 0 before 1, from the first input to the last, with no chunks; then the
@@ -119,21 +129,14 @@ bool gemv_tiles_on = false;
 using rtk_amx::TileConfig;
 using rtk_amx::tiles_permitted;
 
-// gemv_blocks' y = x W^T (+ bias) in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs, 4 its
-// inputs (up to 16 rows x 32), 5 the weights of 16 pairs x 16 outputs.  Threads share the blocks.
+// gemv_blocks' ys = xs W^T (+ bs) over m rows in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs,
+// 4 its inputs (up to 16 rows x 32), 5 the weights of 16 pairs x 16 outputs.  Threads share the blocks.
 template <class Weights, class MakeWeights>
-at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64_t group_pairs, int64_t n,
-                       const c10::optional<at::Tensor>& bias, MakeWeights make_weights) {
+void tile_blocks(const uint16_t* xs, int64_t m, const float* bs, uint16_t* ys, int64_t blocks, int64_t pairs,
+                 int64_t group_pairs, int64_t n, MakeWeights make_weights) {
   constexpr bool direct = std::is_same_v<Weights, Bf16Weights>;
-  const int64_t m = x.size(0), tiles_k = pairs / 16;
-  auto xc = x.contiguous();
-  at::Tensor bf;
-  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
+  constexpr int64_t column = direct ? 32 : 512;  // from one 16-output tile of weights to the next
+  const int64_t tiles_k = pairs / 16;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     static thread_local std::vector<uint16_t> buffer;  // a block's converted weights: [tile][j][16 pairs][32]
     uint16_t* wb = nullptr;
@@ -184,34 +187,23 @@ at::Tensor tile_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
           _tile_loadd(4, xs + r0 * 2 * pairs + 32 * t, 4 * pairs);
           _tile_loadd(5, tile, stride);
           _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(5, tile + (direct ? 32 : 512), stride);
+          _tile_loadd(5, tile + column, stride);
           _tile_dpbf16ps(1, 4, 5);
-          _tile_loadd(5, tile + (direct ? 64 : 1024), stride);
+          _tile_loadd(5, tile + 2 * column, stride);
           _tile_dpbf16ps(2, 4, 5);
-          _tile_loadd(5, tile + (direct ? 96 : 1536), stride);
+          _tile_loadd(5, tile + 3 * column, stride);
           _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, sums[0], 64);
         _tile_stored(1, sums[1], 64);
         _tile_stored(2, sums[2], 64);
         _tile_stored(3, sums[3], 64);
-        for (int j = 0; j < 4; ++j) {
-          const int64_t first = b * kBlock + j * 16;
-          if (first >= n) break;
-          const int64_t count = std::min<int64_t>(16, n - first);
-          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-          const __m512 bv = bs ? _mm512_maskz_loadu_ps(mask, bs + first) : _mm512_setzero_ps();
-          for (int r = 0; r < rows; ++r) {
-            __m512 v = _mm512_load_ps(sums[j] + r * 16);
-            if (bs) v = _mm512_add_ps(v, bv);
-            _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, (__m256i)_mm512_cvtneps_pbh(v));
-          }
-        }
+        for (int j = 0; j < 4 && b * kBlock + j * 16 < n; ++j)
+          for (int r = 0; r < rows; ++r) store_outputs(sums[j] + r * 16, bs, b * kBlock + j * 16, n, ys + (r0 + r) * n);
       }
     }
     _tile_release();
   });
-  return y;
 }
 #endif
 
@@ -249,11 +241,6 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
                        const c10::optional<at::Tensor>& bias, MakeWeights make_weights) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "rtk_kernels: x is [M, K] bf16");
   TORCH_CHECK(x.size(1) == 2 * pairs && n <= blocks * kBlock, "rtk_kernels: shapes do not match");
-#ifdef RTK_GEMV_TILES
-  using Weights = decltype(make_weights(int64_t{0}));
-  if constexpr (!std::is_same_v<Weights, Int4DotWeights>)  // int4-dot's group sums round their own way
-    if (gemv_tiles_on && pairs % 16 == 0) return tile_blocks<Weights>(x, blocks, pairs, group_pairs, n, bias, make_weights);
-#endif
   const int64_t m = x.size(0);
   auto xc = x.contiguous();
   at::Tensor bf;
@@ -262,6 +249,16 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
   const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const float* bs = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
+#ifdef RTK_GEMV_TILES
+  using Weights = decltype(make_weights(int64_t{0}));
+  if constexpr (!std::is_same_v<Weights, Int4DotWeights>)  // int4-dot's group sums round their own way
+    if (gemv_tiles_on && pairs % 16 == 0) {
+      if (m > 0)
+        tile_blocks<Weights>(reinterpret_cast<const uint16_t*>(xs), m, bs, ys, blocks, pairs, group_pairs, n,
+                             make_weights);
+      return y;
+    }
+#endif
   const int64_t groups = (m + 3) / 4;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float total[4 * kBlock];
@@ -276,16 +273,8 @@ at::Tensor gemv_blocks(const at::Tensor& x, int64_t blocks, int64_t pairs, int64
         default: rows_of_block<1>(xs, r0, weights, pairs, group_pairs, total); break;
       }
       for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < 4; ++j) {
-          const int64_t first = b * kBlock + j * 16;
-          if (first >= n) break;
-          const int64_t count = std::min<int64_t>(16, n - first);
-          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-          __m512 v = _mm512_loadu_ps(total + (r * 4 + j) * 16);
-          if (bs) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bs + first));
-          const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
-          _mm256_mask_storeu_epi16(ys + (r0 + r) * n + first, mask, out);
-        }
+        for (int j = 0; j < 4 && b * kBlock + j * 16 < n; ++j)
+          store_outputs(total + (r * 4 + j) * 16, bs, b * kBlock + j * 16, n, ys + (r0 + r) * n);
     }
   });
   return y;

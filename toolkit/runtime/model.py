@@ -317,6 +317,8 @@ class Projection:
         # own (class docstring): over the codes of a quantized export (checked per projection: its weights and
         # products), else over bf16 (per shape)
         usable = gemv_kernel and self.packed is not None and self.in_features % 2 == 0 and kernels.available()
+        # rtk's GEMV runs in AMX's tiles for this shape (kernels.tiles_take): calls of any size go through it whole
+        self.in_tiles = usable and kernels.tiles_take(self.in_features)
         gemv_rounding = None  # "library": oneDNN's one-row bits; "own": its own (see the class docstring)
         if usable:
             # the bf16 weight packed for rtk's GEMV: for the probe (once per shape), the codes kernel's reference
@@ -399,7 +401,7 @@ class Projection:
         if not whole:
             return 0
         codes = self.quant is not None and self.gemv is None
-        if kernels.tiles_take(self.in_features):
+        if self.in_tiles:
             return WHOLE_TILES_MAX_ROWS
         return WHOLE_CODES_MAX_ROWS if codes else WHOLE_GEMV_MAX_ROWS
 
@@ -419,7 +421,7 @@ class Projection:
         rows, so there it takes any count."""
         if self.quant is None:
             return 0
-        if self.quant.kind == "fp8-table" and kernels.tiles_take(self.in_features):
+        if self.quant.kind == "fp8-table" and self.in_tiles:
             return WHOLE_TILES_MAX_ROWS
         return CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
 
