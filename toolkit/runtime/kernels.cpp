@@ -129,6 +129,11 @@ bool gemv_tiles_on = false;
 using rtk_amx::TileConfig;
 using rtk_amx::tiles_permitted;
 
+// How far ahead of the conversion tile_blocks prefetches codes.  Without it a one-row call over FP8 codes took as
+// long as over bf16 weights (twice the bytes): the conversion's work did not overlap the codes' arrival; with 2-8 KiB
+// ahead it takes 0.58-0.70x (docs/engine.md, "Codes prefetched ahead of the tiles' conversion").
+constexpr int64_t kCodesAhead = 4096;
+
 // gemv_blocks' ys = xs W^T (+ bs) over m rows in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs,
 // 4 its inputs (up to 16 rows x 32), 5 the weights of 16 pairs x 16 outputs.  Threads share the blocks.
 template <class Weights, class MakeWeights>
@@ -151,6 +156,10 @@ void tile_blocks(const uint16_t* xs, int64_t m, const float* bs, uint16_t* ys, i
       int64_t next_group = 0;
       const auto convert = [&](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k) {
+          if constexpr (!direct) {  // codes kCodesAhead bytes on (past the block's end: the thread's next block)
+            const char* ahead = reinterpret_cast<const char*>(weights.codes + k * Weights::kPairBytes) + kCodesAhead;
+            for (int64_t l = 0; l < Weights::kPairBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+          }
           if (k == next_group) weights.begin_group(k / group_pairs), next_group += group_pairs;
           __m512bh w[4];
           weights.load(k, w);
@@ -321,6 +330,7 @@ const __m512 kInt4Values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
 
 template <int64_t Kind>
 struct QuantWeights {
+  static constexpr int64_t kPairBytes = Kind == kInt4 ? kBlock : kBlock * 2;  // one k-pair's codes
   const uint8_t* codes;  // the block's first k-pair
   const float* scales;   // the block's [groups, 128]
   __m512 s[8];
@@ -358,6 +368,7 @@ struct QuantWeights {
 //    8-bit layout with each k-pair's 128 bytes reordered for vpunpck{l,h}bw, which interleave within
 //    128-bit lanes: in half h (64 bytes), byte 16L + 8q + i is word 8L + i of weight vector 2h + q.
 struct Fp8TableWeights {
+  static constexpr int64_t kPairBytes = kBlock * 2;
   const uint8_t* codes;  // the block's first k-pair
   const uint8_t* table;  // the block's 256 bytes: the 128 magnitudes' low bytes, then their high bytes
   __m512i lo0, lo1, hi0, hi1;
