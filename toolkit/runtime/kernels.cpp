@@ -113,10 +113,11 @@ inline void store_outputs(const float* sums, const float* bias, int64_t first, i
 }
 
 // 1b. The same products in AMX's bf16 tiles (Intel Sapphire Rapids and later; set_gemv_tiles).  On such CPUs
-// oneDNN's bf16 matmul (one row or many) runs tdpbf16ps: per output, the products of the reduction added to one
-// float32 accumulator in order, pair element 0 before 1, from the first input to the last, with no chunks; then the
-// bias in float32 and one round to nearest even.  vdpbf16ps (above) adds a pair's two products in the other order
-// and its chunks apart, so there the GEMV's results part from oneDNN's in a few outputs (docs/engine.md, "Intel
+// oneDNN's bf16 matmul (one row or many) runs tdpbf16ps with one float32 accumulator tile per 16 outputs carried
+// from the first input to the last, no chunks; then the bias in float32 and one round to nearest even.  The tile
+// unit sums within an instruction in its own order (not the SDM pseudo-code's sequential one: vdpbf16ps with the
+// pairs swapped and one accumulator does not reproduce it, docs/engine.md "Codes prefetched ahead of the tiles'
+// conversion"), so the GEMV's vdpbf16ps results part from oneDNN's in a few outputs there (docs/engine.md, "Intel
 // CPUs with AMX").  tile_blocks makes the same tdpbf16ps sequence as oneDNN: every row of any call gets oneDNN's
 // one-row bits (checked at load as before: kernels.agrees, QuantizedWeight.agrees), a row's bits never depend on
 // its call, and the weights stream at the memory's speed for one row as for many.  bf16 weights are read into B
