@@ -377,6 +377,31 @@ def test_a_mixed_calls_decode_rows_join_the_gemm_only_where_they_keep_the_gemvs_
         assert through_gemv == [3] and gemv_rows == [3]
 
 
+def test_a_projection_the_tiles_take_whole_keeps_no_library_copy(monkeypatch):
+    """Where AMX's tiles give oneDNN's bits for every call (``whole_gemv_rows``, checked at load against oneDNN over
+    its packed copy), that copy is dropped (``library_free``); a call of more rows than the tiles take whole, which
+    went to oneDNN, goes through the GEMV and still gives every row the one-row bits of oneDNN's GEMM."""
+    from toolkit.runtime import kernels, model
+    from toolkit.runtime.checkpoint import Linear
+    from toolkit.runtime.model import Projection, bf16_is_fast
+
+    if not (bf16_is_fast() and kernels.available() and kernels.tiles_take(576)):
+        pytest.skip("needs AMX's bf16 tiles (kernels.gemv_tiles)")
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(weight=(torch.randn(960, 576, generator=g) * 0.05))
+    proj = Projection([lin], torch.bfloat16, pack=True, gemv_kernel=True)
+    library = Projection([lin], torch.bfloat16, pack=True)  # oneDNN's GEMM over its packed copy
+    assert proj.whole_gemv_rows and proj.library_free and proj.packed is None and proj.gemv is not None
+    assert library.packed is not None and not library.library_free
+    monkeypatch.setattr(model, "WHOLE_TILES_MAX_ROWS", 8)  # so that a 40-row call is beyond it
+    x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        one_row = torch.cat([library(x[i : i + 1], singles=1) for i in range(40)])
+        assert torch.equal(proj(x, singles=3), one_row)
+        assert torch.equal(proj(x, singles=None), one_row)
+        assert torch.equal(proj(x[:8], singles=8), one_row[:8])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_row_probe_finds_a_rare_kernel_difference(seed):
     """``Projection.min_rows`` (the smallest call whose rows get every larger call's bits) over a reduction of 1,160:

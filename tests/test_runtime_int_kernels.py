@@ -264,9 +264,9 @@ def test_int4_group_sums_decode_close_to_the_dense_path_and_batch_invariant(tmp_
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     """INT8 / INT4: up to QUANT_MAX_ROWS decode rows read the codes, more read the bf16 copy; per-tensor FP8
-    (the table kernel) reads its codes for every row count (in calls of at most GEMV_MAX_ROWS rows, or any count in
-    AMX's tiles) and keeps no bf16 GEMV copy.  Every row has the bits of the dense weights' one-row product either
-    way."""
+    (the table kernel) reads its codes for every row count (in calls of at most GEMV_MAX_ROWS rows) and keeps no bf16
+    GEMV copy.  In AMX's tiles every kind reads its codes for a call of any count, with no bf16 copy.  Every row has
+    the bits of the dense weights' one-row product either way."""
     from toolkit.runtime import kernels
     from toolkit.runtime.model import GEMV_MAX_ROWS, QUANT_MAX_ROWS, WHOLE_TILES_MAX_ROWS
 
@@ -277,6 +277,8 @@ def test_rtk_projection_over_codes_gives_one_row_bits_at_any_row_count(bits):
     if bits == "fp8":
         calls = WHOLE_TILES_MAX_ROWS if kernels.tiles_take(1536) else GEMV_MAX_ROWS
         assert proj.kernel == "rtk-fp8-table" and proj.gemv is None and proj.codes_max_rows == calls
+    elif kernels.tiles_take(1536):  # each block converted once a call, for all its rows
+        assert proj.kernel == f"rtk-int{bits}" and proj.gemv is None and proj.codes_max_rows == WHOLE_TILES_MAX_ROWS
     else:
         assert proj.kernel == f"rtk-int{bits}" and proj.gemv is not None and proj.codes_max_rows == QUANT_MAX_ROWS
     # oneDNN over the dequantized bf16 weights; where rtk's GEMV rounds its own way (AMX hosts), that GEMV over them

@@ -809,8 +809,11 @@ struct DecodeProjection {
   // rows and through the library whole beyond, decode rows too (model.Projection.__call__ without singles), so a
   // step with prompt rows reads the weights once where the GEMV rounds apart from the library (AMX hosts)
   int64_t full_rows = 0;
+  // gemv_only: the GEMV gives the library's bits for every call (AMX's tiles, model.Projection.library_free) and the
+  // library's copy was dropped: the library's calls go through the GEMV
+  bool gemv_only = false;
 
-  bool takes_prompt_rows() const { return library.has_value() || dense.has_value(); }
+  bool takes_prompt_rows() const { return library.has_value() || dense.has_value() || gemv_only; }
 
   at::Tensor input(const at::Tensor& x) const {
     if (pre_quant_scale.has_value() || act_kind != 0) return quantize_input(x, pre_quant_scale, act_kind, act_scale);
@@ -839,6 +842,7 @@ struct DecodeProjection {
 
   // model.Projection._library_gemm
   at::Tensor library_gemm(const at::Tensor& in) const {
+    if (gemv_only) return gemv_rows(in);
     if (!library.has_value()) return at::linear(in, *dense, bias);
     const int64_t rows = in.size(0);
     if (tile_rows == 0 || rows == 0 || (pad_rows <= rows && rows <= tile_rows)) return onednn_linear(in, *library, bias);
@@ -909,19 +913,21 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back({input_norm.contiguous(), post_norm.contiguous(), k_scale, v_scale, {}});
   }
 
-  // library / dense, min_rows, own_rounding, whole_gemv_rows, tile_rows, pad_rows, full_rows: the projection's prompt
-  // rows (DecodeProjection)
+  // library / dense, min_rows, own_rounding, whole_gemv_rows, tile_rows, pad_rows, full_rows, gemv_only: the
+  // projection's prompt rows (DecodeProjection)
   void add_projection(c10::optional<at::Tensor> packed, c10::optional<at::Tensor> codes,
                       c10::optional<at::Tensor> scales, int64_t kind, int64_t codes_max_rows, int64_t n,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale, int64_t act_kind,
                       double act_scale, c10::optional<at::Tensor> library, c10::optional<at::Tensor> dense,
                       int64_t min_rows, bool own_rounding, int64_t whole_gemv_rows, int64_t tile_rows,
-                      int64_t pad_rows, int64_t full_rows) {
+                      int64_t pad_rows, int64_t full_rows, bool gemv_only) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_kernels.DecodeLayers: add_layer first");
     TORCH_CHECK(packed.has_value() || codes.has_value(), "rtk_kernels.DecodeLayers: a projection needs weights");
     TORCH_CHECK(min_rows >= 1, "rtk_kernels.DecodeLayers: min_rows >= 1");
-    TORCH_CHECK(full_rows == 0 || library.has_value() || dense.has_value(),
+    TORCH_CHECK(full_rows == 0 || library.has_value() || dense.has_value() || gemv_only,
                 "rtk_kernels.DecodeLayers: full_rows needs the library's weights");
+    TORCH_CHECK(!gemv_only || (!library.has_value() && !dense.has_value() && tile_rows == 0 && !own_rounding),
+                "rtk_kernels.DecodeLayers: gemv_only takes no library weights, tiles or own rounding");
     TORCH_CHECK(tile_rows == 0 || (library.has_value() && 1 <= pad_rows && pad_rows <= tile_rows),
                 "rtk_kernels.DecodeLayers: tiles need the library's weights and 1 <= pad_rows <= tile_rows");
     TORCH_CHECK(!dense.has_value() || (dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 && dense->size(0) == n),
@@ -929,7 +935,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     if (bias.has_value()) bias = bias->contiguous();
     layers.back().proj.push_back({packed, codes, scales, kind, codes_max_rows, n, bias, pre_quant_scale, act_kind,
                                   act_scale, library, dense, min_rows, own_rounding, whole_gemv_rows,
-                                  tile_rows, pad_rows, full_rows});
+                                  tile_rows, pad_rows, full_rows, gemv_only});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {

@@ -414,9 +414,10 @@ class DecodeLayers:
         fewer than its ``min_rows`` padded, and where the library's calls are cut into tiles (oneDNN's AMX GEMM:
         ``tile_rows``), cut and padded the same way.  ``full`` (``decode_batching: full``): as ``Projection``
         without ``singles``, a call by its row count (:attr:`~toolkit.runtime.model.Projection.full_gemv_rows`),
-        decode rows too."""
+        decode rows too.  Where the projection dropped the library's copy (``library_free``: AMX's tiles give the
+        library's bits for every call), every call goes through rtk's GEMV."""
         q = proj.quant
-        prompt_rows = prompt_rows and (proj.packed is not None or proj.weight is not None)
+        prompt_rows = prompt_rows and (proj.packed is not None or proj.weight is not None or proj.library_free)
         self.takes_prompt_rows = self.takes_prompt_rows and prompt_rows
         self._layers.add_projection(
             proj.gemv,
@@ -434,9 +435,10 @@ class DecodeLayers:
             proj.min_rows,
             proj.own_rounding,
             proj.whole_gemv_rows,
-            (proj.tile_rows or 0) if prompt_rows else 0,
+            (proj.tile_rows or 0) if prompt_rows and not proj.library_free else 0,
             proj.pad_rows,
             proj.full_gemv_rows if prompt_rows and full else 0,
+            proj.library_free,
         )
 
     def forward(

@@ -289,6 +289,7 @@ class Projection:
         self.act_scale = first.act_quant.scale if first.act_quant is not None else None
         self.act_scale_value = 0.0 if self.act_scale is None else float(self.act_scale)
         self.packed = None
+        self.library_free = False  # the library's copy dropped: rtk's GEMV takes every call (set at the end)
         self.mkl_tiles: kernels_avx2.MklTiles | None = None  # a float32 GEMV's prompt rows (set below)
         self.gemv = None  # rtk's one-row kernel's packed weight (set below where it applies)
         self.quant: kernels.QuantizedWeight | None = None  # rtk's GEMV over the codes (quantized exports)
@@ -390,6 +391,13 @@ class Projection:
         self.single_rows = None
         if self.min_rows > 1:
             self.single_rows = "rowwise" if self.nbytes <= ROWWISE_MAX_BYTES else "pad"
+        # Where AMX's tiles take every call whole with the library's bits (whole_gemv_rows, checked above against
+        # oneDNN over the packed copy), that copy is never read again: dropped, and _library_gemm goes through the
+        # GEMV (the bf16 engine's layers: 212 MB of SmolLM2's, the same again in rtk's GEMV layout).
+        int_kernels = self.int8 is not None or self.int4 is not None  # their prompt rows read the library's copy
+        self.library_free = bool(self.in_tiles and self.whole_gemv_rows and self.packed is not None and not int_kernels)
+        if self.library_free:
+            self.packed = None
 
     @property
     def whole_gemv_rows(self) -> int:
@@ -417,11 +425,11 @@ class Projection:
     @property
     def codes_max_rows(self) -> int:
         """Most rows a GEMV call reads the codes for (more read the bf16 copy, or, without one, go in calls of this
-        many); 0 without codes.  In AMX's tiles a call over FP8 table codes converts each block once for all its
-        rows, so there it takes any count."""
+        many); 0 without codes.  In AMX's tiles a call over codes (int4-dot's group sums excepted: not tiled) converts
+        each block once for all its rows, so there it takes any count and no bf16 copy is kept."""
         if self.quant is None:
             return 0
-        if self.quant.kind == "fp8-table" and self.in_tiles:
+        if self.in_tiles and self.quant.kind != "int4-dot":
             return WHOLE_TILES_MAX_ROWS
         return CODES_MAX_ROWS.get(self.quant.kind, QUANT_MAX_ROWS)
 
@@ -440,7 +448,8 @@ class Projection:
             if isinstance(self.int_products, kernels_avx2.W4A8Weight):
                 return "rtk-avx2-w4a8"
             return "rtk-avx2-w8a8-blockwise" if self.int_products.blockwise else "rtk-avx2-w8a8"
-        return "int8" if self.int8 else "int4" if self.int4 else "packed" if self.packed is not None else "dense"
+        packed = self.packed is not None or self.library_free
+        return "int8" if self.int8 else "int4" if self.int4 else "packed" if packed else "dense"
 
     def _gemv_rounding(self, packed: torch.Tensor, weight: torch.Tensor, bias) -> str | None:
         """How rtk's bf16 GEMV over ``packed`` rounds here: ``"library"`` (oneDNN's one-row bits), ``"own"``
@@ -734,7 +743,10 @@ class Projection:
         return self._library_gemm(x)
 
     def _library_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """The GEMM of a library: MKL over packed weights (float32 engines), oneDNN's bf16 one, else F.linear."""
+        """The GEMM of a library: MKL over packed weights (float32 engines), oneDNN's bf16 one, else F.linear; rtk's
+        GEMV where it gives the library's bits for every call and the library's copy was dropped (``library_free``)."""
+        if self.library_free:
+            return self._gemv(x)
         if self.mkl_tiles is not None:
             return self.mkl_tiles(x, self.bias)
         if self.packed is not None:
