@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -281,6 +282,18 @@ class RequestTimes:
     last_token_ns: int | None
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``).  Loading frees the checkpoint's
+    float copies and the load checks' tensors, and glibc keeps those pages mapped: SmolLM2's FP8 engine held 1.65 GB
+    resident after load, 1.08 GB after the trim (Intel AMX host, 2026-12-06).  Nothing where the C library has no
+    such call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's C library
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 class Engine:
     """Paged-KV transformer with an in-flight batching scheduler.  Not thread-safe; see BackgroundEngine."""
 
@@ -353,6 +366,8 @@ class Engine:
         self._pending_events: list[TokenEvent] = []
         self.steps = 0
         self._torch = torch
+        del ckpt, checkpoint  # the checkpoint's tensors (where this engine loaded it) go before the trim
+        return_freed_memory()
         # RTK_STEP_TRACE=FILE: one line a step (docs/engine.md, "Where a served step's time goes")
         trace = os.environ.get("RTK_STEP_TRACE")
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (open for the engine's life)
