@@ -10,7 +10,8 @@ host's phase falls on all alike (a bf16 engine beside an FP8 one: what the codes
 * ``tiles``: rtk's GEMV as the engine calls it (``Projection._gemv``), in AMX's bf16 tiles (``kernels.gemv_tiles``);
   ``gemv`` where the CPU has no AMX;
 * ``avx512``: the same calls with the tiles switched off (``set_gemv_tiles(False)``: the AVX512 GEMV), AMX hosts only;
-* ``onednn``: the library's GEMM over the engine's packed bf16 copy (``Projection._library_gemm``), the peer.
+* ``onednn``: the library's GEMM over a packed bf16 copy of the same weights (the engine's, or made here where the
+  engine keeps none: ``Projection.library_free``), one call whatever the rows, the peer.
 
 Prints ms for all of an engine's calls (median of ``--repeats``, min-max) and, per engine, oneDNN's time over
 rtk's GEMV's.  Usage::
@@ -64,6 +65,18 @@ def projections_of(engine: Engine, head: bool) -> list:
     return [p for p in found if p.gemv is not None or p.quant is not None]
 
 
+def library_copy(p) -> torch.Tensor:
+    """oneDNN's packed bf16 copy of ``p``'s weights: the engine's, or made here where the engine dropped its own
+    (``Projection.library_free``: AMX's tiles take every call) from the weights rtk's GEMV computes with."""
+    if p.packed is not None:
+        return p.packed
+    if p.quant is not None:
+        weight = p.quant.weight()
+    else:  # rtk's GEMV layout [blocks, K/2, 64, 2] back to [N, K]
+        weight = p.gemv.permute(0, 2, 1, 3).reshape(-1, p.in_features)[: p.out_features]
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", type=Path, nargs="+", help="built engine directories, or checkpoints / exports (hf)")
@@ -87,7 +100,7 @@ def main() -> int:
         if not projections:
             ap.error(f"paths: no projection of the engine at {path} takes rtk's GEMV here")
         name = path.name if path.name not in ("hf", "engine") else path.parent.name
-        engines[name] = projections
+        engines[name] = [(p, library_copy(p)) for p in projections]
     tiles = kernels.gemv_tiles()
     set_tiles = torch.ops.rtk_kernels.set_gemv_tiles
     ways = ["tiles", "avx512", "onednn"] if tiles else ["gemv", "onednn"]
@@ -97,7 +110,7 @@ def main() -> int:
         f"{tiles}; ms for all of an engine's calls, median (min-max) of {args.repeats} repeats, everything alternated"
     )
     for name, projections in engines.items():
-        kinds = ", ".join(sorted({p.kernel for p in projections}))
+        kinds = ", ".join(sorted({p.kernel for p, _ in projections}))
         print(f"# {name}: {len(projections)} calls ({kinds})")
     print()
     columns = [(name, way) for name in engines for way in ways]
@@ -108,17 +121,20 @@ def main() -> int:
             xs = {
                 p.in_features: torch.randn(rows, p.in_features).to(torch.bfloat16)
                 for projections in engines.values()
-                for p in projections
+                for p, _ in projections
             }
             times: dict[tuple[str, str], list[float]] = {c: [] for c in columns}
             for _ in range(args.repeats):
                 for name, way in columns:
                     if tiles:
                         set_tiles(way != "avx512")
-                    call = (lambda p, x: p._library_gemm(x)) if way == "onednn" else (lambda p, x: p._gemv(x))
                     start = time.perf_counter()
-                    for p in engines[name]:
-                        call(p, xs[p.in_features])
+                    for p, library in engines[name]:
+                        x = xs[p.in_features]
+                        if way == "onednn":
+                            torch.ops.mkldnn._linear_pointwise(x, library, p.bias, "none", [], "")
+                        else:
+                            p._gemv(x)
                     times[(name, way)].append((time.perf_counter() - start) * 1e3)
             med = {c: statistics.median(v) for c, v in times.items()}
             cells = [f"{med[c]:.2f} ({min(times[c]):.2f}-{max(times[c]):.2f})" for c in columns]
