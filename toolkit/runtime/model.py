@@ -438,8 +438,8 @@ class Projection:
         """What computes the decode rows' matmul: ``rtk-int8`` / ``rtk-fp8`` / ``rtk-fp8-table`` / ``rtk-int4``
         (rtk's GEMV over the codes), ``rtk-avx2-<kind>`` / ``rtk-avx2-w8a8`` / ``rtk-avx2-w8a8-blockwise`` /
         ``rtk-avx2-w4a8`` (a float32 engine's AVX2 kernels),
-        ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (oneDNN bf16)
-        or ``dense``."""
+        ``int8`` / ``int4`` (torch's integer kernels), ``packed`` (bf16 weights packed for oneDNN, or only for rtk's
+        GEMV where AMX's tiles take every call: ``library_free``) or ``dense``."""
         if self.quant is not None:
             return f"rtk-{self.quant.kind}"
         if self.fp32_gemv is not None:
