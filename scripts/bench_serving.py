@@ -9,7 +9,11 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 ``--output-tokens`` tokens) runs three ways:
 
 * ``engine``       — the repository's engine in this process (BackgroundEngine, callback per token),
-  with the served thread policy (``load_engine(served=True)``);
+  with the served thread policy (``load_engine(served=True)``); each stream's next request is submitted from the
+  last token's callback, on the engine's thread, so it always joins the very next step;
+* ``engine-client`` — the same engine driven as a client drives a server: each stream is a thread that sends its
+  next request once its last token has arrived, so (as through Triton) a request can arrive while a step runs and
+  wait for it.  Against ``engine`` this is the cost of the arrival's phase, not of any transport;
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
@@ -57,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
 
 QUESTION = "Explain in a few sentences why the sky is blue."
-PATHS = ("engine", "tensorrt_llm", "ensemble", "frontdoor", "frontdoor-ensemble")
+PATHS = ("engine", "engine-client", "tensorrt_llm", "ensemble", "frontdoor", "frontdoor-ensemble")
 FRONTDOOR_SETTINGS = {"frontdoor": [], "frontdoor-ensemble": ["serving.frontend.primary_model=ensemble"]}
 
 
@@ -164,6 +168,32 @@ def engine_runner(bg, prompt_ids, out_tokens):
         all_done.wait()
 
     return run
+
+
+def engine_client_one(bg, prompt_ids, out_tokens):
+    """``one()`` for ``engine-client``: submit to the in-process engine, wait on this (client) thread for the last
+    token; token times and the engine's split are taken on the engine's thread as for ``engine``."""
+    from toolkit.runtime.engine import GenerationRequest
+
+    def one():
+        times, split, done = [], [], threading.Event()
+        sent = time.perf_counter()
+
+        def on_event(ev):
+            if ev.token_id is not None:
+                if not times:
+                    t = bg.engine.times(ev.request_id)
+                    waited = (t.first_scheduled_ns - t.arrival_ns) / 1e6
+                    split.append((0.0, waited, (t.first_token_ns - t.first_scheduled_ns) / 1e6, 0.0))
+                times.append(time.perf_counter())
+            if ev.finished:
+                done.set()
+
+        bg.submit(GenerationRequest(prompt_ids=list(prompt_ids), max_new_tokens=out_tokens, end_id=-1), on_event)
+        done.wait()
+        return sent, times, split[0] if split else None
+
+    return one
 
 
 def client_runner(one):
@@ -400,7 +430,7 @@ def main(argv=None) -> int:
     bg, streams, doors = None, [], {}
     try:
         server.wait_ready(models=t.models)
-        if "engine" in args.paths:
+        if "engine" in args.paths or "engine-client" in args.paths:
             # the server's thread policy (targets.cpu.served_threads), so that the comparison is of
             # Triton's hops, not of thread counts
             bg = BackgroundEngine(lambda: load_engine(engine_dir, served=True))  # loaded on its own thread
@@ -435,6 +465,7 @@ def main(argv=None) -> int:
                 fd_model = json.loads(resp.read())["data"][0]["id"]
         paths = {
             "engine": engine_runner(bg, prompt_ids, n) if bg is not None else None,
+            "engine-client": client_runner(engine_client_one(bg, prompt_ids, n)) if bg is not None else None,
             "tensorrt_llm": client_runner(grpc_one(streams[0], "tensorrt_llm", llm_inputs)),
             "ensemble": client_runner(grpc_one(streams[1], "ensemble", ens_inputs)),
             **{name: client_runner(frontdoor_one(url, fd_model, n)) for name, (_, url) in doors.items()},
@@ -515,12 +546,13 @@ def main(argv=None) -> int:
         "\nThis process's CPU per streamed token while each path ran (its client: tritonclient's gRPC stream, or"
         " the HTTP reader of a front door), us; the first round's warm-up requests are in the CPU, not in the tokens"
     )
-    print("| streams | " + " | ".join(p for p in paths if p != "engine") + " |")
-    print("|---|" + "---|" * sum(p != "engine" for p in paths))
+    in_process = ("engine", "engine-client")  # this process's CPU there is the engine's too
+    print("| streams | " + " | ".join(p for p in paths if p not in in_process) + " |")
+    print("|---|" + "---|" * sum(p not in in_process for p in paths))
     for c in args.concurrency:
         cells = []
         for path in paths:
-            if path != "engine":
+            if path not in in_process:
                 r = results[path][c]
                 cells.append(f"{client_cpu[path][c] / max(1, len(r.itl) + len(r.ttft)) * 1e6:.0f}")
         print(f"| {c} | " + " | ".join(cells) + " |")
@@ -528,7 +560,7 @@ def main(argv=None) -> int:
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        for path in ("engine", "tensorrt_llm"):
+        for path in ("engine", "engine-client", "tensorrt_llm"):
             split = results[path][c].split if path in results else None
             if split:
                 cols = " | ".join(f"{statistics.median(x[i] for x in split):.1f}" for i in range(4))
