@@ -23,7 +23,6 @@ rtk's GEMV's.  Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,8 @@ import torch  # noqa: E402
 
 from toolkit.runtime import kernels  # noqa: E402
 from toolkit.runtime.engine import Engine, EngineConfig  # noqa: E402
+from toolkit.targets.cpu import ENGINE_CONFIG  # noqa: E402
+from toolkit.targets.cpu import load_engine as load_built_engine  # noqa: E402
 
 
 def load() -> str:
@@ -46,10 +47,10 @@ def load() -> str:
 
 
 def load_engine(path: Path) -> Engine | None:
-    """A built engine as built, or an engine over a checkpoint / export with default settings; None if neither."""
-    built = path / "engine_config.json"
-    if built.is_file():
-        return Engine(path / "hf", EngineConfig(**json.loads(built.read_text())))
+    """A built engine as built (``targets.cpu.load_engine``), or an engine over a checkpoint / export with default
+    settings; None if neither."""
+    if (path / ENGINE_CONFIG).is_file():
+        return load_built_engine(path)
     if (path / "config.json").is_file():
         return Engine(path, EngineConfig(max_num_tokens=1, max_batch_size=1, max_input_len=512, max_seq_len=1024))
     return None

@@ -112,6 +112,13 @@ def closed_loop(concurrency: int, requests: int, warmup: int, one, rec: Recorder
 # -- the three paths ----------------------------------------------------------------------------
 
 
+def engine_split(bg, request_id):
+    """A request's TTFT split from the engine's own stamps (no hops in process): waiting for the running step, its
+    first step; on the engine's thread, where they are consistent."""
+    t = bg.engine.times(request_id)
+    return (0.0, (t.first_scheduled_ns - t.arrival_ns) / 1e6, (t.first_token_ns - t.first_scheduled_ns) / 1e6, 0.0)
+
+
 def engine_runner(bg, prompt_ids, out_tokens):
     """The in-process peer: ``run(concurrency, count, warmup, rec)``.  The closed loop is driven from the
     engine's own callbacks (the next request is submitted when one finishes), so no client thread
@@ -131,15 +138,7 @@ def engine_runner(bg, prompt_ids, out_tokens):
             def on_event(ev):
                 if ev.token_id is not None:
                     if not times and index >= warmup:  # engine thread: its own stamps are consistent here
-                        t = bg.engine.times(ev.request_id)
-                        rec.split.append(
-                            (
-                                0.0,
-                                (t.first_scheduled_ns - t.arrival_ns) / 1e6,
-                                (t.first_token_ns - t.first_scheduled_ns) / 1e6,
-                                0.0,
-                            )
-                        )
+                        rec.split.append(engine_split(bg, ev.request_id))
                     times.append(time.perf_counter())
                 if ev.finished:
                     if index >= warmup:
@@ -182,9 +181,7 @@ def engine_client_one(bg, prompt_ids, out_tokens):
         def on_event(ev):
             if ev.token_id is not None:
                 if not times:
-                    t = bg.engine.times(ev.request_id)
-                    waited = (t.first_scheduled_ns - t.arrival_ns) / 1e6
-                    split.append((0.0, waited, (t.first_token_ns - t.first_scheduled_ns) / 1e6, 0.0))
+                    split.append(engine_split(bg, ev.request_id))
                 times.append(time.perf_counter())
             if ev.finished:
                 done.set()

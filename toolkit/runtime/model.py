@@ -408,10 +408,9 @@ class Projection:
         whole = (self.gemv is not None or self.quant is not None) and not self.own_rounding and self.min_rows == 1
         if not whole:
             return 0
-        codes = self.quant is not None and self.gemv is None
         if self.in_tiles:
             return WHOLE_TILES_MAX_ROWS
-        return WHOLE_CODES_MAX_ROWS if codes else WHOLE_GEMV_MAX_ROWS
+        return WHOLE_CODES_MAX_ROWS if self.quant is not None and self.gemv is None else WHOLE_GEMV_MAX_ROWS
 
     @property
     def full_gemv_rows(self) -> int:
