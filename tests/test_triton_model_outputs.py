@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -107,3 +108,38 @@ def test_the_bls_model_makes_only_the_requested_outputs(monkeypatch):
     only = model._response(frozenset({"text_output"}), "hi", extras, 0)
     assert names(only) == {"text_output"} and only.tensors[0].as_numpy()[0] == b"hi"
     assert names(model._response(frozenset({"sequence_index"}), "hi", extras, 0)) == {"sequence_index"}
+
+
+class _Log:
+    def __init__(self):
+        self.errors = []
+
+    def log_error(self, message):
+        self.errors.append(message)
+
+
+def test_the_cpu_models_sender_keeps_each_requests_order_and_sends_requests_side_by_side(cpu_model):
+    """Each Triton request's responses go out in order, and a request whose send the server holds up does not
+    hold up another request's (tritonserver takes one response at a time per sending thread)."""
+    log = _Log()
+    sender = cpu_model._Sender(log, cpu_model.SENDER_LANES)
+    a, b = sender.lane(), sender.lane()
+    assert a != b
+    held, sent = threading.Event(), []
+
+    def deliver(request, i):
+        if (request, i) == ("a", 0):
+            assert held.wait(10), "request b's responses queued behind request a's"
+        sent.append((request, i))
+        if (request, i) == ("b", 2):
+            held.set()
+
+    for i in range(3):
+        sender.put(a, deliver, "a", i)
+    for i in range(3):
+        sender.put(b, deliver, "b", i)
+    sender.close()
+    assert log.errors == []
+    assert [x for x in sent if x[0] == "a"] == [("a", 0), ("a", 1), ("a", 2)]
+    assert [x for x in sent if x[0] == "b"] == [("b", 0), ("b", 1), ("b", 2)]
+    assert sent.index(("b", 2)) < sent.index(("a", 0))
