@@ -100,13 +100,19 @@ class BadRequest(ValueError):
     pass
 
 
-def _opt(request, name):
-    t = pb_utils.get_input_tensor_by_name(request, name)
+def _inputs(request) -> dict:
+    """The request's input tensors by name, listed once (``pb_utils.get_input_tensor_by_name`` lists them all
+    again at every lookup, and a request is looked up ~25 times)."""
+    return {t.name(): t for t in request.inputs()}
+
+
+def _opt(inputs, name):
+    t = inputs.get(name)
     return None if t is None else t.as_numpy()
 
 
-def _scalar(request, name, default=None, kind=int):
-    a = _opt(request, name)
+def _scalar(inputs, name, default=None, kind=int):
+    a = _opt(inputs, name)
     if a is None or a.size == 0:
         return default
     return kind(a.reshape(-1)[0])
@@ -299,50 +305,51 @@ class TritonPythonModel:
 
     def _submit(self, request, sender):
         triton_id = request.request_id()
-        if _scalar(request, "stop", False, bool):
+        inputs = _inputs(request)
+        if _scalar(inputs, "stop", False, bool):
             self._stop(triton_id)
             if sender is not None:
                 sender.send(flags=FINAL)
             return None
-        ids = _opt(request, "input_ids")
+        ids = _opt(inputs, "input_ids")
         if ids is None:
             raise BadRequest("input 'input_ids' is required")
         ids = ids.reshape(-1)
-        n = _scalar(request, "input_lengths", ids.size)
+        n = _scalar(inputs, "input_lengths", ids.size)
         if n is None or n < 1 or n > ids.size:
             raise BadRequest(
                 f"input_lengths {n} does not match input_ids ({ids.size} ids); send the number of prompt tokens"
             )
         prompt = [int(t) for t in ids[:n]]
-        max_new = _scalar(request, "request_output_len")
+        max_new = _scalar(inputs, "request_output_len")
         if max_new is None or max_new < 1:
             raise BadRequest(f"request_output_len is {max_new}; ask for at least 1 token")
-        self._refuse_unserved(request)
-        bad = _opt(request, "bad_words_list")
+        self._refuse_unserved(inputs)
+        bad = _opt(inputs, "bad_words_list")
         if bad is not None and rtk_text.parse_word_list(bad):
             raise BadRequest(f"input 'bad_words_list' is not supported ({self.where}); leave bad_words unset")
-        num_sequences = _scalar(request, "num_return_sequences", 1)
-        sampling = self._sampling(request)
+        num_sequences = _scalar(inputs, "num_return_sequences", 1)
+        sampling = self._sampling(inputs)
         if num_sequences > 1 and not self.decoupled:
             raise BadRequest(
                 f"num_return_sequences {num_sequences} needs the decoupled model ({self.where}); "
                 "serve with streaming enabled, or send 1"
             )
-        stop_words = _opt(request, "stop_words_list")
+        stop_words = _opt(inputs, "stop_words_list")
 
         group = _Group(sender, num_sequences, rtk_text.requested_outputs(request), self.sender.lane())
-        streaming = bool(_scalar(request, "streaming", False, bool)) and self.decoupled
+        streaming = bool(_scalar(inputs, "streaming", False, bool)) and self.decoupled
         stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
-        end_id = _scalar(request, "end_id", None)
+        end_id = _scalar(inputs, "end_id", None)
         for i in range(num_sequences):
             s = _Stream(request, group, i, triton_id, prompt)
             s.streaming = streaming
-            s.exclude_input = bool(_scalar(request, "exclude_input_in_output", False, bool))
-            s.want_perf = bool(_scalar(request, "return_perf_metrics", False, bool))
-            s.want_in = bool(_scalar(request, "return_num_input_tokens", False, bool))
-            s.want_out = bool(_scalar(request, "return_num_output_tokens", False, bool))
+            s.exclude_input = bool(_scalar(inputs, "exclude_input_in_output", False, bool))
+            s.want_perf = bool(_scalar(inputs, "return_perf_metrics", False, bool))
+            s.want_in = bool(_scalar(inputs, "return_num_input_tokens", False, bool))
+            s.want_out = bool(_scalar(inputs, "return_num_output_tokens", False, bool))
             s.want_log_probs = sampling.log_probs
-            s.dropped = _scalar(request, "dropped_turns", None)
+            s.dropped = _scalar(inputs, "dropped_turns", None)
             s.end_id = end_id
             s.stop_sequences = stop_sequences
             group.streams.append(s)
@@ -380,10 +387,9 @@ class TritonPythonModel:
             request_id=uuid.uuid4().hex,
         )
 
-    def _refuse_unserved(self, request):
+    def _refuse_unserved(self, inputs):
         """INVALID_ARG for an input this model does not serve sent with a value other than its default."""
-        for tensor in request.inputs():
-            name = tensor.name()
+        for name, tensor in inputs.items():
             if name in SERVED:
                 continue
             try:
@@ -406,20 +412,20 @@ class TritonPythonModel:
                 )
             raise BadRequest(f"input {rtk_text.input_name(name)} is not supported ({self.where}); leave it unset")
 
-    def _sampling(self, request):
+    def _sampling(self, inputs):
         """SamplingParams from the request, every value checked (INVALID_ARG naming the input)."""
         from toolkit.runtime.engine import SamplingParams
 
         values = {
-            "temperature": _scalar(request, "temperature", None, float),
-            "runtime_top_k": _scalar(request, "runtime_top_k", None),
-            "runtime_top_p": _scalar(request, "runtime_top_p", None, float),
-            "seed": _scalar(request, "seed", None),
-            "min_tokens": _scalar(request, "min_tokens", None),
-            "repetition_penalty": _scalar(request, "repetition_penalty", None, float),
-            "presence_penalty": _scalar(request, "presence_penalty", None, float),
-            "frequency_penalty": _scalar(request, "frequency_penalty", None, float),
-            "num_return_sequences": _scalar(request, "num_return_sequences", None),
+            "temperature": _scalar(inputs, "temperature", None, float),
+            "runtime_top_k": _scalar(inputs, "runtime_top_k", None),
+            "runtime_top_p": _scalar(inputs, "runtime_top_p", None, float),
+            "seed": _scalar(inputs, "seed", None),
+            "min_tokens": _scalar(inputs, "min_tokens", None),
+            "repetition_penalty": _scalar(inputs, "repetition_penalty", None, float),
+            "presence_penalty": _scalar(inputs, "presence_penalty", None, float),
+            "frequency_penalty": _scalar(inputs, "frequency_penalty", None, float),
+            "num_return_sequences": _scalar(inputs, "num_return_sequences", None),
         }
         try:
             rtk_text.check_sampling(values, self.where)
@@ -433,8 +439,8 @@ class TritonPythonModel:
             repetition_penalty=1.0 if values["repetition_penalty"] is None else values["repetition_penalty"],
             presence_penalty=values["presence_penalty"] or 0.0,
             frequency_penalty=values["frequency_penalty"] or 0.0,
-            embedding_bias=self._embedding_bias(request),
-            log_probs=bool(_scalar(request, "return_log_probs", False, bool)),
+            embedding_bias=self._embedding_bias(inputs),
+            log_probs=bool(_scalar(inputs, "return_log_probs", False, bool)),
         )
         if not (top_k > 1 or top_p < 1.0 or (temperature or 0.0) > 0.0):
             return SamplingParams(temperature=0.0, **penalties)
@@ -446,8 +452,8 @@ class TritonPythonModel:
             **penalties,
         )
 
-    def _embedding_bias(self, request):
-        bias = _opt(request, "embedding_bias")
+    def _embedding_bias(self, inputs):
+        bias = _opt(inputs, "embedding_bias")
         if bias is None or bias.size == 0 or not bias.any():
             return None
         import torch
