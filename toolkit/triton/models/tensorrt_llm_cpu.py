@@ -91,8 +91,8 @@ DEFAULTS = {
 }
 
 
-# Threads sending responses (_Sender): at 8 streams 4 took a new request's first token to the client in a median
-# 4.0 ms after the step that made it, against 7.0 through one (docs/engine.md, "Responses sent side by side").
+# Threads sending responses (_Sender): at 8 streams, 4 took a new request's first token to the client a median 3.6 ms
+# after the step that made it, one 6.6 ms (seven runs each; docs/engine.md, "The served stub's own time").
 SENDER_LANES = 4
 
 
