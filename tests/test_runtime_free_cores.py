@@ -68,9 +68,9 @@ def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads
         sampled = []  # (the step's forward threads, the sampling's)
         sample_sequences = engine_module.sample_sequences
 
-        def sample(logits, seqs):
+        def sample(logits, seqs, argmax_rows=None):
             sampled.append((seen[-1], torch.get_num_threads()))
-            return sample_sequences(logits, seqs)
+            return sample_sequences(logits, seqs, argmax_rows)
 
         monkeypatch.setattr(engine_module, "sample_sequences", sample)
         with spinning_processes(CORES - 1):

@@ -980,3 +980,24 @@ def test_the_vnni_build_is_preferred_and_gives_the_avx2_builds_bits(monkeypatch)
         bias = torch.randn(960, generator=g)
         idot = avx2.w8a8(x576, w8.act_scale_value, w8.codes, w8.scales, bias, pqs)
         assert torch.equal(vnni.w8a8(x576, w8.act_scale_value, w8.codes, w8.scales, bias, pqs, w8.plain), idot), rows
+
+
+@pytest.mark.parametrize("library", ["float32 engines' (kernels_avx2)", "bf16 engines' (kernels)"])
+def test_argmax_rows_gives_torch_argmax_indices_ties_infinities_and_nans_included(library):
+    """The greedy tokens' kernel (argmax_rows.h, in both libraries): the index torch.argmax gives, the first of equal
+    largest values (+0 and -0 equal), infinities, a NaN counted as the largest (the first NaN); rows of any length."""
+    if library.startswith("bf16") and not kernels.available():
+        pytest.skip("the bf16 engines' kernels need AVX512-BF16 and AVX512-VBMI")
+    argmax_rows = kernels.argmax_rows if library.startswith("bf16") else kernels_avx2.argmax_rows
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 49152, 49157):
+        x = torch.randn(3, n, generator=g)
+        nan, inf = x.clone(), x.clone()
+        nan[:, n // 2] = float("nan")
+        nan[1, -1] = float("nan")
+        inf[:, n // 3] = float("inf")
+        inf[:, -1] = float("inf")
+        signed_zeros = torch.zeros(3, n)
+        signed_zeros[:, ::2] = -0.0
+        for rows in (x, x.round(), nan, inf, signed_zeros, torch.full((3, n), float("-inf")), x[:1]):
+            assert torch.equal(argmax_rows(rows), torch.argmax(rows, dim=-1)), (n, rows[:, :4])

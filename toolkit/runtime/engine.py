@@ -530,7 +530,7 @@ class Engine:
                 logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), plan, self.pool)
                 for seq, n in work:
                     self.scheduler.commit(seq, n)
-                next_ids, log_probs = sample_sequences(logits, sampled) if sampled else ([], [])
+                next_ids, log_probs = sample_sequences(logits, sampled, self.model.argmax_rows) if sampled else ([], [])
         finally:
             if switch:
                 torch.set_num_threads(decode_threads)

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "amx_tiles.h"  // tile_blocks
+#include "argmax_rows.h"
 #include "decode_attention.h"
 #include "decode_plan.h"
 #include "sdpa_decode.h"
@@ -1269,6 +1270,7 @@ TORCH_LIBRARY(rtk_kernels, m) {
       .def("forward", &DecodeLayers::forward)
       .def("forward_rows", &DecodeLayers::forward_rows);
   m.def("pack(Tensor weight) -> Tensor", &pack);
+  m.def("argmax_rows(Tensor x) -> Tensor", &rtk_argmax::argmax_rows);
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &gemv);
   m.def("set_gemv_tiles(bool on) -> bool", &set_gemv_tiles);
   m.def("pack_q(Tensor codes, int kind) -> Tensor", &pack_q);

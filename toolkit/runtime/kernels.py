@@ -192,6 +192,11 @@ def agrees(reference, packed: torch.Tensor, out_features: int, bias: torch.Tenso
         return torch.equal(one, expected) and torch.equal(gemv(x, packed, out_features, bias), expected)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` for float32 ``x [B, V]`` (argmax_rows.h: the same indices, vectorized)."""
+    return torch.ops.rtk_kernels.argmax_rows(x)
+
+
 def gather_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``slots`` (1-D) of bf16 ``k`` and ``v`` (``[S, ...]``) as float32, in one pass."""
     ko, vo = torch.ops.rtk_kernels.gather_kv(k, v, slots)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "amx_tiles.h"  // w4a8_tiles
+#include "argmax_rows.h"
 #include "decode_attention.h"
 #include "decode_plan.h"
 
@@ -1415,6 +1416,7 @@ TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
         self->tile_decode_rows = rows;
       });
   m.def("gemv(Tensor x, Tensor weights, int kind, Tensor? scales, Tensor? bias) -> Tensor", &gemv);
+  m.def("argmax_rows(Tensor x) -> Tensor", &rtk_argmax::argmax_rows);
   m.def("w8a8(Tensor x, float act_scale, Tensor codes, Tensor oscale, Tensor? bias, Tensor? pre_quant_scale=None, "
         "Tensor? plain=None) -> Tensor",
         &w8a8);

@@ -114,6 +114,11 @@ def ops():
     return getattr(torch.ops, library())
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` for float32 ``x [B, V]`` (argmax_rows.h: the same indices, vectorized)."""
+    return ops().argmax_rows(x)
+
+
 def quantize_input(x: torch.Tensor, pre_quant_scale: torch.Tensor | None, act_kind: str | None, act_scale: float):
     """``fake_quant(x * pre_quant_scale, act_kind, act_scale)`` for float32 ``x`` (either step optional), in one
     pass with torch's bits."""

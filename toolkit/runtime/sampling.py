@@ -163,11 +163,15 @@ def draw(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | N
     return int(ids[choice])
 
 
-def sample_sequences(logits: torch.Tensor, seqs: Sequence[SequenceState]) -> tuple[list[int], list[float | None]]:
+def sample_sequences(
+    logits: torch.Tensor, seqs: Sequence[SequenceState], argmax_rows=None
+) -> tuple[list[int], list[float | None]]:
     """For each row of ``logits`` ``[B, vocab]`` (row i belongs to ``seqs[i]``): the token id, and its
-    log-probability when ``sampling.log_probs`` asks for it (else None)."""
+    log-probability when ``sampling.log_probs`` asks for it (else None).  ``argmax_rows``: a faster
+    ``torch.argmax(x, dim=-1)`` for float32 rows (rtk's kernels), used when every row is greedy."""
     if all(s.sampling.plain for s in seqs):
-        return torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs)
+        ids = argmax_rows(logits) if argmax_rows is not None else torch.argmax(logits, dim=-1)
+        return ids.tolist(), [None] * len(seqs)
     ids, log_probs = [], []
     for i, s in enumerate(seqs):
         p = s.sampling
