@@ -30,9 +30,10 @@ class TritonPythonModel:
             if request.is_cancelled():
                 responses.append(self._cancelled(request))
                 continue
-            tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
-            lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
-            prev = pb_utils.get_input_tensor_by_name(request, "PRECEDING_IDS")
+            inputs = rtk_text.inputs_by_name(request)  # once a token on the ensemble's stream: listed once
+            tokens = inputs["TOKENS_BATCH"].as_numpy()
+            lengths = inputs["SEQUENCE_LENGTH"].as_numpy()
+            prev = inputs.get("PRECEDING_IDS")
             preceding = [] if prev is None else prev.as_numpy().reshape(-1).tolist()
             # [batch=1, beams, tokens] with the batch dimension; [beams] lengths.
             tokens = tokens[0] if tokens.ndim == 3 else tokens.reshape(1, -1) if tokens.ndim < 2 else tokens

@@ -15,13 +15,13 @@ import rtk_text
 import triton_python_backend_utils as pb_utils
 
 
-def _opt(request, name):
-    t = pb_utils.get_input_tensor_by_name(request, name)
+def _opt(inputs, name):
+    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
     return None if t is None else t.as_numpy()
 
 
-def _scalar(request, name, default):
-    a = _opt(request, name)
+def _scalar(inputs, name, default):
+    a = _opt(inputs, name)
     return default if a is None or a.size == 0 else a.reshape(-1)[0]
 
 
@@ -49,31 +49,32 @@ class TritonPythonModel:
 
     def _one(self, request):
         try:
-            raw = _opt(request, "QUERY")
+            inputs = rtk_text.inputs_by_name(request)
+            raw = _opt(inputs, "QUERY")
             texts = _strings(raw)
-            if any(_strings(_opt(request, "DECODER_QUERY"))):
+            if any(_strings(_opt(inputs, "DECODER_QUERY"))):
                 raise rtk_text.PromptError(
                     f"input 'decoder_text_input' is for encoder-decoder models; target '{self.target}' serves "
                     "decoder-only models: leave it unset"
                 )
             if not texts:
                 raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-            max_tokens = int(_scalar(request, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
+            max_tokens = int(_scalar(inputs, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
             window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
             ids, dropped = rtk_text.encode_prompt(
                 self.tokenizer, texts[0], window=window, policy=self.policy, add_special_tokens=self.add_special_tokens
             )
-            end_id = int(_scalar(request, "END_ID", self.end_id))
-            pad_id = int(_scalar(request, "PAD_ID", self.pad_id))
-            stop = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "STOP_WORDS_DICT"))])
-            bad = rtk_text.word_list(self.tokenizer, [_strings(_opt(request, "BAD_WORDS_DICT"))])
-            weights = _opt(request, "EMBEDDING_BIAS_WEIGHTS")
+            end_id = int(_scalar(inputs, "END_ID", self.end_id))
+            pad_id = int(_scalar(inputs, "PAD_ID", self.pad_id))
+            stop = rtk_text.word_list(self.tokenizer, [_strings(_opt(inputs, "STOP_WORDS_DICT"))])
+            bad = rtk_text.word_list(self.tokenizer, [_strings(_opt(inputs, "BAD_WORDS_DICT"))])
+            weights = _opt(inputs, "EMBEDDING_BIAS_WEIGHTS")
             bias = rtk_text.embedding_bias(
                 self.tokenizer,
-                _strings(_opt(request, "EMBEDDING_BIAS_WORDS")),
+                _strings(_opt(inputs, "EMBEDDING_BIAS_WORDS")),
                 [] if weights is None else weights.reshape(-1).tolist(),
             )
-            extra_id = _opt(request, "PROMPT_TABLE_EXTRA_ID")
+            extra_id = _opt(inputs, "PROMPT_TABLE_EXTRA_ID")
         except rtk_text.PromptError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]

@@ -36,6 +36,12 @@ PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_
 PRECEDING_WINDOW = 8  # tokens of context for decode_delta: covers a split 4-byte character and a space
 
 
+def inputs_by_name(request) -> dict:
+    """The request's input tensors by name, listed once: ``pb_utils.get_input_tensor_by_name`` lists them all
+    again at each lookup (the cpu ``tensorrt_llm`` model looks up ~25 names a request)."""
+    return {t.name(): t for t in request.inputs()}
+
+
 def requested_outputs(request) -> frozenset[str]:
     """The outputs ``request`` asked for: the only ones a decoupled model may send it.
 

@@ -109,13 +109,13 @@ class InnerError(Exception):
         self.error = error
 
 
-def _opt(request, name):
-    t = pb_utils.get_input_tensor_by_name(request, name)
+def _opt(inputs, name):
+    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
     return None if t is None else t.as_numpy()
 
 
-def _scalar(request, name, default=None):
-    a = _opt(request, name)
+def _scalar(inputs, name, default=None):
+    a = _opt(inputs, name)
     return default if a is None or a.size == 0 else a.reshape(-1)[0]
 
 
@@ -160,26 +160,27 @@ class TritonPythonModel:
         sender.send(response, flags=FINAL)
         return None
 
-    def _refuse_not_served(self, request):
+    def _refuse_not_served(self, inputs):
         for name, why in NOT_SERVED.items():
-            a = _opt(request, name)
+            a = _opt(inputs, name)
             if a is None or a.size == 0 or (a.dtype == np.object_ and not any(a.reshape(-1))) or not a.any():
                 continue
             raise rtk_text.PromptError(f"input '{name}' {why}; {self.where} has none: leave it unset")
 
     def _generate(self, request, sender):
-        self._refuse_not_served(request)
-        rtk_text.check_sampling({name: _scalar(request, name) for name in CHECKED}, self.where)
-        texts = _strings(_opt(request, "text_input"))
+        given = rtk_text.inputs_by_name(request)  # the client's; `inputs` below are tensorrt_llm's
+        self._refuse_not_served(given)
+        rtk_text.check_sampling({name: _scalar(given, name) for name in CHECKED}, self.where)
+        texts = _strings(_opt(given, "text_input"))
         if not texts:
             raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-        max_tokens = int(_scalar(request, "max_tokens", self.default_max_tokens))
+        max_tokens = int(_scalar(given, "max_tokens", self.default_max_tokens))
         window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
         prompt, dropped = rtk_text.encode_prompt(self.tokenizer, texts[0], window=window, policy=self.policy)
-        stream = bool(_scalar(request, "stream", False)) and sender is not None
+        stream = bool(_scalar(given, "stream", False)) and sender is not None
         want = rtk_text.requested_outputs(request)
-        exclude_input = bool(_scalar(request, "exclude_input_in_output", False))
-        end_id = int(_scalar(request, "end_id", rtk_text.end_id_of(self.tokenizer)))
+        exclude_input = bool(_scalar(given, "exclude_input_in_output", False))
+        end_id = int(_scalar(given, "end_id", rtk_text.end_id_of(self.tokenizer)))
 
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731
         inputs = [
@@ -187,34 +188,34 @@ class TritonPythonModel:
             pb_utils.Tensor("input_lengths", i32(len(prompt))),
             pb_utils.Tensor("request_output_len", i32(max_tokens)),
             pb_utils.Tensor("end_id", i32(end_id)),
-            pb_utils.Tensor("pad_id", i32(int(_scalar(request, "pad_id", rtk_text.pad_id_of(self.tokenizer))))),
+            pb_utils.Tensor("pad_id", i32(int(_scalar(given, "pad_id", rtk_text.pad_id_of(self.tokenizer))))),
             pb_utils.Tensor("streaming", np.array([[stream]], dtype=np.bool_)),
             pb_utils.Tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_)),
         ]
-        stop_words = _strings(_opt(request, "stop_words"))
+        stop_words = _strings(_opt(given, "stop_words"))
         if stop_words:
             inputs.append(pb_utils.Tensor("stop_words_list", rtk_text.word_list(self.tokenizer, [stop_words])))
-        bad_words = _strings(_opt(request, "bad_words"))
+        bad_words = _strings(_opt(given, "bad_words"))
         if bad_words:
             inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [bad_words])))
-        weights = _opt(request, "embedding_bias_weights")
+        weights = _opt(given, "embedding_bias_weights")
         bias = rtk_text.embedding_bias(
             self.tokenizer,
-            _strings(_opt(request, "embedding_bias_words")),
+            _strings(_opt(given, "embedding_bias_words")),
             [] if weights is None else weights.reshape(-1).tolist(),
         )
         if bias.size:
             inputs.append(pb_utils.Tensor("embedding_bias", bias.reshape(1, -1)))
-        extra_id = _opt(request, "prompt_table_extra_id")
+        extra_id = _opt(given, "prompt_table_extra_id")
         if extra_id is not None and extra_id.size:
             ids = np.full((1, len(prompt)), int(extra_id.reshape(-1)[0]), dtype=np.uint64)
             inputs.append(pb_utils.Tensor("prompt_table_extra_ids", ids))
         for name, (target, dtype) in PASS_THROUGH.items():
-            v = _scalar(request, name)
+            v = _scalar(given, name)
             if v is not None:
                 inputs.append(pb_utils.Tensor(target, np.array([[v]], dtype=dtype)))
         for name in PASS_THROUGH_TENSORS:  # handed on as they came (a BF16 table has no numpy type)
-            t = pb_utils.get_input_tensor_by_name(request, name)
+            t = given.get(name)
             if t is not None:
                 inputs.append(t)
         inner_id = uuid.uuid4().hex  # never a client's id: two clients may reuse one

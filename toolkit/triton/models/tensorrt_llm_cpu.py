@@ -100,14 +100,8 @@ class BadRequest(ValueError):
     pass
 
 
-def _inputs(request) -> dict:
-    """The request's input tensors by name, listed once (``pb_utils.get_input_tensor_by_name`` lists them all
-    again at every lookup, and a request is looked up ~25 times)."""
-    return {t.name(): t for t in request.inputs()}
-
-
 def _opt(inputs, name):
-    t = inputs.get(name)
+    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
     return None if t is None else t.as_numpy()
 
 
@@ -305,7 +299,7 @@ class TritonPythonModel:
 
     def _submit(self, request, sender):
         triton_id = request.request_id()
-        inputs = _inputs(request)
+        inputs = rtk_text.inputs_by_name(request)
         if _scalar(inputs, "stop", False, bool):
             self._stop(triton_id)
             if sender is not None:
