@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -164,7 +164,9 @@ def draw(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | N
 
 
 def sample_sequences(
-    logits: torch.Tensor, seqs: Sequence[SequenceState], argmax_rows=None
+    logits: torch.Tensor,
+    seqs: Sequence[SequenceState],
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[float | None]]:
     """For each row of ``logits`` ``[B, vocab]`` (row i belongs to ``seqs[i]``): the token id, and its
     log-probability when ``sampling.log_probs`` asks for it (else None).  ``argmax_rows``: a faster

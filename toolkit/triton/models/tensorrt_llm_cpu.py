@@ -335,17 +335,16 @@ class TritonPythonModel:
         streaming = bool(_scalar(inputs, "streaming", False, bool)) and self.decoupled
         stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
         end_id = _scalar(inputs, "end_id", None)
+        exclude_input = bool(_scalar(inputs, "exclude_input_in_output", False, bool))
+        want_perf = bool(_scalar(inputs, "return_perf_metrics", False, bool))
+        want_in = bool(_scalar(inputs, "return_num_input_tokens", False, bool))
+        want_out = bool(_scalar(inputs, "return_num_output_tokens", False, bool))
+        dropped = _scalar(inputs, "dropped_turns", None)
         for i in range(num_sequences):
             s = _Stream(request, group, i, triton_id, prompt)
-            s.streaming = streaming
-            s.exclude_input = bool(_scalar(inputs, "exclude_input_in_output", False, bool))
-            s.want_perf = bool(_scalar(inputs, "return_perf_metrics", False, bool))
-            s.want_in = bool(_scalar(inputs, "return_num_input_tokens", False, bool))
-            s.want_out = bool(_scalar(inputs, "return_num_output_tokens", False, bool))
-            s.want_log_probs = sampling.log_probs
-            s.dropped = _scalar(inputs, "dropped_turns", None)
-            s.end_id = end_id
-            s.stop_sequences = stop_sequences
+            s.streaming, s.exclude_input, s.want_log_probs = streaming, exclude_input, sampling.log_probs
+            s.want_perf, s.want_in, s.want_out = want_perf, want_in, want_out
+            s.dropped, s.end_id, s.stop_sequences = dropped, end_id, stop_sequences
             group.streams.append(s)
         reqs = [self._engine_request(prompt, int(max_new), s, sampling, i) for i, s in enumerate(group.streams)]
         with self.lock:
