@@ -15,13 +15,8 @@ import rtk_text
 import triton_python_backend_utils as pb_utils
 
 
-def _opt(inputs, name):
-    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
-    return None if t is None else t.as_numpy()
-
-
 def _scalar(inputs, name, default):
-    a = _opt(inputs, name)
+    a = rtk_text.input_array(inputs, name)
     return default if a is None or a.size == 0 else a.reshape(-1)[0]
 
 
@@ -50,9 +45,9 @@ class TritonPythonModel:
     def _one(self, request):
         try:
             inputs = rtk_text.inputs_by_name(request)
-            raw = _opt(inputs, "QUERY")
+            raw = rtk_text.input_array(inputs, "QUERY")
             texts = _strings(raw)
-            if any(_strings(_opt(inputs, "DECODER_QUERY"))):
+            if any(_strings(rtk_text.input_array(inputs, "DECODER_QUERY"))):
                 raise rtk_text.PromptError(
                     f"input 'decoder_text_input' is for encoder-decoder models; target '{self.target}' serves "
                     "decoder-only models: leave it unset"
@@ -66,15 +61,15 @@ class TritonPythonModel:
             )
             end_id = int(_scalar(inputs, "END_ID", self.end_id))
             pad_id = int(_scalar(inputs, "PAD_ID", self.pad_id))
-            stop = rtk_text.word_list(self.tokenizer, [_strings(_opt(inputs, "STOP_WORDS_DICT"))])
-            bad = rtk_text.word_list(self.tokenizer, [_strings(_opt(inputs, "BAD_WORDS_DICT"))])
-            weights = _opt(inputs, "EMBEDDING_BIAS_WEIGHTS")
+            stop = rtk_text.word_list(self.tokenizer, [_strings(rtk_text.input_array(inputs, "STOP_WORDS_DICT"))])
+            bad = rtk_text.word_list(self.tokenizer, [_strings(rtk_text.input_array(inputs, "BAD_WORDS_DICT"))])
+            weights = rtk_text.input_array(inputs, "EMBEDDING_BIAS_WEIGHTS")
             bias = rtk_text.embedding_bias(
                 self.tokenizer,
-                _strings(_opt(inputs, "EMBEDDING_BIAS_WORDS")),
+                _strings(rtk_text.input_array(inputs, "EMBEDDING_BIAS_WORDS")),
                 [] if weights is None else weights.reshape(-1).tolist(),
             )
-            extra_id = _opt(inputs, "PROMPT_TABLE_EXTRA_ID")
+            extra_id = rtk_text.input_array(inputs, "PROMPT_TABLE_EXTRA_ID")
         except rtk_text.PromptError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]

@@ -42,6 +42,12 @@ def inputs_by_name(request) -> dict:
     return {t.name(): t for t in request.inputs()}
 
 
+def input_array(inputs: dict, name: str):
+    """Input ``name`` of :func:`inputs_by_name`'s dict as a numpy array; None where the request left it out."""
+    t = inputs.get(name)
+    return None if t is None else t.as_numpy()
+
+
 def requested_outputs(request) -> frozenset[str]:
     """The outputs ``request`` asked for: the only ones a decoupled model may send it.
 

@@ -109,13 +109,8 @@ class InnerError(Exception):
         self.error = error
 
 
-def _opt(inputs, name):
-    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
-    return None if t is None else t.as_numpy()
-
-
 def _scalar(inputs, name, default=None):
-    a = _opt(inputs, name)
+    a = rtk_text.input_array(inputs, name)
     return default if a is None or a.size == 0 else a.reshape(-1)[0]
 
 
@@ -162,7 +157,7 @@ class TritonPythonModel:
 
     def _refuse_not_served(self, inputs):
         for name, why in NOT_SERVED.items():
-            a = _opt(inputs, name)
+            a = rtk_text.input_array(inputs, name)
             if a is None or a.size == 0 or (a.dtype == np.object_ and not any(a.reshape(-1))) or not a.any():
                 continue
             raise rtk_text.PromptError(f"input '{name}' {why}; {self.where} has none: leave it unset")
@@ -171,7 +166,7 @@ class TritonPythonModel:
         given = rtk_text.inputs_by_name(request)  # the client's; `inputs` below are tensorrt_llm's
         self._refuse_not_served(given)
         rtk_text.check_sampling({name: _scalar(given, name) for name in CHECKED}, self.where)
-        texts = _strings(_opt(given, "text_input"))
+        texts = _strings(rtk_text.input_array(given, "text_input"))
         if not texts:
             raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
         max_tokens = int(_scalar(given, "max_tokens", self.default_max_tokens))
@@ -192,21 +187,21 @@ class TritonPythonModel:
             pb_utils.Tensor("streaming", np.array([[stream]], dtype=np.bool_)),
             pb_utils.Tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_)),
         ]
-        stop_words = _strings(_opt(given, "stop_words"))
+        stop_words = _strings(rtk_text.input_array(given, "stop_words"))
         if stop_words:
             inputs.append(pb_utils.Tensor("stop_words_list", rtk_text.word_list(self.tokenizer, [stop_words])))
-        bad_words = _strings(_opt(given, "bad_words"))
+        bad_words = _strings(rtk_text.input_array(given, "bad_words"))
         if bad_words:
             inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [bad_words])))
-        weights = _opt(given, "embedding_bias_weights")
+        weights = rtk_text.input_array(given, "embedding_bias_weights")
         bias = rtk_text.embedding_bias(
             self.tokenizer,
-            _strings(_opt(given, "embedding_bias_words")),
+            _strings(rtk_text.input_array(given, "embedding_bias_words")),
             [] if weights is None else weights.reshape(-1).tolist(),
         )
         if bias.size:
             inputs.append(pb_utils.Tensor("embedding_bias", bias.reshape(1, -1)))
-        extra_id = _opt(given, "prompt_table_extra_id")
+        extra_id = rtk_text.input_array(given, "prompt_table_extra_id")
         if extra_id is not None and extra_id.size:
             ids = np.full((1, len(prompt)), int(extra_id.reshape(-1)[0]), dtype=np.uint64)
             inputs.append(pb_utils.Tensor("prompt_table_extra_ids", ids))

@@ -100,13 +100,8 @@ class BadRequest(ValueError):
     pass
 
 
-def _opt(inputs, name):
-    t = inputs.get(name)  # inputs: rtk_text.inputs_by_name
-    return None if t is None else t.as_numpy()
-
-
 def _scalar(inputs, name, default=None, kind=int):
-    a = _opt(inputs, name)
+    a = rtk_text.input_array(inputs, name)
     if a is None or a.size == 0:
         return default
     return kind(a.reshape(-1)[0])
@@ -305,7 +300,7 @@ class TritonPythonModel:
             if sender is not None:
                 sender.send(flags=FINAL)
             return None
-        ids = _opt(inputs, "input_ids")
+        ids = rtk_text.input_array(inputs, "input_ids")
         if ids is None:
             raise BadRequest("input 'input_ids' is required")
         ids = ids.reshape(-1)
@@ -319,7 +314,7 @@ class TritonPythonModel:
         if max_new is None or max_new < 1:
             raise BadRequest(f"request_output_len is {max_new}; ask for at least 1 token")
         self._refuse_unserved(inputs)
-        bad = _opt(inputs, "bad_words_list")
+        bad = rtk_text.input_array(inputs, "bad_words_list")
         if bad is not None and rtk_text.parse_word_list(bad):
             raise BadRequest(f"input 'bad_words_list' is not supported ({self.where}); leave bad_words unset")
         num_sequences = _scalar(inputs, "num_return_sequences", 1)
@@ -329,7 +324,7 @@ class TritonPythonModel:
                 f"num_return_sequences {num_sequences} needs the decoupled model ({self.where}); "
                 "serve with streaming enabled, or send 1"
             )
-        stop_words = _opt(inputs, "stop_words_list")
+        stop_words = rtk_text.input_array(inputs, "stop_words_list")
 
         group = _Group(sender, num_sequences, rtk_text.requested_outputs(request), self.sender.lane())
         streaming = bool(_scalar(inputs, "streaming", False, bool)) and self.decoupled
@@ -446,7 +441,7 @@ class TritonPythonModel:
         )
 
     def _embedding_bias(self, inputs):
-        bias = _opt(inputs, "embedding_bias")
+        bias = rtk_text.input_array(inputs, "embedding_bias")
         if bias is None or bias.size == 0 or not bias.any():
             return None
         import torch
