@@ -321,6 +321,77 @@ def test_encoding_through_the_backend_is_transformers_encoding(tokenizer, specia
     assert got == tokenizer.encode(MULTIBYTE, add_special_tokens=special) and len(got) > 4
 
 
+def test_a_chat_from_its_kept_pieces_is_encoded_as_the_whole_text(tokenizer):
+    """``rtk_text.PieceIds``: the ids of the pieces between added tokens, kept from earlier texts, give the ids
+    the tokenizer gives the whole text, for texts made at random of added tokens, whitespace (next to the
+    added tokens too), digits, punctuation and multi-byte text; the kept pieces stay within their bound."""
+    import random
+
+    backend = tokenizer.backend_tokenizer
+    pieces = rtk_text.PieceIds.of(backend)
+    assert pieces is not None, "SmolLM2's ByteLevel tokenizer encodes piece by piece"
+    assert rtk_text.PieceIds.of(backend) is pieces
+    small = rtk_text.PieceIds(backend, max_chars=400)
+    parts = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<reponame>",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        " \n ",
+        "user",
+        "assistant",
+        "system",
+        "Hello",
+        " world",
+        "12",
+        "3.5",
+        ",",
+        "!?",
+        "'s",
+        "é",
+        "東京",
+        "🙂",
+        "x" * 40,
+    ]
+    rng = random.Random(7)
+    texts = ["".join(rng.choice(parts) for _ in range(rng.randint(1, 24))) for _ in range(400)]
+    for text in texts + texts[:50]:  # the repeats come from kept pieces
+        want = backend.encode(text, add_special_tokens=False).ids
+        assert pieces.ids(text) == want, repr(text)
+        assert small.ids(text) == want, repr(text)
+        assert small.chars <= 400
+    assert rtk_text.encode(tokenizer, texts[0], add_special_tokens=False) == tokenizer.encode(
+        texts[0], add_special_tokens=False
+    )
+
+
+def test_tokenizers_whose_pieces_depend_on_their_place_are_encoded_whole():
+    """A pre-tokenizer that treats a text's first word apart (Metaspace's "first"), a prefix space, or an
+    added token that strips the spaces beside it: the pieces would not encode as the whole does, so
+    ``PieceIds.of`` is None and ``encode`` encodes the whole text."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    def made(pre, strip=False):
+        vocab = {"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "Ġa": 5, "Ġb": 6}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre
+        tok.add_special_tokens([AddedToken("<s>", lstrip=strip, rstrip=strip)])
+        return tok
+
+    for tok in (
+        made(pre_tokenizers.Metaspace(prepend_scheme="first")),
+        made(pre_tokenizers.ByteLevel(add_prefix_space=True)),
+        made(pre_tokenizers.ByteLevel(add_prefix_space=False), strip=True),
+    ):
+        assert rtk_text.PieceIds.of(tok) is None
+    assert rtk_text.PieceIds.of(made(pre_tokenizers.ByteLevel(add_prefix_space=False))) is not None
+
+
 def conversation(turns: int) -> list[dict]:
     msgs = [{"role": "system", "content": "You are terse."}]
     for i in range(turns):
