@@ -370,6 +370,38 @@ def test_a_chat_from_its_kept_pieces_is_encoded_as_the_whole_text(tokenizer):
     )
 
 
+def test_chats_are_rendered_as_apply_chat_template_renders_them(tokenizer, smollm2_tokenizer_dir, monkeypatch):
+    """``rtk_text.render_chat`` calls transformers' ``render_jinja_template`` directly for messages of plain
+    strings: the text of ``apply_chat_template`` for chats made at random (with and without a system prompt,
+    several turns, multi-byte and template-like text), with and without the generation prompt.  A direct render
+    that disagrees on the probe chats is not used."""
+    import random
+
+    from transformers.utils import chat_template_utils
+
+    assert rtk_text._direct_renderer(tokenizer) is not None
+    rng = random.Random(3)
+    words = ["Hello", "{{ x }}", "<|im_end|>", "\n", "東京 🙂", "  ", "café", "{% if %}", "ok."]
+    for _ in range(60):
+        msgs = [{"role": "system", "content": "Be terse."}] if rng.random() < 0.5 else []
+        for turn in range(rng.randint(1, 4)):
+            role = "user" if turn % 2 == 0 else "assistant"
+            msgs.append({"role": role, "content": " ".join(rng.choice(words) for _ in range(rng.randint(0, 6)))})
+        if msgs[-1]["role"] != "user":
+            msgs.append({"role": "user", "content": "and?"})
+        for gen in (True, False):
+            want = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            assert rtk_text.render_chat(tokenizer, msgs, generation_prompt=gen) == want
+    real = chat_template_utils.render_jinja_template
+    monkeypatch.setattr(chat_template_utils, "render_jinja_template", lambda **kw: ([real(**kw)[0][0] + " "], []))
+    other = rtk_text.load_tokenizer(str(smollm2_tokenizer_dir))
+    assert rtk_text._direct_renderer(other) is None
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert rtk_text.render_chat(other, msgs) == tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
+
+
 def test_tokenizers_whose_pieces_depend_on_their_place_are_encoded_whole():
     """A pre-tokenizer that treats a text's first word apart (Metaspace's "first"), a prefix space, or an
     added token that strips the spaces beside it: the pieces would not encode as the whole does, so
