@@ -740,6 +740,28 @@ def test_background_engine_streams_concurrent_submissions(engine, hf_model):
     assert engine.kv_stats()["blocks_used"] == 0
 
 
+def test_background_engine_hands_a_steps_first_tokens_over_before_its_other_tokens(engine):
+    """A request that gets its first token in a step where others decode is called back first in that step, and
+    every request's tokens still come in order."""
+    calls: list[TokenEvent] = []
+    done = threading.Event()
+    bg = BackgroundEngine(engine)
+    try:
+        running = [bg.submit(greedy(prompt(5, 160 + i), n=40), calls.append) for i in range(3)]
+        while sum(1 for e in list(calls) if e.token_id is not None) < 6:
+            time.sleep(0.005)
+        late = bg.submit(greedy(prompt(6, 170), n=4), lambda ev: (calls.append(ev), ev.finished and done.set()))
+        assert done.wait(60)
+    finally:
+        bg.close()
+    step = [e for e in calls if e.time_ns == next(e.time_ns for e in calls if e.request_id == late)]
+    assert len(step) > 1 and {e.request_id for e in step} & set(running), "the late request's first step decoded others"
+    assert step[0].request_id == late and step[0].index == 0
+    for rid in [*running, late]:
+        mine = [e.index for e in calls if e.request_id == rid and e.token_id is not None]
+        assert mine == sorted(mine) and mine[0] == 0
+
+
 def test_background_close_cancels_what_is_in_flight(engine):
     got = []
     bg = BackgroundEngine(engine)
