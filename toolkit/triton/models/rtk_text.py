@@ -259,7 +259,7 @@ def render_chat(tokenizer, messages: list[dict], *, generation_prompt: bool = Tr
 
     try:
         direct = _direct_renderer(tokenizer)
-        if direct is not None and all(type(m["role"]) is str and type(m["content"]) is str for m in messages):
+        if direct is not None and all(type(m) is dict and all(type(v) is str for v in m.values()) for m in messages):
             return direct(messages, generation_prompt)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except TemplateError as exc:
@@ -270,7 +270,7 @@ _DIRECT_RENDERERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # to
 
 
 def _direct_renderer(tokenizer):
-    """``apply_chat_template(messages, tokenize=False)`` for messages of plain strings: transformers'
+    """``apply_chat_template(messages, tokenize=False)`` for dicts of strings only: transformers'
     ``render_jinja_template`` with what ``apply_chat_template`` passes it (the tokenizer's template and special
     tokens), without its copies and checks of the messages first (transformers 5.x
     ``tokenization_utils_base.py`` ``apply_chat_template``, ``utils/chat_template_utils.py``): ~35 µs less a
