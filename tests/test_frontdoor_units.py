@@ -716,3 +716,28 @@ def test_a_chat_the_template_refuses_is_a_400_naming_messages_on_every_path(smol
         rtk_text.encode_prompt(tokens.tok, req.text_input(), window=504, policy="reject")
     mapped = classify_refusal(TritonRefused(str(err.value), overload=False), req)
     assert mapped.status == 400 and mapped.param == "messages" and refusal in str(mapped)
+
+
+def test_ids_text_streams_a_long_answer_as_its_whole_decoding(smollm2_tokenizer_dir):
+    """``IdsText`` turns each response's ids into text against the few ids before them: a long answer of
+    multi-byte text, one or three ids a response, joins to the decoding of all its ids, and ``generated``
+    keeps every id."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from toolkit.frontdoor.tokens import ChatTokens, IdsText
+
+    tokens = ChatTokens(smollm2_tokenizer_dir)
+    answer = "Paris 🙂 東京 café, ñandú; " * 40
+    ids = tokens.tok.encode(answer, add_special_tokens=False)
+    prompt = tokens.tok.encode("Say it:", add_special_tokens=False)
+    for step in (1, 3):
+        stream = IdsText(tokens, prompt)
+        pieces = []
+        for i in range(0, len(ids), step):
+            chunk = np.array(ids[i : i + step], dtype="<i4").tobytes()
+            text, _ = stream.text([SimpleNamespace(name="output_ids")], [chunk])
+            pieces.append(text)
+        assert "".join(pieces) == answer and stream.generated == ids
+        assert all("\ufffd" not in p for p in pieces)

@@ -169,6 +169,8 @@ class IdsText:
         new = [t for t in new if t != self.tokens.end_id]
         if logprobs is not None:
             logprobs = logprobs[: len(new)]
-        text = self.tokens.delta(self.prompt_tail + self.generated, new) if new else ""
+        # the ids just before: the prompt's last few, then the generated ones (a window, not the whole answer)
+        before = self.prompt_tail + self.generated[-rtk_text.PRECEDING_WINDOW :]
+        text = self.tokens.delta(before, new) if new else ""
         self.generated += new
         return text, logprobs
