@@ -533,8 +533,9 @@ class TritonPythonModel:
         if "sequence_length" in want:
             out.append(pb_utils.Tensor("sequence_length", i32(len(tokens))))
         if "preceding_ids" in want:
-            everything = s.prompt + s.generated
-            window = everything[max(0, start - rtk_text.PRECEDING_WINDOW) : start]
+            # (prompt + generated)[start - PRECEDING_WINDOW : start], without copying the whole sequence each token
+            lo, n = max(0, start - rtk_text.PRECEDING_WINDOW), len(s.prompt)
+            window = s.prompt[lo : min(start, n)] + s.generated[max(0, lo - n) : max(0, start - n)]
             out.append(pb_utils.Tensor("preceding_ids", np.array([window], dtype=np.int32)))
         if "batch_index" in want:
             out.append(pb_utils.Tensor("batch_index", i32(0)))
