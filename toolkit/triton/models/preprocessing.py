@@ -15,17 +15,6 @@ import rtk_text
 import triton_python_backend_utils as pb_utils
 
 
-def _scalar(inputs, name, default):
-    a = rtk_text.input_array(inputs, name)
-    return default if a is None or a.size == 0 else a.reshape(-1)[0]
-
-
-def _strings(a):
-    if a is None:
-        return []
-    return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1)]
-
-
 class TritonPythonModel:
     def initialize(self, args):
         p = rtk_text.model_parameters(args)
@@ -45,28 +34,27 @@ class TritonPythonModel:
     def _one(self, request):
         try:
             inputs = rtk_text.inputs_by_name(request)
-            raw = rtk_text.input_array(inputs, "QUERY")
-            texts = _strings(raw)
-            if any(_strings(rtk_text.input_array(inputs, "DECODER_QUERY"))):
+            texts = rtk_text.input_strings(inputs, "QUERY")
+            if any(rtk_text.input_strings(inputs, "DECODER_QUERY")):
                 raise rtk_text.PromptError(
                     f"input 'decoder_text_input' is for encoder-decoder models; target '{self.target}' serves "
                     "decoder-only models: leave it unset"
                 )
             if not texts:
                 raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-            max_tokens = int(_scalar(inputs, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
+            max_tokens = int(rtk_text.input_scalar(inputs, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
             window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
             ids, dropped = rtk_text.encode_prompt(
                 self.tokenizer, texts[0], window=window, policy=self.policy, add_special_tokens=self.add_special_tokens
             )
-            end_id = int(_scalar(inputs, "END_ID", self.end_id))
-            pad_id = int(_scalar(inputs, "PAD_ID", self.pad_id))
-            stop = rtk_text.word_list(self.tokenizer, [_strings(rtk_text.input_array(inputs, "STOP_WORDS_DICT"))])
-            bad = rtk_text.word_list(self.tokenizer, [_strings(rtk_text.input_array(inputs, "BAD_WORDS_DICT"))])
+            end_id = int(rtk_text.input_scalar(inputs, "END_ID", self.end_id))
+            pad_id = int(rtk_text.input_scalar(inputs, "PAD_ID", self.pad_id))
+            stop = rtk_text.word_list(self.tokenizer, [rtk_text.input_strings(inputs, "STOP_WORDS_DICT")])
+            bad = rtk_text.word_list(self.tokenizer, [rtk_text.input_strings(inputs, "BAD_WORDS_DICT")])
             weights = rtk_text.input_array(inputs, "EMBEDDING_BIAS_WEIGHTS")
             bias = rtk_text.embedding_bias(
                 self.tokenizer,
-                _strings(rtk_text.input_array(inputs, "EMBEDDING_BIAS_WORDS")),
+                rtk_text.input_strings(inputs, "EMBEDDING_BIAS_WORDS"),
                 [] if weights is None else weights.reshape(-1).tolist(),
             )
             extra_id = rtk_text.input_array(inputs, "PROMPT_TABLE_EXTRA_ID")

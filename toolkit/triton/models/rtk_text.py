@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +50,21 @@ def input_array(inputs: dict, name: str):
     """Input ``name`` of :func:`inputs_by_name`'s dict as a numpy array; None where the request left it out."""
     t = inputs.get(name)
     return None if t is None else t.as_numpy()
+
+
+def input_scalar(inputs: dict, name: str, default=None, kind=None):
+    """The first element of input ``name`` (``kind`` applied), or ``default`` where it is missing or empty."""
+    a = input_array(inputs, name)
+    if a is None or a.size == 0:
+        return default
+    v = a.reshape(-1)[0]
+    return v if kind is None else kind(v)
+
+
+def input_strings(inputs: dict, name: str) -> list[str]:
+    """A BYTES input's elements as text; [] where the request left it out."""
+    a = input_array(inputs, name)
+    return [] if a is None else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1)]
 
 
 def requested_outputs(request) -> frozenset[str]:
@@ -172,9 +189,6 @@ class PieceIds:
     _PROBE = "a b<|x|>\n  c\t\n<|x|> 12,3 é!<|x|><|x|>\n"
 
     def __init__(self, backend, max_chars: int = 1 << 20):
-        import re
-        from collections import OrderedDict
-
         self.backend, self.max_chars, self.chars = backend, max_chars, 0
         self.lock = threading.Lock()  # the python models call from more than one thread
         added = list(backend.get_added_tokens_decoder().values())

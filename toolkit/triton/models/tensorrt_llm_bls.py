@@ -109,15 +109,6 @@ class InnerError(Exception):
         self.error = error
 
 
-def _scalar(inputs, name, default=None):
-    a = rtk_text.input_array(inputs, name)
-    return default if a is None or a.size == 0 else a.reshape(-1)[0]
-
-
-def _strings(a):
-    return [] if a is None else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1)]
-
-
 class TritonPythonModel:
     def initialize(self, args):
         p = rtk_text.model_parameters(args)
@@ -165,17 +156,17 @@ class TritonPythonModel:
     def _generate(self, request, sender):
         given = rtk_text.inputs_by_name(request)  # the client's; `inputs` below are tensorrt_llm's
         self._refuse_not_served(given)
-        rtk_text.check_sampling({name: _scalar(given, name) for name in CHECKED}, self.where)
-        texts = _strings(rtk_text.input_array(given, "text_input"))
+        rtk_text.check_sampling({name: rtk_text.input_scalar(given, name) for name in CHECKED}, self.where)
+        texts = rtk_text.input_strings(given, "text_input")
         if not texts:
             raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-        max_tokens = int(_scalar(given, "max_tokens", self.default_max_tokens))
+        max_tokens = int(rtk_text.input_scalar(given, "max_tokens", self.default_max_tokens))
         window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
         prompt, dropped = rtk_text.encode_prompt(self.tokenizer, texts[0], window=window, policy=self.policy)
-        stream = bool(_scalar(given, "stream", False)) and sender is not None
+        stream = bool(rtk_text.input_scalar(given, "stream", False)) and sender is not None
         want = rtk_text.requested_outputs(request)
-        exclude_input = bool(_scalar(given, "exclude_input_in_output", False))
-        end_id = int(_scalar(given, "end_id", rtk_text.end_id_of(self.tokenizer)))
+        exclude_input = bool(rtk_text.input_scalar(given, "exclude_input_in_output", False))
+        end_id = int(rtk_text.input_scalar(given, "end_id", rtk_text.end_id_of(self.tokenizer)))
 
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731
         inputs = [
@@ -183,20 +174,22 @@ class TritonPythonModel:
             pb_utils.Tensor("input_lengths", i32(len(prompt))),
             pb_utils.Tensor("request_output_len", i32(max_tokens)),
             pb_utils.Tensor("end_id", i32(end_id)),
-            pb_utils.Tensor("pad_id", i32(int(_scalar(given, "pad_id", rtk_text.pad_id_of(self.tokenizer))))),
+            pb_utils.Tensor(
+                "pad_id", i32(int(rtk_text.input_scalar(given, "pad_id", rtk_text.pad_id_of(self.tokenizer))))
+            ),
             pb_utils.Tensor("streaming", np.array([[stream]], dtype=np.bool_)),
             pb_utils.Tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_)),
         ]
-        stop_words = _strings(rtk_text.input_array(given, "stop_words"))
+        stop_words = rtk_text.input_strings(given, "stop_words")
         if stop_words:
             inputs.append(pb_utils.Tensor("stop_words_list", rtk_text.word_list(self.tokenizer, [stop_words])))
-        bad_words = _strings(rtk_text.input_array(given, "bad_words"))
+        bad_words = rtk_text.input_strings(given, "bad_words")
         if bad_words:
             inputs.append(pb_utils.Tensor("bad_words_list", rtk_text.word_list(self.tokenizer, [bad_words])))
         weights = rtk_text.input_array(given, "embedding_bias_weights")
         bias = rtk_text.embedding_bias(
             self.tokenizer,
-            _strings(rtk_text.input_array(given, "embedding_bias_words")),
+            rtk_text.input_strings(given, "embedding_bias_words"),
             [] if weights is None else weights.reshape(-1).tolist(),
         )
         if bias.size:
@@ -206,7 +199,7 @@ class TritonPythonModel:
             ids = np.full((1, len(prompt)), int(extra_id.reshape(-1)[0]), dtype=np.uint64)
             inputs.append(pb_utils.Tensor("prompt_table_extra_ids", ids))
         for name, (target, dtype) in PASS_THROUGH.items():
-            v = _scalar(given, name)
+            v = rtk_text.input_scalar(given, name)
             if v is not None:
                 inputs.append(pb_utils.Tensor(target, np.array([[v]], dtype=dtype)))
         for name in PASS_THROUGH_TENSORS:  # handed on as they came (a BF16 table has no numpy type)

@@ -100,13 +100,6 @@ class BadRequest(ValueError):
     pass
 
 
-def _scalar(inputs, name, default=None, kind=int):
-    a = rtk_text.input_array(inputs, name)
-    if a is None or a.size == 0:
-        return default
-    return kind(a.reshape(-1)[0])
-
-
 class _Group:
     """One Triton request: its response sender, shared by the ``num_return_sequences`` engine requests."""
 
@@ -295,7 +288,7 @@ class TritonPythonModel:
     def _submit(self, request, sender):
         triton_id = request.request_id()
         inputs = rtk_text.inputs_by_name(request)
-        if _scalar(inputs, "stop", False, bool):
+        if rtk_text.input_scalar(inputs, "stop", False, bool):
             self._stop(triton_id)
             if sender is not None:
                 sender.send(flags=FINAL)
@@ -304,20 +297,20 @@ class TritonPythonModel:
         if ids is None:
             raise BadRequest("input 'input_ids' is required")
         ids = ids.reshape(-1)
-        n = _scalar(inputs, "input_lengths", ids.size)
+        n = rtk_text.input_scalar(inputs, "input_lengths", ids.size, int)
         if n is None or n < 1 or n > ids.size:
             raise BadRequest(
                 f"input_lengths {n} does not match input_ids ({ids.size} ids); send the number of prompt tokens"
             )
         prompt = [int(t) for t in ids[:n]]
-        max_new = _scalar(inputs, "request_output_len")
+        max_new = rtk_text.input_scalar(inputs, "request_output_len", None, int)
         if max_new is None or max_new < 1:
             raise BadRequest(f"request_output_len is {max_new}; ask for at least 1 token")
         self._refuse_unserved(inputs)
         bad = rtk_text.input_array(inputs, "bad_words_list")
         if bad is not None and rtk_text.parse_word_list(bad):
             raise BadRequest(f"input 'bad_words_list' is not supported ({self.where}); leave bad_words unset")
-        num_sequences = _scalar(inputs, "num_return_sequences", 1)
+        num_sequences = rtk_text.input_scalar(inputs, "num_return_sequences", 1, int)
         sampling = self._sampling(inputs)
         if num_sequences > 1 and not self.decoupled:
             raise BadRequest(
@@ -327,14 +320,14 @@ class TritonPythonModel:
         stop_words = rtk_text.input_array(inputs, "stop_words_list")
 
         group = _Group(sender, num_sequences, rtk_text.requested_outputs(request), self.sender.lane())
-        streaming = bool(_scalar(inputs, "streaming", False, bool)) and self.decoupled
+        streaming = bool(rtk_text.input_scalar(inputs, "streaming", False, bool)) and self.decoupled
         stop_sequences = rtk_text.parse_word_list(stop_words) if stop_words is not None else []
-        end_id = _scalar(inputs, "end_id", None)
-        exclude_input = bool(_scalar(inputs, "exclude_input_in_output", False, bool))
-        want_perf = bool(_scalar(inputs, "return_perf_metrics", False, bool))
-        want_in = bool(_scalar(inputs, "return_num_input_tokens", False, bool))
-        want_out = bool(_scalar(inputs, "return_num_output_tokens", False, bool))
-        dropped = _scalar(inputs, "dropped_turns", None)
+        end_id = rtk_text.input_scalar(inputs, "end_id", None, int)
+        exclude_input = bool(rtk_text.input_scalar(inputs, "exclude_input_in_output", False, bool))
+        want_perf = bool(rtk_text.input_scalar(inputs, "return_perf_metrics", False, bool))
+        want_in = bool(rtk_text.input_scalar(inputs, "return_num_input_tokens", False, bool))
+        want_out = bool(rtk_text.input_scalar(inputs, "return_num_output_tokens", False, bool))
+        dropped = rtk_text.input_scalar(inputs, "dropped_turns", None, int)
         for i in range(num_sequences):
             s = _Stream(request, group, i, triton_id, prompt)
             s.streaming, s.exclude_input, s.want_log_probs = streaming, exclude_input, sampling.log_probs
@@ -405,15 +398,15 @@ class TritonPythonModel:
         from toolkit.runtime.engine import SamplingParams
 
         values = {
-            "temperature": _scalar(inputs, "temperature", None, float),
-            "runtime_top_k": _scalar(inputs, "runtime_top_k", None),
-            "runtime_top_p": _scalar(inputs, "runtime_top_p", None, float),
-            "seed": _scalar(inputs, "seed", None),
-            "min_tokens": _scalar(inputs, "min_tokens", None),
-            "repetition_penalty": _scalar(inputs, "repetition_penalty", None, float),
-            "presence_penalty": _scalar(inputs, "presence_penalty", None, float),
-            "frequency_penalty": _scalar(inputs, "frequency_penalty", None, float),
-            "num_return_sequences": _scalar(inputs, "num_return_sequences", None),
+            "temperature": rtk_text.input_scalar(inputs, "temperature", None, float),
+            "runtime_top_k": rtk_text.input_scalar(inputs, "runtime_top_k", None, int),
+            "runtime_top_p": rtk_text.input_scalar(inputs, "runtime_top_p", None, float),
+            "seed": rtk_text.input_scalar(inputs, "seed", None, int),
+            "min_tokens": rtk_text.input_scalar(inputs, "min_tokens", None, int),
+            "repetition_penalty": rtk_text.input_scalar(inputs, "repetition_penalty", None, float),
+            "presence_penalty": rtk_text.input_scalar(inputs, "presence_penalty", None, float),
+            "frequency_penalty": rtk_text.input_scalar(inputs, "frequency_penalty", None, float),
+            "num_return_sequences": rtk_text.input_scalar(inputs, "num_return_sequences", None, int),
         }
         try:
             rtk_text.check_sampling(values, self.where)
@@ -428,7 +421,7 @@ class TritonPythonModel:
             presence_penalty=values["presence_penalty"] or 0.0,
             frequency_penalty=values["frequency_penalty"] or 0.0,
             embedding_bias=self._embedding_bias(inputs),
-            log_probs=bool(_scalar(inputs, "return_log_probs", False, bool)),
+            log_probs=bool(rtk_text.input_scalar(inputs, "return_log_probs", False, bool)),
         )
         if not (top_k > 1 or top_p < 1.0 or (temperature or 0.0) > 0.0):
             return SamplingParams(temperature=0.0, **penalties)
