@@ -71,7 +71,7 @@ def cpu_response(m, requested):
     s.engine_id, s.generated, s.log_probs = "e1", [7, 8], [-0.5, -0.25]
     s.want_log_probs = s.want_perf = s.want_in = s.want_out = True
     s.kv, s.dropped = (1, 2), 0
-    return model._response(s, [7, 8], 3, 2)
+    return model._build(s, model._response(s, [7, 8], 3, 2))
 
 
 def test_the_cpu_model_makes_every_output_it_serves_when_all_are_requested(cpu_model):
@@ -95,6 +95,27 @@ def test_the_cpu_models_outputs_keep_their_values_when_filtered(cpu_model):
     full = {t.name(): t.as_numpy() for t in cpu_response(cpu_model, {"output_ids", "cum_log_probs"}).tensors}
     np.testing.assert_array_equal(full["output_ids"], np.array([[[7, 8]]], dtype=np.int32))
     np.testing.assert_allclose(full["cum_log_probs"], [[-0.75]])
+
+
+def test_a_cpu_response_is_what_its_stream_was_when_the_token_came_not_when_it_is_sent(cpu_model):
+    """A decoupled stream's response is made on its sender thread while the engine steps on: what it reports is
+    read from the stream in the token's callback (``_response``), not when the sender makes it (``_build``)."""
+    m = cpu_model
+    model = m.TritonPythonModel.__new__(m.TritonPythonModel)
+    wanted = {"output_ids", "preceding_ids", "cum_log_probs", "num_output_tokens", "kv_cache_reused_blocks"}
+    s = m._Stream(None, m._Group(None, 1, frozenset(wanted)), 0, "t", [1, 2, 3])
+    s.engine_id, s.generated, s.log_probs = "e1", [7, 8], [-0.5, -0.25]
+    s.want_log_probs = s.want_perf = s.want_out = True
+    s.want_in, s.kv, s.dropped = False, (1, 2), None
+    reply = model._response(s, [8], 4, 1)
+    s.generated.append(9)  # the next step's token, before the sender thread gets to the reply
+    s.log_probs.append(-4.0)
+    s.kv = (2, 3)
+    got = {t.name(): t.as_numpy() for t in model._build(s, reply).tensors}
+    np.testing.assert_array_equal(got["output_ids"], [[[8]]])
+    np.testing.assert_array_equal(got["preceding_ids"], [[1, 2, 3, 7]])
+    np.testing.assert_allclose(got["cum_log_probs"], [[-0.75]])
+    assert got["num_output_tokens"].item() == 2 and got["kv_cache_reused_blocks"].item() == 1
 
 
 def test_the_bls_model_makes_only_the_requested_outputs(monkeypatch):

@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 import uuid
+from typing import NamedTuple
 
 import numpy as np
 import rtk_text
@@ -163,6 +164,19 @@ class _Sender:
                 deliver(*args)
             except Exception as exc:  # one failed send must not stop the others'
                 self.logger.log_error(f"tensorrt_llm: sending a response failed: {exc!r}")
+
+
+class _Reply(NamedTuple):
+    """A response's values, read from its stream on the engine thread (``TritonPythonModel._response``)."""
+
+    tokens: list
+    window: list | None  # preceding_ids, when asked for
+    log_probs: list | None  # the new tokens' log-probabilities, when asked for
+    cum_log_prob: float | None
+    times: dict | None  # the perf outputs, when asked for
+    kv: tuple | None  # (reused, total) KV blocks
+    prompt_tokens: int
+    generated_tokens: int
 
 
 class _Stream:
@@ -515,36 +529,52 @@ class TritonPythonModel:
             self.streams.pop(s.engine_id, None)
 
     def _response(self, s, tokens, start, new_count):
-        """A response carrying ``tokens``, which sit at position ``start`` of prompt + generated; the last
-        ``new_count`` generated tokens are the ones it reports log-probabilities of.  Only the outputs the
-        request asked for are made (rtk_text.requested_outputs)."""
+        """What a response carrying ``tokens`` reports, read from ``s`` now (on the engine thread: ``s`` moves on
+        with the next step); :meth:`_build` makes it a response, on the response's sender thread (decoupled)
+        or here.  ``tokens`` sit at position ``start`` of prompt + generated; the last ``new_count`` generated
+        tokens are the ones it reports log-probabilities of.  Only the outputs the request asked for are read
+        (rtk_text.requested_outputs)."""
         want = s.group.outputs
-        i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
-        out = []
-        if "output_ids" in want:
-            out.append(pb_utils.Tensor("output_ids", np.array(tokens, dtype=np.int32).reshape(1, 1, len(tokens))))
-        if "sequence_length" in want:
-            out.append(pb_utils.Tensor("sequence_length", i32(len(tokens))))
+        window = log_probs = cum_log_prob = times = None
         if "preceding_ids" in want:
             # (prompt + generated)[start - PRECEDING_WINDOW : start], without copying the whole sequence each token
             lo, n = max(0, start - rtk_text.PRECEDING_WINDOW), len(s.prompt)
             window = s.prompt[lo : min(start, n)] + s.generated[max(0, lo - n) : max(0, start - n)]
-            out.append(pb_utils.Tensor("preceding_ids", np.array([window], dtype=np.int32)))
+        if s.want_log_probs:
+            log_probs = s.log_probs[len(s.log_probs) - new_count :] if new_count else []
+            cum_log_prob = sum(s.log_probs)
+        if s.want_perf:
+            times = self._times(s)
+        return _Reply(list(tokens), window, log_probs, cum_log_prob, times, s.kv, len(s.prompt), len(s.generated))
+
+    def _build(self, s, r):
+        """:meth:`_response`'s reply as the ``InferenceResponse`` it is sent as.  Making the python backend's
+        tensors and response costs more than the rest of a token's callback (175-265 us a token when served at
+        8 streams, a few tensors each), so a decoupled stream's are made on its sender thread, beside the next
+        step, not on the engine thread between steps."""
+        want = s.group.outputs
+        i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731 - [batch=1, 1]
+        out = []
+        if "output_ids" in want:
+            out.append(pb_utils.Tensor("output_ids", np.array(r.tokens, dtype=np.int32).reshape(1, 1, len(r.tokens))))
+        if "sequence_length" in want:
+            out.append(pb_utils.Tensor("sequence_length", i32(len(r.tokens))))
+        if r.window is not None:
+            out.append(pb_utils.Tensor("preceding_ids", np.array([r.window], dtype=np.int32)))
         if "batch_index" in want:
             out.append(pb_utils.Tensor("batch_index", i32(0)))
         if "sequence_index" in want:
             out.append(pb_utils.Tensor("sequence_index", i32(s.index)))
-        if s.want_log_probs:
-            new = s.log_probs[len(s.log_probs) - new_count :] if new_count else []
+        if r.log_probs is not None:
             if "output_log_probs" in want:
-                out.append(pb_utils.Tensor("output_log_probs", np.array(new, dtype=np.float32).reshape(1, 1, len(new))))
+                lp = np.array(r.log_probs, dtype=np.float32).reshape(1, 1, len(r.log_probs))
+                out.append(pb_utils.Tensor("output_log_probs", lp))
             if "cum_log_probs" in want:
-                out.append(pb_utils.Tensor("cum_log_probs", np.array([[sum(s.log_probs)]], dtype=np.float32)))
-        if s.want_perf:
-            t = self._times(s)
-            out += [pb_utils.Tensor(name, np.array([[t[name]]], dtype=np.int64)) for name in PERF if name in want]
-            if s.kv is not None:
-                reused, total = s.kv
+                out.append(pb_utils.Tensor("cum_log_probs", np.array([[r.cum_log_prob]], dtype=np.float32)))
+        if r.times is not None:
+            out += [pb_utils.Tensor(name, np.array([[r.times[name]]], dtype=np.int64)) for name in PERF if name in want]
+            if r.kv is not None:
+                reused, total = r.kv
                 kv = {
                     "kv_cache_alloc_new_blocks": total - reused,
                     "kv_cache_reused_blocks": reused,
@@ -552,9 +582,9 @@ class TritonPythonModel:
                 }
                 out += [pb_utils.Tensor(name, i32(v)) for name, v in kv.items() if name in want]
         if s.want_in and "num_input_tokens" in want:
-            out.append(pb_utils.Tensor("num_input_tokens", i32(len(s.prompt))))
+            out.append(pb_utils.Tensor("num_input_tokens", i32(r.prompt_tokens)))
         if s.want_out and "num_output_tokens" in want:
-            out.append(pb_utils.Tensor("num_output_tokens", i32(len(s.generated))))
+            out.append(pb_utils.Tensor("num_output_tokens", i32(r.generated_tokens)))
         if "request_key" in want:
             out.append(pb_utils.Tensor("request_key", np.array([[s.engine_id.encode()]], dtype=np.object_)))
         if s.dropped is not None and "dropped_turns" in want:
@@ -579,13 +609,16 @@ class TritonPythonModel:
         its streams are); ``fail``: ``response`` is an error that ends the whole Triton request."""
         if not self.decoupled:
             if final:
-                s.final_response = response
+                s.final_response = self._build(s, response) if isinstance(response, _Reply) else response
                 s.finished_event.set()
             return
         self.sender.put(s.group.lane, self._deliver, s, response, final, fail)
 
     def _deliver(self, s, response, final, fail):
-        """On the sender thread: ``_send``'s response to tritonserver."""
+        """On the sender thread: ``_send``'s response (or :meth:`_response`'s reply, made a response here) to
+        tritonserver."""
+        if isinstance(response, _Reply):
+            response = self._build(s, response)
         g = s.group
         with g.lock:
             if g.closed:
