@@ -542,7 +542,7 @@ class TritonPythonModel:
             window = s.prompt[lo : min(start, n)] + s.generated[max(0, lo - n) : max(0, start - n)]
         if s.want_log_probs:
             log_probs = s.log_probs[len(s.log_probs) - new_count :] if new_count else []
-            cum_log_prob = sum(s.log_probs)
+            cum_log_prob = sum(s.log_probs) if "cum_log_probs" in want else None
         if s.want_perf:
             times = self._times(s)
         return _Reply(list(tokens), window, log_probs, cum_log_prob, times, s.kv, len(s.prompt), len(s.generated))
