@@ -42,13 +42,13 @@ class TritonPythonModel:
                 )
             if not texts:
                 raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-            max_tokens = int(rtk_text.input_scalar(inputs, "REQUEST_OUTPUT_LEN", self.default_max_tokens))
+            max_tokens = rtk_text.input_scalar(inputs, "REQUEST_OUTPUT_LEN", self.default_max_tokens, int)
             window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
             ids, dropped = rtk_text.encode_prompt(
                 self.tokenizer, texts[0], window=window, policy=self.policy, add_special_tokens=self.add_special_tokens
             )
-            end_id = int(rtk_text.input_scalar(inputs, "END_ID", self.end_id))
-            pad_id = int(rtk_text.input_scalar(inputs, "PAD_ID", self.pad_id))
+            end_id = rtk_text.input_scalar(inputs, "END_ID", self.end_id, int)
+            pad_id = rtk_text.input_scalar(inputs, "PAD_ID", self.pad_id, int)
             stop = rtk_text.word_list(self.tokenizer, [rtk_text.input_strings(inputs, "STOP_WORDS_DICT")])
             bad = rtk_text.word_list(self.tokenizer, [rtk_text.input_strings(inputs, "BAD_WORDS_DICT")])
             weights = rtk_text.input_array(inputs, "EMBEDDING_BIAS_WEIGHTS")

@@ -160,13 +160,13 @@ class TritonPythonModel:
         texts = rtk_text.input_strings(given, "text_input")
         if not texts:
             raise rtk_text.PromptError("text_input is empty; send a prompt, or a JSON list of chat messages")
-        max_tokens = int(rtk_text.input_scalar(given, "max_tokens", self.default_max_tokens))
+        max_tokens = rtk_text.input_scalar(given, "max_tokens", self.default_max_tokens, int)
         window = rtk_text.prompt_window(self.max_input_len, self.max_seq_len, max_tokens)
         prompt, dropped = rtk_text.encode_prompt(self.tokenizer, texts[0], window=window, policy=self.policy)
-        stream = bool(rtk_text.input_scalar(given, "stream", False)) and sender is not None
+        stream = rtk_text.input_scalar(given, "stream", False, bool) and sender is not None
         want = rtk_text.requested_outputs(request)
-        exclude_input = bool(rtk_text.input_scalar(given, "exclude_input_in_output", False))
-        end_id = int(rtk_text.input_scalar(given, "end_id", rtk_text.end_id_of(self.tokenizer)))
+        exclude_input = rtk_text.input_scalar(given, "exclude_input_in_output", False, bool)
+        end_id = rtk_text.input_scalar(given, "end_id", rtk_text.end_id_of(self.tokenizer), int)
 
         i32 = lambda v: np.array([[v]], dtype=np.int32)  # noqa: E731
         inputs = [
@@ -175,7 +175,7 @@ class TritonPythonModel:
             pb_utils.Tensor("request_output_len", i32(max_tokens)),
             pb_utils.Tensor("end_id", i32(end_id)),
             pb_utils.Tensor(
-                "pad_id", i32(int(rtk_text.input_scalar(given, "pad_id", rtk_text.pad_id_of(self.tokenizer))))
+                "pad_id", i32(rtk_text.input_scalar(given, "pad_id", rtk_text.pad_id_of(self.tokenizer), int))
             ),
             pb_utils.Tensor("streaming", np.array([[stream]], dtype=np.bool_)),
             pb_utils.Tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_)),
