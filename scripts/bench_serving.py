@@ -2,7 +2,8 @@
 """What Triton adds to rtk's CPU engine: TTFT and ITL through Triton vs calling the engine directly.
 
     python scripts/bench_serving.py triton_repo/smollm2-cpu [--requests 24] [--concurrency 1 8]
-        [--paths engine tensorrt_llm ensemble frontdoor frontdoor-ensemble] [--compare-frontdoor DIR]
+        [--paths engine tensorrt_llm tensorrt_llm-aio ensemble frontdoor frontdoor-ensemble]
+        [--compare-frontdoor DIR]
 
 For each concurrency level the same closed-loop workload (every stream sends its next request when
 the previous one ends; the same chat prompt, greedy, no end token so every answer has exactly
@@ -14,7 +15,12 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
 * ``engine-client`` — the same engine driven as a client drives a server: each stream is a thread that sends its
   next request once its last token has arrived, so (as through Triton) a request can arrive while a step runs and
   wait for it.  Against ``engine`` this is the cost of the arrival's phase, not of any transport;
-* ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out);
+* ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out), through
+  tritonclient (its stream thread, an ``InferResult`` and numpy arrays per message);
+* ``tensorrt_llm-aio`` — the same requests to the same model through ``grpc.aio`` as the front door sends and reads
+  them (toolkit/frontdoor/triton.py: kept-open calls, tensors packed with ``struct``, responses read as bytes), on an
+  event loop in a thread of its own: Triton's hops with a client whose CPU per token is a lean client's, since on a
+  shared host the client's CPU is taken from the engine as the server's is;
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
   as served by default: ``/v1/chat/completions`` SSE, ``ignore_eos``, sent as token ids straight to
@@ -43,6 +49,7 @@ requests of each path and level are not measured.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -61,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
 
 QUESTION = "Explain in a few sentences why the sky is blue."
-PATHS = ("engine", "engine-client", "tensorrt_llm", "ensemble", "frontdoor", "frontdoor-ensemble")
+PATHS = ("engine", "engine-client", "tensorrt_llm", "tensorrt_llm-aio", "ensemble", "frontdoor", "frontdoor-ensemble")
 FRONTDOOR_SETTINGS = {"frontdoor": [], "frontdoor-ensemble": ["serving.frontend.primary_model=ensemble"]}
 
 
@@ -276,6 +283,110 @@ def grpc_one(stream: SharedStream, model, inputs_fn):
     return one
 
 
+STAMPS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")
+
+
+class AioStream:
+    """``tensorrt_llm`` over Triton's gRPC stream through ``grpc.aio``, as the front door sends and reads it: the
+    front door's pool of kept-open ``ModelStreamInfer`` calls (toolkit/frontdoor/triton.py ``StreamPool``), tensors
+    packed with ``struct`` (``raw_tensor``), a response's ids and time stamps read from its raw bytes.  Its requests
+    run on an event loop in a thread of their own; :meth:`runner` drives a closed loop of ``c`` coroutines there."""
+
+    def __init__(self, url, inputs):
+        self.inputs = inputs  # (name, datatype, values, shape) of every request
+        self.ids = iter(range(1 << 62))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
+        self._wait(self._open(url))
+
+    def _wait(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _open(self, url):
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        from toolkit.frontdoor.triton import StreamPool
+
+        self.channel = grpc.aio.insecure_channel(url.removeprefix("grpc://"))
+        self.pool = StreamPool(service_pb2_grpc.GRPCInferenceServiceStub(self.channel))
+
+    def _message(self):
+        from tritonclient.grpc import service_pb2 as pb
+
+        from toolkit.frontdoor.triton import raw_tensor
+
+        msg = pb.ModelInferRequest(model_name="tensorrt_llm", id=f"aio-{next(self.ids)}")
+        for name, datatype, values, shape in self.inputs:
+            msg.inputs.add(name=name, datatype=datatype, shape=shape)
+            msg.raw_input_contents.append(raw_tensor(datatype, values))
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+        return msg
+
+    async def one(self):
+        import grpc
+
+        msg = self._message()
+        call, _ = self.pool.take()
+        times, overhead, ended = [], None, False
+        sent, sent_ns = time.perf_counter(), time.time_ns()
+        try:
+            await call.write(msg)
+            while True:
+                resp = await call.read()
+                at, at_ns = time.perf_counter(), time.time_ns()
+                if resp is grpc.aio.EOF or resp.error_message:
+                    raise RuntimeError(f"tensorrt_llm: {resp.error_message if resp is not grpc.aio.EOF else 'EOF'}")
+                r = resp.infer_response
+                raws = dict(zip((o.name for o in r.outputs), r.raw_output_contents, strict=True))
+                if raws.get("output_ids"):
+                    if not times and STAMPS[2] in raws:
+                        arrival, sched, first = (int.from_bytes(raws[k][:8], "little", signed=True) for k in STAMPS)
+                        overhead = (
+                            (arrival - sent_ns) / 1e6,
+                            (sched - arrival) / 1e6,
+                            (first - sched) / 1e6,
+                            (at_ns - first) / 1e6,
+                        )
+                    times.append(at)
+                final = r.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    ended = True
+                    return sent, times, overhead
+        finally:
+            if ended:
+                self.pool.give_back(call)
+            else:
+                call.cancel()
+
+    async def _closed_loop(self, c, count, warmup, rec):
+        counter = iter(range(count + warmup))  # shared by the coroutines of one loop: no lock
+
+        async def stream():
+            for i in counter:
+                sent, times, overhead = await self.one()
+                if i >= warmup:
+                    rec.add(sent, times)
+                    if overhead is not None:
+                        rec.split.append(overhead)
+
+        await asyncio.gather(*(stream() for _ in range(c)))
+
+    def runner(self):
+        def run(c, count, warmup, rec):
+            self._wait(self._closed_loop(c, count, warmup, rec))
+
+        return run
+
+    def close(self):
+        async def shut():
+            self.pool.close()
+            await self.channel.close()
+
+        self._wait(shut())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 def frontdoor_one(url, model, n):
     """One streamed chat request through the front door on this thread's kept-alive connection: HTTP/1.1
     with a chunked SSE body, read with the least work per token (a token is a chunk whose event has
@@ -424,7 +535,7 @@ def main(argv=None) -> int:
     t = launch.resolve(repo)
     server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
-    bg, streams, doors = None, [], {}
+    bg, streams, doors, aio = None, [], {}, None
     try:
         server.wait_ready(models=t.models)
         if "engine" in args.paths or "engine-client" in args.paths:
@@ -451,6 +562,19 @@ def main(argv=None) -> int:
             ]
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
+        aio = None
+        if "tensorrt_llm-aio" in args.paths:
+            aio = AioStream(
+                server.grpc_url,
+                [
+                    ("input_ids", "INT32", list(prompt_ids), [1, len(prompt_ids)]),
+                    ("input_lengths", "INT32", [len(prompt_ids)], [1, 1]),
+                    ("request_output_len", "INT32", [n], [1, 1]),
+                    ("end_id", "INT32", [-1], [1, 1]),
+                    ("streaming", "BOOL", [True], [1, 1]),
+                    ("return_perf_metrics", "BOOL", [True], [1, 1]),
+                ],
+            )
         roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
             roots[f"frontdoor@{args.compare_frontdoor.name}"] = (args.compare_frontdoor.resolve(), [])
@@ -464,6 +588,7 @@ def main(argv=None) -> int:
             "engine": engine_runner(bg, prompt_ids, n) if bg is not None else None,
             "engine-client": client_runner(engine_client_one(bg, prompt_ids, n)) if bg is not None else None,
             "tensorrt_llm": client_runner(grpc_one(streams[0], "tensorrt_llm", llm_inputs)),
+            "tensorrt_llm-aio": aio.runner() if aio is not None else None,
             "ensemble": client_runner(grpc_one(streams[1], "ensemble", ens_inputs)),
             **{name: client_runner(frontdoor_one(url, fd_model, n)) for name, (_, url) in doors.items()},
         }
@@ -493,6 +618,8 @@ def main(argv=None) -> int:
     finally:
         for st in streams:
             st.close()
+        if aio is not None:
+            aio.close()
         for p, _ in doors.values():
             p.terminate()
             p.wait(10)
@@ -541,7 +668,8 @@ def main(argv=None) -> int:
                 )
     print(
         "\nThis process's CPU per streamed token while each path ran (its client: tritonclient's gRPC stream, or"
-        " the HTTP reader of a front door), us; the first round's warm-up requests are in the CPU, not in the tokens"
+        " its grpc.aio loop, or the HTTP reader of a front door), us; the first round's warm-up requests are in the"
+        " CPU, not in the tokens"
     )
     in_process = ("engine", "engine-client")  # this process's CPU there is the engine's too
     print("| streams | " + " | ".join(p for p in paths if p not in in_process) + " |")
@@ -553,11 +681,11 @@ def main(argv=None) -> int:
                 r = results[path][c]
                 cells.append(f"{client_cpu[path][c] / max(1, len(r.itl) + len(r.ttft)) * 1e6:.0f}")
         print(f"| {c} | " + " | ".join(cells) + " |")
-    print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
+    print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm paths: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        for path in ("engine", "engine-client", "tensorrt_llm"):
+        for path in ("engine", "engine-client", "tensorrt_llm", "tensorrt_llm-aio"):
             split = results[path][c].split if path in results else None
             if split:
                 cols = " | ".join(f"{statistics.median(x[i] for x in split):.1f}" for i in range(4))
