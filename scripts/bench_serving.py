@@ -505,17 +505,23 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
-    import rtk_text
-
     from toolkit.artifacts import read_manifest
-    from toolkit.triton import launch
-    from toolkit.triton.server import free_ports
+    from toolkit.targets.cpu import bound_openmp_spin
 
     repo = args.repository
     manifest = read_manifest(repo) or {}
     if manifest.get("target") != "cpu":
         ap.error(f"{repo} is not an emitted cpu repository")
     engine_dir = manifest["inputs"]["engine_dir"]
+    # the in-process engine's OpenMP workers spin as the served one's do (GOMP_SPINCOUNT, read when torch loads
+    # libgomp): the comparison is of Triton's hops, not of spin policies
+    spin_bounded = bound_openmp_spin(engine_dir)
+
+    import rtk_text
+
+    from toolkit.triton import launch
+    from toolkit.triton.server import free_ports
+
     tok = rtk_text.load_tokenizer(str(repo / "preprocessing/tokenizer"))
     chat = json.dumps([{"role": "user", "content": QUESTION}])
     prompt_ids, _ = rtk_text.encode_prompt(tok, chat, window=10_000, policy="reject")
@@ -526,6 +532,12 @@ def main(argv=None) -> int:
         f"# engine {engine_dir}; prompt {len(prompt_ids)} tokens (chat template), {n} output tokens, greedy;"
         f" ~{args.requests} measured + {args.warmup} warm-up requests per level and path in {args.rounds}"
         " interleaved rounds; closed loop",
+        flush=True,
+    )
+    print(
+        f"# in-process engine: GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
+        f" ({'as served' if spin_bounded else 'from the environment'}), OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         flush=True,
     )
     from toolkit.runtime.engine import BackgroundEngine
