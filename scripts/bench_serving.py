@@ -17,10 +17,12 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
   wait for it.  Against ``engine`` this is the cost of the arrival's phase, not of any transport;
 * ``tensorrt_llm`` — Triton's ``tensorrt_llm`` model over streaming gRPC (token ids in and out), through
   tritonclient (its stream thread, an ``InferResult`` and numpy arrays per message);
-* ``tensorrt_llm-aio`` — the same requests to the same model through ``grpc.aio`` as the front door sends and reads
-  them (toolkit/frontdoor/triton.py: kept-open calls, tensors packed with ``struct``, responses read as bytes), on an
-  event loop in a thread of its own: Triton's hops with a client whose CPU per token is a lean client's, since on a
-  shared host the client's CPU is taken from the engine as the server's is;
+* ``tensorrt_llm-aio`` — the same prompts to the same model as the front door sends them: through ``grpc.aio``
+  (toolkit/frontdoor/triton.py: kept-open calls, tensors packed with ``struct``, responses read as bytes) on an
+  event loop in a thread of its own, asking for ``output_ids`` and ``sequence_length`` only (the gRPC paths above
+  ask for no output by name, so each response carries every output the model has: ~15 tensors made per token, the
+  perf metrics among them for the TTFT split); Triton's hops with a client whose CPU per token is a lean client's
+  (on a shared host the client's CPU is taken from the engine as the server's is), no TTFT split;
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
   as served by default: ``/v1/chat/completions`` SSE, ``ignore_eos``, sent as token ids straight to
@@ -289,11 +291,13 @@ STAMPS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")
 class AioStream:
     """``tensorrt_llm`` over Triton's gRPC stream through ``grpc.aio``, as the front door sends and reads it: the
     front door's pool of kept-open ``ModelStreamInfer`` calls (toolkit/frontdoor/triton.py ``StreamPool``), tensors
-    packed with ``struct`` (``raw_tensor``), a response's ids and time stamps read from its raw bytes.  Its requests
-    run on an event loop in a thread of their own; :meth:`runner` drives a closed loop of ``c`` coroutines there."""
+    packed with ``struct`` (``raw_tensor``), the outputs asked for by name, a response's ids (and time stamps, where
+    the inputs ask for the perf metrics) read from its raw bytes.  Its requests run on an event loop in a thread of
+    their own; :meth:`runner` drives a closed loop of ``c`` coroutines there."""
 
-    def __init__(self, url, inputs):
+    def __init__(self, url, inputs, outputs=()):
         self.inputs = inputs  # (name, datatype, values, shape) of every request
+        self.outputs = outputs  # the outputs asked for (none: every output the model has)
         self.ids = iter(range(1 << 62))
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
@@ -320,6 +324,8 @@ class AioStream:
         for name, datatype, values, shape in self.inputs:
             msg.inputs.add(name=name, datatype=datatype, shape=shape)
             msg.raw_input_contents.append(raw_tensor(datatype, values))
+        for name in self.outputs:
+            msg.outputs.add(name=name)
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
         return msg
 
@@ -584,8 +590,8 @@ def main(argv=None) -> int:
                     ("request_output_len", "INT32", [n], [1, 1]),
                     ("end_id", "INT32", [-1], [1, 1]),
                     ("streaming", "BOOL", [True], [1, 1]),
-                    ("return_perf_metrics", "BOOL", [True], [1, 1]),
                 ],
+                ("output_ids", "sequence_length"),
             )
         roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
