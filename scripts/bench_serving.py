@@ -28,11 +28,11 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
   as served by default: ``/v1/chat/completions`` SSE, ``ignore_eos``, sent as token ids straight to
   ``tensorrt_llm`` (the front door tokenises and detokenises);
 * ``frontdoor-ensemble`` — the same front door through the ensemble (``serving.frontend.primary_model:
-  ensemble``).  Both front doors' TTFT and ITL are also given as added ms against the two gRPC paths
-  (``tensorrt_llm``: token ids, no text at all; ``ensemble``: text in and out), with the front door
-  process's CPU time per request and per token (from /proc: on a shared host that CPU is taken from the
-  engine), and this process's own CPU per token on every path (the client's: tritonclient's gRPC stream
-  costs what any gRPC client of Triton costs per streamed message, the reference for the front door's).
+  ensemble``).  Both front doors' TTFT and ITL are also given as added ms against the gRPC paths
+  (``tensorrt_llm`` and ``tensorrt_llm-aio``: token ids, no text at all; ``ensemble``: text in and out), with the
+  front door process's CPU time per request and per token (from /proc: on a shared host that CPU is taken from the
+  engine), and this process's own CPU per token on every path (the client's: tritonclient's gRPC stream, or the
+  lean ``grpc.aio`` client that the front door itself is towards Triton).
   The client is a minimal HTTP/1.1 reader on a kept-alive socket (TCP_NODELAY), so that the client's
   own parsing costs about what tritonclient's does on the gRPC paths;
 * ``frontdoor@NAME`` — with ``--compare-frontdoor DIR``: the same front door started from another
@@ -663,7 +663,7 @@ def main(argv=None) -> int:
                 f"{percentile(r.itl, 90) * ms:.1f} | {ttft / b_ttft:.2f} | {(ttft - b_ttft) * ms:+.1f} | "
                 f"{itl / b_itl:.2f} |"
             )
-    for grpc_path in ("tensorrt_llm", "ensemble"):
+    for grpc_path in ("tensorrt_llm", "tensorrt_llm-aio", "ensemble"):
         if not doors or grpc_path not in paths:
             continue
         print(
