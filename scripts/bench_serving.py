@@ -285,15 +285,12 @@ def grpc_one(stream: SharedStream, model, inputs_fn):
     return one
 
 
-STAMPS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")
-
-
 class AioStream:
     """``tensorrt_llm`` over Triton's gRPC stream through ``grpc.aio``, as the front door sends and reads it: the
     front door's pool of kept-open ``ModelStreamInfer`` calls (toolkit/frontdoor/triton.py ``StreamPool``), tensors
-    packed with ``struct`` (``raw_tensor``), the outputs asked for by name, a response's ids (and time stamps, where
-    the inputs ask for the perf metrics) read from its raw bytes.  Its requests run on an event loop in a thread of
-    their own; :meth:`runner` drives a closed loop of ``c`` coroutines there."""
+    packed with ``struct`` (``raw_tensor``), the outputs asked for by name, a response's ids read from its raw bytes.
+    Its requests run on an event loop in a thread of their own; :meth:`runner` drives a closed loop of ``c``
+    coroutines there."""
 
     def __init__(self, url, inputs, outputs=()):
         self.inputs = inputs  # (name, datatype, values, shape) of every request
@@ -334,31 +331,23 @@ class AioStream:
 
         msg = self._message()
         call, _ = self.pool.take()
-        times, overhead, ended = [], None, False
-        sent, sent_ns = time.perf_counter(), time.time_ns()
+        times, ended = [], False
+        sent = time.perf_counter()
         try:
             await call.write(msg)
             while True:
                 resp = await call.read()
-                at, at_ns = time.perf_counter(), time.time_ns()
+                at = time.perf_counter()
                 if resp is grpc.aio.EOF or resp.error_message:
                     raise RuntimeError(f"tensorrt_llm: {resp.error_message if resp is not grpc.aio.EOF else 'EOF'}")
                 r = resp.infer_response
                 raws = dict(zip((o.name for o in r.outputs), r.raw_output_contents, strict=True))
                 if raws.get("output_ids"):
-                    if not times and STAMPS[2] in raws:
-                        arrival, sched, first = (int.from_bytes(raws[k][:8], "little", signed=True) for k in STAMPS)
-                        overhead = (
-                            (arrival - sent_ns) / 1e6,
-                            (sched - arrival) / 1e6,
-                            (first - sched) / 1e6,
-                            (at_ns - first) / 1e6,
-                        )
                     times.append(at)
                 final = r.parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     ended = True
-                    return sent, times, overhead
+                    return sent, times
         finally:
             if ended:
                 self.pool.give_back(call)
@@ -370,11 +359,9 @@ class AioStream:
 
         async def stream():
             for i in counter:
-                sent, times, overhead = await self.one()
+                sent, times = await self.one()
                 if i >= warmup:
                     rec.add(sent, times)
-                    if overhead is not None:
-                        rec.split.append(overhead)
 
         await asyncio.gather(*(stream() for _ in range(c)))
 
@@ -580,7 +567,6 @@ def main(argv=None) -> int:
             ]
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
-        aio = None
         if "tensorrt_llm-aio" in args.paths:
             aio = AioStream(
                 server.grpc_url,
@@ -699,11 +685,11 @@ def main(argv=None) -> int:
                 r = results[path][c]
                 cells.append(f"{client_cpu[path][c] / max(1, len(r.itl) + len(r.ttft)) * 1e6:.0f}")
         print(f"| {c} | " + " | ".join(cells) + " |")
-    print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm paths: + Triton's hops)")
+    print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")
     for c in args.concurrency:
-        for path in ("engine", "engine-client", "tensorrt_llm", "tensorrt_llm-aio"):
+        for path in ("engine", "engine-client", "tensorrt_llm"):
             split = results[path][c].split if path in results else None
             if split:
                 cols = " | ".join(f"{statistics.median(x[i] for x in split):.1f}" for i in range(4))
