@@ -293,8 +293,7 @@ class AioStream:
     coroutines there."""
 
     def __init__(self, url, inputs, outputs=()):
-        self.inputs = inputs  # (name, datatype, values, shape) of every request
-        self.outputs = outputs  # the outputs asked for (none: every output the model has)
+        self.template = self._template(inputs, outputs)  # every request's message but its id
         self.ids = iter(range(1 << 62))
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
@@ -312,24 +311,30 @@ class AioStream:
         self.channel = grpc.aio.insecure_channel(url.removeprefix("grpc://"))
         self.pool = StreamPool(service_pb2_grpc.GRPCInferenceServiceStub(self.channel))
 
-    def _message(self):
+    @staticmethod
+    def _template(inputs, outputs):
+        """``inputs``: (name, datatype, values, shape) of every request; ``outputs``: the ones asked for by name (none:
+        every output the model has)."""
         from tritonclient.grpc import service_pb2 as pb
 
         from toolkit.frontdoor.triton import raw_tensor
 
-        msg = pb.ModelInferRequest(model_name="tensorrt_llm", id=f"aio-{next(self.ids)}")
-        for name, datatype, values, shape in self.inputs:
+        msg = pb.ModelInferRequest(model_name="tensorrt_llm")
+        for name, datatype, values, shape in inputs:
             msg.inputs.add(name=name, datatype=datatype, shape=shape)
             msg.raw_input_contents.append(raw_tensor(datatype, values))
-        for name in self.outputs:
+        for name in outputs:
             msg.outputs.add(name=name)
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
         return msg
 
     async def one(self):
         import grpc
+        from tritonclient.grpc import service_pb2 as pb
 
-        msg = self._message()
+        msg = pb.ModelInferRequest()
+        msg.CopyFrom(self.template)
+        msg.id = f"aio-{next(self.ids)}"
         call, _ = self.pool.take()
         times, ended = [], False
         sent = time.perf_counter()
@@ -548,13 +553,19 @@ def main(argv=None) -> int:
             # Triton's hops, not of thread counts
             bg = BackgroundEngine(lambda: load_engine(engine_dir, served=True))  # loaded on its own thread
 
-        def llm_inputs():
+        # tensorrt_llm's inputs, (name, datatype, values, shape): both tensorrt_llm paths send these
+        llm_request = [
+            ("input_ids", "INT32", list(prompt_ids), [1, len(prompt_ids)]),
+            ("input_lengths", "INT32", [len(prompt_ids)], [1, 1]),
+            ("request_output_len", "INT32", [n], [1, 1]),
+            ("end_id", "INT32", [-1], [1, 1]),
+            ("streaming", "BOOL", [True], [1, 1]),
+        ]
+
+        def llm_inputs():  # tritonclient's, with the perf metrics for the TTFT split
+            numpy_type = {"INT32": np.int32, "BOOL": np.bool_}
             return [
-                tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
-                tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
-                tensor("request_output_len", np.array([[n]], dtype=np.int32), "INT32"),
-                tensor("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                tensor("streaming", np.array([[True]]), "BOOL"),
+                *(tensor(k, np.array(v, dtype=numpy_type[t]).reshape(shape), t) for k, t, v, shape in llm_request),
                 tensor("return_perf_metrics", np.array([[True]]), "BOOL"),
             ]
 
@@ -568,17 +579,7 @@ def main(argv=None) -> int:
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
         if "tensorrt_llm-aio" in args.paths:
-            aio = AioStream(
-                server.grpc_url,
-                [
-                    ("input_ids", "INT32", list(prompt_ids), [1, len(prompt_ids)]),
-                    ("input_lengths", "INT32", [len(prompt_ids)], [1, 1]),
-                    ("request_output_len", "INT32", [n], [1, 1]),
-                    ("end_id", "INT32", [-1], [1, 1]),
-                    ("streaming", "BOOL", [True], [1, 1]),
-                ],
-                ("output_ids", "sequence_length"),
-            )
+            aio = AioStream(server.grpc_url, llm_request, ("output_ids", "sequence_length"))
         roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
             roots[f"frontdoor@{args.compare_frontdoor.name}"] = (args.compare_frontdoor.resolve(), [])
