@@ -30,7 +30,10 @@ serves the fake as a text-in, text-out ensemble.
 engine's gauges every 100 ms (the fake exports none, but the reads cost what they cost).
 
 The HTTP paths' client is ``--client raw`` (default: asyncio streams on kept-alive connections, one
-``readline`` per chunk, about as little work per message as the gRPC path's client) or ``httpx``.
+``readline`` per chunk, about as little work per message as the gRPC path's client) or ``httpx``.  This
+process runs on uvloop's event loop where it is installed, as the front door does (``--client-loop asyncio``:
+asyncio's own, as every table before 2026-12-06 night was measured), so the gRPC path's client and the front
+door's Triton side run on the same kind of loop.
 
 Per request: TTFT (send → first text), E2E (send → last text).  Added per token = (E2E − the grpc path's
 median E2E at that concurrency) / tokens, p50 and p99 over requests; the targets are p99 ≤ 0.3 ms for the
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
@@ -339,7 +343,8 @@ async def measure(args, triton, words, tokens: Path | None) -> int:
     print(
         f"\n{when}  load average {load}  cpus {os.cpu_count()}  tokens/request {args.tokens}  "
         f"itl {args.itl_ms} ms  filter: {args.keywords} keywords + {len(PATTERNS)} patterns, hold-back 32  "
-        f"HTTP client: {args.client}  metrics read: {'yes' if args.metrics else 'no'}  fake: {args.interface}"
+        f"HTTP client: {args.client}  client loop: {args.client_loop}  "
+        f"metrics read: {'yes' if args.metrics else 'no'}  fake: {args.interface}"
     )
     print("front door CPU while idle, ms per s: " + ", ".join(f"{n} {v * 1e3:.1f}" for n, v in idle_cpu.items()))
     print(
@@ -387,7 +392,21 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="also measure the front door of the tree in DIR (its toolkit/), no filter, in the same run",
     )
-    return asyncio.run(run(ap.parse_args(argv)))
+    ap.add_argument(
+        "--client-loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="this process's event loop (the grpc path's client and every HTTP client): uvloop, the front door's own "
+        "loop where it is installed, so that both sides of the comparison run on the same loop; or asyncio's",
+    )
+    args = ap.parse_args(argv)
+    factory = None
+    if args.client_loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run(args))
 
 
 if __name__ == "__main__":

@@ -543,3 +543,18 @@ def test_a_kept_stream_serves_the_next_request_and_a_cancelled_one_is_not_kept(p
         r = c.post("/v1/chat/completions", json=chat_body("reuse me"))
         assert r.json()["choices"][0]["message"]["content"] == "".join(f" {t}" for t in chat_answer("reuse me"))
     assert fd.backend.pool.opened == opened
+
+
+def test_the_front_door_runs_on_uvloop_where_it_is_installed(plain):
+    """uvloop is one of rtk's dependencies on Linux: the front door's loop (and grpc.aio's Triton streams on it)
+    is uvloop's, as measured in docs/guard.md ("uvloop under the front door")."""
+    import uvloop  # a dependency wherever tritonserver runs (Linux)
+
+    assert isinstance(plain.loop, uvloop.Loop), type(plain.loop)
+    # and it serves on it: a streamed answer through Triton's gRPC stream
+    with (
+        httpx.Client(base_url=plain.url) as c,
+        c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r,
+    ):
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(r)[:-1] if e["choices"])
+    assert text.split() == chat_answer()

@@ -42,6 +42,9 @@ class FrontDoorServer:
             host=host,
             port=port,
             log_level="warning",
+            # uvloop's loop where it is installed (a dependency of rtk on Linux and macOS), asyncio's otherwise;
+            # grpc.aio's Triton streams run on it too
+            loop="auto",
             access_log=False,
             # Per request: no X-Forwarded-* middleware (nothing here reads the client's address) and no
             # ``server`` header (one header less to build and check).
