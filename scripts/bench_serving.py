@@ -19,10 +19,11 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
   tritonclient (its stream thread, an ``InferResult`` and numpy arrays per message);
 * ``tensorrt_llm-aio`` — the same prompts to the same model as the front door sends them: through ``grpc.aio``
   (toolkit/frontdoor/triton.py: kept-open calls, tensors packed with ``struct``, responses read as bytes) on an
-  event loop in a thread of its own, asking for ``output_ids`` and ``sequence_length`` only (the gRPC paths above
-  ask for no output by name, so each response carries every output the model has: ~15 tensors made per token, the
-  perf metrics among them for the TTFT split); Triton's hops with a client whose CPU per token is a lean client's
-  (on a shared host the client's CPU is taken from the engine as the server's is), no TTFT split;
+  event loop in a thread of its own (uvloop's where it is installed, as the front door's; ``--client-loop``), asking
+  for ``output_ids`` and ``sequence_length`` only (the gRPC paths above ask for no output by name, so each response
+  carries every output the model has: ~15 tensors made per token, the perf metrics among them for the TTFT split);
+  Triton's hops with a client whose CPU per token is a lean client's (on a shared host the client's CPU is taken
+  from the engine as the server's is), no TTFT split;
 * ``ensemble``     — Triton's ``ensemble`` over streaming gRPC (text in, text out: + pre/postprocessing);
 * ``frontdoor``    — rtk's OpenAI-compatible front door (its own process, ``python -m toolkit.frontdoor``)
   as served by default: ``/v1/chat/completions`` SSE, ``ignore_eos``, sent as token ids straight to
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -292,10 +294,15 @@ class AioStream:
     Its requests run on an event loop in a thread of their own; :meth:`runner` drives a closed loop of ``c``
     coroutines there."""
 
-    def __init__(self, url, inputs, outputs=()):
+    def __init__(self, url, inputs, outputs=(), *, loop="asyncio"):
         self.template = self._template(inputs, outputs)  # every request's message but its id
         self.ids = iter(range(1 << 62))
-        self.loop = asyncio.new_event_loop()
+        if loop == "uvloop":
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
         self._wait(self._open(url))
 
@@ -501,6 +508,12 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="also run the front door from this other rtk checkout (path frontdoor@DIR's name)",
     )
+    ap.add_argument(
+        "--client-loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="the tensorrt_llm-aio path's event loop: uvloop, the front door's own where it is installed, or asyncio's",
+    )
     args = ap.parse_args(argv)
 
     from toolkit.artifacts import read_manifest
@@ -535,7 +548,7 @@ def main(argv=None) -> int:
     print(
         f"# in-process engine: GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
         f" ({'as served' if spin_bounded else 'from the environment'}), OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; the tensorrt_llm-aio client on {args.client_loop}'s loop",
         flush=True,
     )
     from toolkit.runtime.engine import BackgroundEngine
@@ -579,7 +592,7 @@ def main(argv=None) -> int:
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
         if "tensorrt_llm-aio" in args.paths:
-            aio = AioStream(server.grpc_url, llm_request, ("output_ids", "sequence_length"))
+            aio = AioStream(server.grpc_url, llm_request, ("output_ids", "sequence_length"), loop=args.client_loop)
         roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
             roots[f"frontdoor@{args.compare_frontdoor.name}"] = (args.compare_frontdoor.resolve(), [])
