@@ -31,9 +31,9 @@ engine's gauges every 100 ms (the fake exports none, but the reads cost what the
 
 The HTTP paths' client is ``--client raw`` (default: asyncio streams on kept-alive connections, one
 ``readline`` per chunk, about as little work per message as the gRPC path's client) or ``httpx``.  This
-process runs on uvloop's event loop where it is installed, as the front door does (``--client-loop asyncio``:
-asyncio's own, as every table before 2026-12-06 night was measured), so the gRPC path's client and the front
-door's Triton side run on the same kind of loop.
+process runs on the event loop uvicorn gives the front door, uvloop's where it is installed (``--client-loop
+asyncio``: asyncio's own, as every table before 2026-12-06 night was measured), so the gRPC path's client and the
+front door's Triton side run on the same kind of loop.
 
 Per request: TTFT (send → first text), E2E (send → last text).  Added per token = (E2E − the grpc path's
 median E2E at that concurrency) / tokens, p50 and p99 over requests; the targets are p99 ≤ 0.3 ms for the
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -394,17 +393,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--client-loop",
-        choices=["uvloop", "asyncio"],
-        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        help="this process's event loop (the grpc path's client and every HTTP client): uvloop, the front door's own "
-        "loop where it is installed, so that both sides of the comparison run on the same loop; or asyncio's",
+        choices=["auto", "asyncio"],
+        default="auto",
+        help="this process's event loop (the grpc path's client and every HTTP client): auto, the loop uvicorn gives "
+        "the front door (uvloop's where it is installed), so that both sides of the comparison run on the same kind "
+        "of loop; or asyncio's",
     )
     args = ap.parse_args(argv)
-    factory = None
-    if args.client_loop == "uvloop":
-        import uvloop
+    from uvicorn.loops.asyncio import asyncio_loop_factory
+    from uvicorn.loops.auto import auto_loop_factory
 
-        factory = uvloop.new_event_loop
+    factory = (auto_loop_factory if args.client_loop == "auto" else asyncio_loop_factory)()
+    args.client_loop = factory.__module__.split(".")[0]  # the loop's package, as printed
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(run(args))
 

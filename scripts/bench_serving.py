@@ -19,7 +19,7 @@ the previous one ends; the same chat prompt, greedy, no end token so every answe
   tritonclient (its stream thread, an ``InferResult`` and numpy arrays per message);
 * ``tensorrt_llm-aio`` — the same prompts to the same model as the front door sends them: through ``grpc.aio``
   (toolkit/frontdoor/triton.py: kept-open calls, tensors packed with ``struct``, responses read as bytes) on an
-  event loop in a thread of its own (uvloop's where it is installed, as the front door's; ``--client-loop``), asking
+  event loop in a thread of its own (the front door's kind: uvloop's where it is installed; ``--client-loop``), asking
   for ``output_ids`` and ``sequence_length`` only (the gRPC paths above ask for no output by name, so each response
   carries every output the model has: ~15 tensors made per token, the perf metrics among them for the TTFT split);
   Triton's hops with a client whose CPU per token is a lean client's (on a shared host the client's CPU is taken
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import itertools
 import json
 import os
@@ -294,15 +293,10 @@ class AioStream:
     Its requests run on an event loop in a thread of their own; :meth:`runner` drives a closed loop of ``c``
     coroutines there."""
 
-    def __init__(self, url, inputs, outputs=(), *, loop="asyncio"):
+    def __init__(self, url, inputs, outputs=(), *, loop_factory=asyncio.new_event_loop):
         self.template = self._template(inputs, outputs)  # every request's message but its id
         self.ids = iter(range(1 << 62))
-        if loop == "uvloop":
-            import uvloop
-
-            self.loop = uvloop.new_event_loop()
-        else:
-            self.loop = asyncio.new_event_loop()
+        self.loop = loop_factory()
         threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
         self._wait(self._open(url))
 
@@ -510,11 +504,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--client-loop",
-        choices=["uvloop", "asyncio"],
-        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        help="the tensorrt_llm-aio path's event loop: uvloop, the front door's own where it is installed, or asyncio's",
+        choices=["auto", "asyncio"],
+        default="auto",
+        help="the tensorrt_llm-aio path's event loop: auto, the loop uvicorn gives the front door (uvloop's where it "
+        "is installed), or asyncio's",
     )
     args = ap.parse_args(argv)
+    from uvicorn.loops.asyncio import asyncio_loop_factory
+    from uvicorn.loops.auto import auto_loop_factory
+
+    aio_loop = (auto_loop_factory if args.client_loop == "auto" else asyncio_loop_factory)()
 
     from toolkit.artifacts import read_manifest
     from toolkit.targets.cpu import bound_openmp_spin
@@ -548,7 +547,8 @@ def main(argv=None) -> int:
     print(
         f"# in-process engine: GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
         f" ({'as served' if spin_bounded else 'from the environment'}), OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; the tensorrt_llm-aio client on {args.client_loop}'s loop",
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; the tensorrt_llm-aio client on "
+        f"{aio_loop.__module__.split('.')[0]}'s loop",
         flush=True,
     )
     from toolkit.runtime.engine import BackgroundEngine
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
 
         streams = [SharedStream(server.grpc_url) for _ in range(2)]  # one per path, reused by every request
         if "tensorrt_llm-aio" in args.paths:
-            aio = AioStream(server.grpc_url, llm_request, ("output_ids", "sequence_length"), loop=args.client_loop)
+            aio = AioStream(server.grpc_url, llm_request, ("output_ids", "sequence_length"), loop_factory=aio_loop)
         roots = {name: (ROOT, FRONTDOOR_SETTINGS[name]) for name in FRONTDOOR_SETTINGS if name in args.paths}
         if args.compare_frontdoor:
             roots[f"frontdoor@{args.compare_frontdoor.name}"] = (args.compare_frontdoor.resolve(), [])
