@@ -112,9 +112,8 @@ inline void weigh_values(const float* p, int64_t L, const T* v, int64_t row, con
 
 // Rows r < m: q at q + r * q_row + h * q_head ([H, D] each, D contiguous, float32); the pool [slots, KVH, D]
 // of T (float, or uint16_t for bf16 bits); row r's keys are slots[bounds[2r] .. bounds[2r + 1]); out [m, H * D]
-// float32.  A key's whole K and V rows (every K/V head) are used together, so the pool is read row after
-// row: on a decode step it comes from memory (the weights stream through the caches between one layer and
-// the next) and such reads stream best.
+// float32.  Threads share the (row, K/V head) pairs: each pair's query heads read that head's slice of the
+// keys' and values' rows, in the same order whatever the split, so the numbers do not depend on it.
 template <class T>
 void decode_attention_rows(const float* q, int64_t q_row, int64_t q_head, const T* kp, const T* vp,
                            const int64_t* slots, const int64_t* bounds, int64_t m, int64_t H, int64_t KVH,
@@ -122,34 +121,34 @@ void decode_attention_rows(const float* q, int64_t q_row, int64_t q_head, const 
   const int64_t G = H / KVH, row = KVH * D;
   int64_t keys = 0;
   for (int64_t r = 0; r < m; ++r) keys += bounds[2 * r + 1] - bounds[2 * r];
-  // threads over rows, only where there is enough to share
-  const int64_t grain = keys * H * D < (1 << 18) ? m : 1;
-  at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> sc;
-    for (int64_t r = r0; r < r1; ++r) {
+  // threads where there is enough to share: with the pool's workers spinning between calls, a few microseconds
+  // of work a thread pays (SmolLM2's 3 rows of ~100 keys: ~50 us, once on one thread while the other waited)
+  const int64_t units = m * KVH, grain = keys * H * D < (1 << 14) ? units : 1;
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    std::vector<float> sc, total(G);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = u / KVH, kvh = u % KVH, off = kvh * D;  // the K/V head's slice of a pool row
       const int64_t* ctx = slots + bounds[2 * r];
       const int64_t L = bounds[2 * r + 1] - bounds[2 * r], Lp = (L + 7) / 8 * 8;
-      sc.assign(H * Lp, 0.0f);
+      sc.assign(G * Lp, 0.0f);
       const float* qr = q + r * q_row;
-      for (int64_t j0 = 0; j0 < L; j0 += 8) {  // scores of 8 keys at a time, each K row read once
+      for (int64_t j0 = 0; j0 < L; j0 += 8) {  // scores of 8 keys at a time, each key's slice read once
         const T* k[8];
-        for (int64_t i = 0; i < 8; ++i) k[i] = kp + ctx[j0 + i < L ? j0 + i : j0] * row;  // past L: any key
-        for (int64_t i = 0; i < 8 && j0 + 8 + i < L; ++i) prefetch_row(kp + ctx[j0 + 8 + i] * row, row);
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float* qh = qr + hh * q_head;
-          const int64_t off = hh / G * D;
+        for (int64_t i = 0; i < 8; ++i) k[i] = kp + ctx[j0 + i < L ? j0 + i : j0] * row + off;  // past L: any key
+        for (int64_t i = 0; i < 8 && j0 + 8 + i < L; ++i) prefetch_row(kp + ctx[j0 + 8 + i] * row + off, D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qh = qr + (kvh * G + g) * q_head;
           __m256 a[8];
           for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; d += 8) {
             const __m256 qv = _mm256_loadu_ps(qh + d);
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k[i] + off + d), a[i]);
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k[i] + d), a[i]);
           }
-          _mm256_storeu_ps(sc.data() + hh * Lp + j0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+          _mm256_storeu_ps(sc.data() + g * Lp + j0, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
         }
       }
-      std::vector<float> total(H);
-      for (int64_t hh = 0; hh < H; ++hh) {  // softmax numerators in place, and their sum
-        float* s = sc.data() + hh * Lp;
+      for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sum
+        float* s = sc.data() + g * Lp;
         float mx = s[0];
         for (int64_t j = 1; j < L; ++j) mx = std::max(mx, s[j]);
         const __m256 mv = _mm256_set1_ps(mx);
@@ -165,18 +164,18 @@ void decode_attention_rows(const float* q, int64_t q_row, int64_t q_head, const 
           _mm256_storeu_ps(s + j, p);
           sum = _mm256_add_ps(sum, p);
         }
-        total[hh] = lane_sum(sum);
+        total[g] = lane_sum(sum);
       }
-      for (int64_t hh = 0; hh < H; ++hh) {  // the values' weighted sums, a head's slice of 32 at a time
-        const float* s = sc.data() + hh * Lp;
-        const T* v = vp + hh / G * D;
-        float* dst = out + r * H * D + hh * D;
+      for (int64_t g = 0; g < G; ++g) {  // the values' weighted sums, a head's slice of 32 at a time
+        const float* s = sc.data() + g * Lp;
+        const T* v = vp + off;
+        float* dst = out + r * H * D + (kvh * G + g) * D;
         int64_t d = 0;
-        for (; d + 32 <= D; d += 32) weigh_values<4>(s, L, v + d, row, ctx, total[hh], dst + d);
+        for (; d + 32 <= D; d += 32) weigh_values<4>(s, L, v + d, row, ctx, total[g], dst + d);
         switch ((D - d) / 8) {
-          case 3: weigh_values<3>(s, L, v + d, row, ctx, total[hh], dst + d); break;
-          case 2: weigh_values<2>(s, L, v + d, row, ctx, total[hh], dst + d); break;
-          case 1: weigh_values<1>(s, L, v + d, row, ctx, total[hh], dst + d); break;
+          case 3: weigh_values<3>(s, L, v + d, row, ctx, total[g], dst + d); break;
+          case 2: weigh_values<2>(s, L, v + d, row, ctx, total[g], dst + d); break;
+          case 1: weigh_values<1>(s, L, v + d, row, ctx, total[g], dst + d); break;
           default: break;
         }
       }

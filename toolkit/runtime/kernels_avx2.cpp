@@ -674,15 +674,26 @@ struct BlockInputs {
   std::vector<uint8_t> qa;  // |q|, for idot's vpsignb products (abs_codes); W4A8 has none
   std::vector<float> qs;
 
-  // padded_rows (>= rows): zero codes and scales after the call's rows (w4a8_tiles' tiles of 16 rows)
-  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes, int64_t padded_rows = 0)
+  // padded_rows (>= rows): zero codes and scales after the call's rows (w4a8_tiles' tiles of 16 rows).
+  // pre_scale [K] (AWQ's pre_quant_scale), where given: the inputs are x * pre_scale, each product one float32
+  // rounding as torch's elementwise product, made here block by block instead of in a tensor of its own.
+  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes, int64_t padded_rows = 0,
+              const float* pre_scale = nullptr)
       : q(std::max(rows, padded_rows) * K), qa(abs_codes ? rows * K : 0), qs(std::max(rows, padded_rows) * K / 32) {
     at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
+      alignas(32) float scaled[32];
       for (int64_t b = b0; b < b1; ++b) {
-        const float amax = block_amax(xp + b * 32);
+        const float* x = xp + b * 32;
+        if (pre_scale != nullptr) {
+          const float* ps = pre_scale + (b % (K / 32)) * 32;
+          for (int j = 0; j < 32; j += 8)
+            _mm256_store_ps(scaled + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(ps + j)));
+          x = scaled;
+        }
+        const float amax = block_amax(x);
         qs[b] = amax / 127.0f;
         // a zero block: any nonzero divisor gives codes 0 and its scale 0 keeps its sums out
-        quantize_block(xp + b * 32, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32,
+        quantize_block(x, _mm256_set1_ps(amax > 0.0f ? qs[b] : 1.0f), q.data() + b * 32,
                        abs_codes ? qa.data() + b * 32 : nullptr);
       }
     });
@@ -692,8 +703,9 @@ struct BlockInputs {
 // A weight-only INT8 projection (W8A16) with its inputs quantized here (BlockInputs).  Not the export's
 // arithmetic (float inputs): kernels_avx2.W8A8Weight states what it costs.  x [R, K] float32; codes and
 // oscale as w8a8's, oscale [N] = the weights' scales.
-at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& oscale,
-                          const c10::optional<at::Tensor>& bias) {
+// pre_scale: see BlockInputs (Projection32 passes AWQ's pre_quant_scale; the op, none).
+at::Tensor w8a8_blockwise_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes,
+                                 const at::Tensor& oscale, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w8a8_blockwise: x must be [rows, K] float32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
               "rtk_avx2.w8a8_blockwise: codes must be [N, K] int8, contiguous");
@@ -705,11 +717,16 @@ at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, true);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, true, 0, pre_scale);
   idot_all<true>(in.q, in.qa, in.qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n,
                  y.data_ptr<float>());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y;
+}
+
+at::Tensor w8a8_blockwise(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& oscale,
+                          const c10::optional<at::Tensor>& bias) {
+  return w8a8_blockwise_scaled(x, nullptr, codes, oscale, bias);
 }
 
 // -- W4A8: INT4 weights (AWQ, W4A16 exports) as integer products -------------------------------------
@@ -884,8 +901,8 @@ inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int6
 
 // x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
 // float32, G dividing K into groups of a multiple of 64 inputs.
-at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& bias) {
+at::Tensor w4a8_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w4a8: x must be [rows, K] float32");
   const int64_t rows = x.size(0), K = x.size(1), n = codes.size(0);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 64 == 0 &&
@@ -898,7 +915,7 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, false);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, 0, pre_scale);
   const std::vector<float> corr = group_corrections(in, rows, K, G);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const float* gs = scales.data_ptr<float>();
@@ -940,6 +957,10 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return y;
 }
 
+at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                const c10::optional<at::Tensor>& bias) {
+  return w4a8_scaled(x, nullptr, codes, scales, bias);
+}
 
 // -- W4A8 prompt rows in AMX tiles (Intel Sapphire Rapids and later) ---------------------------------
 //
@@ -958,8 +979,8 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 using rtk_amx::TileConfig;
 using rtk_amx::tiles_permitted;
 
-at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& bias) {
+at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(tiles_permitted(), "rtk_vnni.w4a8_tiles: the kernel may not use AMX here (arch_prctl refused)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_vnni.w4a8_tiles: x must be [rows, K] float32");
   const int64_t rows = x.size(0), K = x.size(1), nb = K / 32;
@@ -974,7 +995,7 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, padded);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, padded, pre_scale);
   const int8_t* q = in.q.data();
   const float* qs = in.qs.data();
   const uint8_t* w = codes.data_ptr<uint8_t>();
@@ -1063,8 +1084,19 @@ at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return y;
 }
 
+at::Tensor w4a8_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  return w4a8_tiles_scaled(x, nullptr, codes, scales, bias);
+}
+
 bool tiles_available() { return tiles_permitted(); }
 #else
+at::Tensor w4a8_tiles_scaled(const at::Tensor&, const float*, const at::Tensor&, const at::Tensor&,
+                             const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "w4a8_tiles: this build has no AMX tiles (kernels_avx2.VNNI_FLAGS)");
+  return at::Tensor();
+}
+
 at::Tensor w4a8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "w4a8_tiles: this build has no AMX tiles (kernels_avx2.VNNI_FLAGS)");
   return at::Tensor();
@@ -1155,15 +1187,17 @@ struct Projection32 {
   // by_count > 0 (DecodeLayers.tile_decode_rows, decode_batching "full": no batch invariance): an INT4 call of at
   // least by_count rows takes w4a8_tiles for every row, a smaller one w4a8, as model.Projection without singles
   at::Tensor rows(const at::Tensor& x, int64_t B, int64_t by_count = 0) const {
-    if (w8a8_path && blockwise) {  // kernels_avx2.W8A8Weight / W4A8Weight: the pre_quant_scale as an ATen product first
-      const at::Tensor in = pre_quant_scale.has_value() ? at::mul(x, *pre_quant_scale) : x;
-      if (kind != kW4) return w8a8_blockwise(in, weights, *scales, bias);
-      const int64_t m = in.size(0);
+    if (w8a8_path && blockwise) {  // kernels_avx2.W8A8Weight / W4A8Weight: the pre_quant_scale applied as they quantize
+      TORCH_CHECK(!pre_quant_scale.has_value() || pre_quant_scale->numel() == x.size(1),
+                  "rtk_avx2.DecodeLayers: pre_quant_scale has the input's width");
+      const float* ps = pre_quant_scale.has_value() ? pre_quant_scale->data_ptr<float>() : nullptr;
+      if (kind != kW4) return w8a8_blockwise_scaled(x, ps, weights, *scales, bias);
+      const int64_t m = x.size(0);
       if (tiles.has_value() && by_count > 0)
-        return m >= by_count ? w4a8_tiles(in, *tiles, *scales, bias) : w4a8(in, weights, *scales, bias);
-      if (!tiles.has_value() || B == m) return w4a8(in, weights, *scales, bias);
-      const at::Tensor prompt = w4a8_tiles(in.narrow(0, B, m - B), *tiles, *scales, bias);
-      return B == 0 ? prompt : at::cat({w4a8(in.narrow(0, 0, B), weights, *scales, bias), prompt});
+        return m >= by_count ? w4a8_tiles_scaled(x, ps, *tiles, *scales, bias) : w4a8_scaled(x, ps, weights, *scales, bias);
+      if (!tiles.has_value() || B == m) return w4a8_scaled(x, ps, weights, *scales, bias);
+      const at::Tensor prompt = w4a8_tiles_scaled(x.narrow(0, B, m - B), ps, *tiles, *scales, bias);
+      return B == 0 ? prompt : at::cat({w4a8_scaled(x.narrow(0, 0, B), ps, weights, *scales, bias), prompt});
     }
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale, plain);  // the scale folded in
     const at::Tensor in = input(x);
@@ -1255,6 +1289,9 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(mkl_tile == 0 || dense.has_value(), "rtk_avx2.DecodeLayers: MKL tiles need their packed weights");
     TORCH_CHECK(pad_rows >= 1, "rtk_avx2.DecodeLayers: pad_rows >= 1");
     TORCH_CHECK(!blockwise || w8a8_path, "rtk_avx2.DecodeLayers: blockwise is a w8a8 projection's");
+    TORCH_CHECK(!pre_quant_scale.has_value() || (pre_quant_scale->scalar_type() == at::kFloat &&
+                                                 pre_quant_scale->dim() == 1 && pre_quant_scale->is_contiguous()),
+                "rtk_avx2.DecodeLayers: pre_quant_scale is [K] float32, contiguous");
     TORCH_CHECK(!tiles.has_value() || (w8a8_path && kind == kW4),
                 "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles)");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
@@ -1346,11 +1383,9 @@ struct DecodeLayers : torch::CustomClassHolder {
         for (int64_t hd = 0; hd < H + KVH; ++hd) {
           const float* v = src + r * width + hd * D;
           float* o = dst + (r * (H + KVH) + hd) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            const float a = v[d] * c[d];
-            const float b = v[(d + half) % D] * s[d];
-            o[d] = a + b;
-          }
+          // x[swap] is the other half: two loops, no index arithmetic in the way of the vectorizer
+          for (int64_t d = 0; d < half; ++d) o[d] = v[d] * c[d] + v[d + half] * s[d];
+          for (int64_t d = half; d < D; ++d) o[d] = v[d] * c[d] + v[d - half] * s[d];
         }
       }
       float* kp = k_pool.data_ptr<float>() + li * layer_floats;
@@ -1368,11 +1403,19 @@ struct DecodeLayers : torch::CustomClassHolder {
       add_into(h, layer.proj[1].rows(attn, B, tile_decode_rows).contiguous());
       auto gu = layer.proj[2].rows(rms_norm(h, layer.post_norm), B, tile_decode_rows).contiguous();
       const int64_t inter = gu.size(1) / 2;
-      auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();  // torch's exp, so torch's SiLU; then the product
+      // torch's SiLU (its exp) row by row, then the product; rows shared between threads (torch's own kernel
+      // keeps a call under 32,768 elements on one thread, while the other waits)
+      auto act = at::empty({m, inter}, at::kFloat);
       float* ac = act.data_ptr<float>();
       const float* up = gu.data_ptr<float>() + inter;
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < inter; ++i) ac[r * inter + i] = ac[r * inter + i] * up[r * 2 * inter + i];
+      const bool inference = c10::InferenceMode::is_enabled();  // the pool's workers do not inherit the caller's
+      at::parallel_for(0, m, std::max<int64_t>(1, 4096 / inter), [&](int64_t r0, int64_t r1) {
+        const c10::InferenceMode mode(inference);
+        at::Tensor part = act.narrow(0, r0, r1 - r0);
+        at::silu_out(part, gu.narrow(0, r0, r1 - r0).narrow(1, 0, inter));
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t i = 0; i < inter; ++i) ac[r * inter + i] = ac[r * inter + i] * up[r * 2 * inter + i];
+      });
       add_into(h, layer.proj[3].rows(act, B, tile_decode_rows).contiguous());
     }
     return h;
