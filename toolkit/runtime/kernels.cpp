@@ -659,11 +659,16 @@ inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_quiet(v), 16)));
 }
 
-// rows [0, m) in at::parallel_for's shares where a call has enough elements to pay for the region, else here
+// rows [0, m) in at::parallel_for's shares where a call has enough elements to pay for the region, else here.
+// The pool's workers spin between regions, so a share of ~4 K elements pays: a prompt chunk's 16-24 rows of
+// SmolLM2 (576-1,536 elements each) go to both threads, a few decode rows stay on one (docs/engine.md, "The
+// float32 fused layers' work on one thread").
+constexpr int64_t kRowsShare = 4096;
+
 template <class F>
 inline void for_rows(int64_t m, int64_t row_elements, const F& f) {
-  if (m * row_elements < 32768) return f(0, m);
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1)), f);
+  if (m * row_elements < 2 * kRowsShare) return f(0, m);
+  at::parallel_for(0, m, std::max<int64_t>(1, kRowsShare / std::max<int64_t>(row_elements, 1)), f);
 }
 
 // float32 (|q| <= 448) -> the float32 value of its float8_e4m3fn rounding (nearest even): 3 mantissa
@@ -696,7 +701,7 @@ at::Tensor quantize_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
   const auto* ps = pre_quant_scale.has_value() ? reinterpret_cast<const uint16_t*>(pq.data_ptr()) : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
   const __m512 s = _mm512_set1_ps(static_cast<float>(act_scale));
-  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+  for_rows(m, k, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t c = 0; c < k; c += 16) {
         const __mmask16 mask = static_cast<__mmask16>(k - c >= 16 ? 0xFFFF : (1u << (k - c)) - 1);
@@ -1021,10 +1026,14 @@ struct DecodeLayers : torch::CustomClassHolder {
   // SiLU(gate) * up on gate_up's rows [gate | up]: torch's SiLU (its exp), then the bf16 product
   static at::Tensor silu_times_up(const at::Tensor& gu) {
     const int64_t m = gu.size(0), inter = gu.size(1) / 2;
-    auto act = at::silu(gu.narrow(1, 0, inter)).contiguous();
+    auto act = at::empty({m, inter}, gu.options());
     auto* ac = reinterpret_cast<uint16_t*>(act.data_ptr());
     const auto* up = reinterpret_cast<const uint16_t*>(gu.data_ptr()) + inter;
+    const bool inference = c10::InferenceMode::is_enabled();  // the pool's workers do not inherit the caller's
     for_rows(m, inter, [&](int64_t r0, int64_t r1) {
+      const c10::InferenceMode mode(inference);
+      at::Tensor part = act.narrow(0, r0, r1 - r0);  // torch's SiLU row by row (its exp), on both threads
+      at::silu_out(part, gu.narrow(0, r0, r1 - r0).narrow(1, 0, inter));
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t i = 0; i < inter; i += 16) {
           const __mmask16 mask = lanes(inter - i);
