@@ -899,8 +899,8 @@ inline void idot4_rows(const int8_t* q, const float* qs, const float* corr, int6
   });
 }
 
-// x [R, K] float32 (after AWQ's pre_quant_scale); codes [N, K / 2] uint8 as described above; scales [N, G]
-// float32, G dividing K into groups of a multiple of 64 inputs.
+// x [R, K] float32, times pre_scale [K] where given (AWQ's pre_quant_scale, BlockInputs); codes [N, K / 2] uint8
+// as described above; scales [N, G] float32, G dividing K into groups of a multiple of 64 inputs.
 at::Tensor w4a8_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_avx2.w4a8: x must be [rows, K] float32");
