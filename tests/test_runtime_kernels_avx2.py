@@ -404,7 +404,8 @@ needs_tiles = pytest.mark.skipif(
 @pytest.mark.parametrize("shape", [(960, 576, 64), (48, 128, 128), (64, 1536, 128), (32, 384, 192)])
 def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone(shape):
     """Prompt rows in AMX tiles: the float64 product of the block-quantized input (w4a8's codes and scales)
-    within the tolerance, the same bits for a row alone or in calls of 3 or 16 (tiles of 16 rows, padded), near
+    within the tolerance, the same bits for a row alone or in calls of 3 or 16 (tiles of 16 rows, the last of the
+    call's rows % 16 alone), near
     w4a8's own sums (the same integers, float sums in another order); wrong scales fail the check at load."""
     g = torch.Generator().manual_seed(14)
     n, k, group = shape

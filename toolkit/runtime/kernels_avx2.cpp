@@ -674,12 +674,10 @@ struct BlockInputs {
   std::vector<uint8_t> qa;  // |q|, for idot's vpsignb products (abs_codes); W4A8 has none
   std::vector<float> qs;
 
-  // padded_rows (>= rows): zero codes and scales after the call's rows (w4a8_tiles' tiles of 16 rows).
   // pre_scale [K] (AWQ's pre_quant_scale), where given: the inputs are x * pre_scale, each product one float32
   // rounding as torch's elementwise product, made here block by block instead of in a tensor of its own.
-  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes, int64_t padded_rows = 0,
-              const float* pre_scale = nullptr)
-      : q(std::max(rows, padded_rows) * K), qa(abs_codes ? rows * K : 0), qs(std::max(rows, padded_rows) * K / 32) {
+  BlockInputs(const float* xp, int64_t rows, int64_t K, bool abs_codes, const float* pre_scale = nullptr)
+      : q(rows * K), qa(abs_codes ? rows * K : 0), qs(rows * K / 32) {
     at::parallel_for(0, rows * K / 32, 64, [&](int64_t b0, int64_t b1) {
       alignas(32) float scaled[32];
       for (int64_t b = b0; b < b1; ++b) {
@@ -717,7 +715,7 @@ at::Tensor w8a8_blockwise_scaled(const at::Tensor& x, const float* pre_scale, co
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, true, 0, pre_scale);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, true, pre_scale);
   idot_all<true>(in.q, in.qa, in.qs.data(), rows, K, codes.data_ptr<int8_t>(), oscale.data_ptr<float>(), n,
                  y.data_ptr<float>());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
@@ -915,7 +913,7 @@ at::Tensor w4a8_scaled(const at::Tensor& x, const float* pre_scale, const at::Te
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, 0, pre_scale);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, pre_scale);
   const std::vector<float> corr = group_corrections(in, rows, K, G);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const float* gs = scales.data_ptr<float>();
@@ -991,11 +989,11 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
                   scales.is_contiguous() && nb % scales.size(1) == 0,
               "rtk_vnni.w4a8_tiles: scales must be [N, G] float32, groups of a multiple of 32 inputs");
-  const int64_t G = scales.size(1), per_group = nb / G, padded = (rows + 15) / 16 * 16;
+  const int64_t G = scales.size(1), per_group = nb / G, tail = rows % 16;
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, padded, pre_scale);
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, pre_scale);
   const int8_t* q = in.q.data();
   const float* qs = in.qs.data();
   const uint8_t* w = codes.data_ptr<uint8_t>();
@@ -1006,6 +1004,10 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
     for (int c : {0, 3}) cfg.rows[c] = 16, cfg.colsb[c] = 64;  // 2 and 5: the block's codes (tdpbssd's B)
     for (int a : {1, 4}) cfg.rows[a] = 16, cfg.colsb[a] = 32;
     for (int c : {2, 5}) cfg.rows[c] = 8, cfg.colsb[c] = 64;
+    if (tail > 0) {  // 6 and 7: the sums and input codes of the call's last rows % 16 alone (tail_group)
+      cfg.rows[6] = static_cast<uint8_t>(tail), cfg.colsb[6] = 64;
+      cfg.rows[7] = static_cast<uint8_t>(tail), cfg.colsb[7] = 32;
+    }
     _tile_loadconfig(&cfg);
     // the thread's buffers, kept from call to call: the tile's unpacked codes, two groups' block sums, and the
     // tile's 16 outputs' group scales per group (16 a group, for one load)
@@ -1032,12 +1034,30 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
         _mm512_store_si512(tile, _mm512_sub_epi8(_mm512_and_si512(raw, low), eight));
         _mm512_store_si512(tile + 256, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), eight));
       }
-      for (int64_t r0 = 0; r0 < padded; r0 += 16) {
-        const int64_t valid = std::min<int64_t>(16, rows - r0);  // the tile's rows of the call (the rest padding)
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t valid = std::min<int64_t>(16, rows - r0);  // the tile's rows of the call
         // group g's block sums into sums + (g % 2) * per_group * 256, blocks alternating between tiles 0 and 3,
-        // issued before the previous group's float work so that the two overlap
+        // issued before the previous group's float work so that the two overlap; a last tile of fewer than 16
+        // rows through tiles 6 and 7, which load, multiply and store only those rows (the same integer sums:
+        // a 3-row tile is ~a fifth of a 16-row one's loads and stores, which bound these products)
         const auto sum_group = [&](int64_t g) {
           int32_t* out = sums + (g % 2) * per_group * 256;
+          if (valid < 16) {
+            for (int64_t h = 0; h < per_group; ++h) {
+              const int64_t block = g * per_group + h;
+              _tile_zero(6);
+              _tile_loadd(7, q + r0 * K + 32 * block, K);
+              if (h % 2 == 0) {
+                _tile_loadd(2, b + block * 512, 64);
+                _tile_dpbssd(6, 7, 2);
+              } else {
+                _tile_loadd(5, b + block * 512, 64);
+                _tile_dpbssd(6, 7, 5);
+              }
+              _tile_stored(6, out + 256 * h, 64);
+            }
+            return;
+          }
           for (int64_t h = 0; h < per_group; ++h) {
             const int64_t block = g * per_group + h;
             if (h % 2 == 0) {
@@ -1066,7 +1086,7 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
           const __m512 gv = _mm512_load_ps(group_scales + g * 16);
 #pragma GCC unroll 16
           for (int r = 0; r < 16; ++r) {
-            if (r >= valid) continue;  // padding rows: no float work
+            if (r >= valid) continue;  // past the call's rows: no float work
             const float* s = qs + (r0 + r) * nb + g * per_group;
             __m512 group = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(group_sums + 16 * r)), _mm512_set1_ps(s[0]));
             for (int64_t h = 1; h < per_group; ++h)
