@@ -1004,7 +1004,7 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
     for (int c : {0, 3}) cfg.rows[c] = 16, cfg.colsb[c] = 64;  // 2 and 5: the block's codes (tdpbssd's B)
     for (int a : {1, 4}) cfg.rows[a] = 16, cfg.colsb[a] = 32;
     for (int c : {2, 5}) cfg.rows[c] = 8, cfg.colsb[c] = 64;
-    if (tail > 0) {  // 6 and 7: the sums and input codes of the call's last rows % 16 alone (tail_group)
+    if (tail > 0) {  // 6 and 7: the sums and input codes of the call's last rows % 16 (sum_group's last tile)
       cfg.rows[6] = static_cast<uint8_t>(tail), cfg.colsb[6] = 64;
       cfg.rows[7] = static_cast<uint8_t>(tail), cfg.colsb[7] = 32;
     }
@@ -1038,8 +1038,8 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
         const int64_t valid = std::min<int64_t>(16, rows - r0);  // the tile's rows of the call
         // group g's block sums into sums + (g % 2) * per_group * 256, blocks alternating between tiles 0 and 3,
         // issued before the previous group's float work so that the two overlap; a last tile of fewer than 16
-        // rows through tiles 6 and 7, which load, multiply and store only those rows (the same integer sums:
-        // a 3-row tile is ~a fifth of a 16-row one's loads and stores, which bound these products)
+        // rows through tiles 6 and 7, which load, multiply and store only those rows (the same integer sums; a
+        // 3-row tile moves ~a fifth of a 16-row one's bytes)
         const auto sum_group = [&](int64_t g) {
           int32_t* out = sums + (g % 2) * per_group * 256;
           if (valid < 16) {
