@@ -400,11 +400,9 @@ def main(argv=None) -> int:
         "of loop; or asyncio's",
     )
     args = ap.parse_args(argv)
-    from uvicorn.loops.asyncio import asyncio_loop_factory
-    from uvicorn.loops.auto import auto_loop_factory
+    from toolkit.frontdoor.runner import event_loop_factory
 
-    factory = (auto_loop_factory if args.client_loop == "auto" else asyncio_loop_factory)()
-    args.client_loop = factory.__module__.split(".")[0]  # the loop's package, as printed
+    factory, args.client_loop = event_loop_factory(args.client_loop)  # the loop's package, as printed
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(run(args))
 

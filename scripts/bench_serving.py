@@ -510,10 +510,9 @@ def main(argv=None) -> int:
         "is installed), or asyncio's",
     )
     args = ap.parse_args(argv)
-    from uvicorn.loops.asyncio import asyncio_loop_factory
-    from uvicorn.loops.auto import auto_loop_factory
+    from toolkit.frontdoor.runner import event_loop_factory
 
-    aio_loop = (auto_loop_factory if args.client_loop == "auto" else asyncio_loop_factory)()
+    aio_loop, aio_loop_name = event_loop_factory(args.client_loop)
 
     from toolkit.artifacts import read_manifest
     from toolkit.targets.cpu import bound_openmp_spin
@@ -548,7 +547,7 @@ def main(argv=None) -> int:
         f"# in-process engine: GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
         f" ({'as served' if spin_bounded else 'from the environment'}), OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; the tensorrt_llm-aio client on "
-        f"{aio_loop.__module__.split('.')[0]}'s loop",
+        f"{aio_loop_name}'s loop",
         flush=True,
     )
     from toolkit.runtime.engine import BackgroundEngine

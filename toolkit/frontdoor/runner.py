@@ -30,6 +30,16 @@ from ..net import http_url
 log = logging.getLogger("rtk.frontdoor")
 
 
+def event_loop_factory(kind: str = "auto"):
+    """``(factory, name)`` of uvicorn's event loop ``kind``: ``auto``, the loop the front door runs on (uvloop's where
+    it is installed, asyncio's otherwise), or ``asyncio``; benchmarks run their clients on the front door's kind."""
+    from uvicorn.loops.asyncio import asyncio_loop_factory
+    from uvicorn.loops.auto import auto_loop_factory
+
+    factory = (auto_loop_factory if kind == "auto" else asyncio_loop_factory)()
+    return factory, factory.__module__.split(".")[0]
+
+
 class FrontDoorServer:
     """``with FrontDoorServer(app, host, port): ...`` or ``start()`` / ``stop()``."""
 
