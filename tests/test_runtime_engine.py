@@ -235,14 +235,13 @@ def one_projection_export(codes: torch.Tensor | None, bits: int, inputs: str | N
 
 def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(monkeypatch):
     """rtk's integer products (INT8-SQ, W8A16, INT4-AWQ) run on float32 engines only, so on a CPU with native bf16
-    and AVX512-VNNI an export they take computes in float32 (INT4 alone only where its prompt rows take AMX's tiles
-    or rtk's bf16 kernels do not run); FP8 codes, W4A8-AWQ (FP8 inputs), INT4 with ``int4_gemv: exact`` and bf16
-    weights keep bf16, and so does everything where the VNNI build is not wanted (``RTK_VNNI=0``), not built, or
-    rtk's kernels are off."""
+    and AVX512-VNNI an export they take computes in float32 (INT4's rows in AMX's tiles or VNNI's lanes); FP8 codes,
+    W4A8-AWQ (FP8 inputs), INT4 with ``int4_gemv: exact`` and bf16 weights keep bf16, and so does everything where
+    the VNNI build is not wanted (``RTK_VNNI=0``), not built, or rtk's kernels are off."""
     from types import SimpleNamespace
 
     from toolkit import hostinfo
-    from toolkit.runtime import kernels, kernels_avx2, model
+    from toolkit.runtime import kernels_avx2, model
 
     if not model.onednn_bf16():
         pytest.skip("oneDNN has no bf16 here, so no CPU counts as native bf16")
@@ -264,19 +263,14 @@ def test_auto_dtype_is_float32_where_the_vnni_integer_products_take_the_export(m
     monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")  # stands in for a built VNNI library
     monkeypatch.delenv("RTK_VNNI", raising=False)
     monkeypatch.setattr(kernels_avx2, "prompt_tiles", lambda: True)  # an AMX host: INT4 prompt rows in int8 tiles
-    monkeypatch.setattr(kernels, "available", lambda: True)
     assert model.resolve_dtype("auto", int8) == torch.float32
     assert model.resolve_dtype("auto", int4) == torch.float32
     assert model.resolve_dtype("auto", int4, int4_gemv="exact") == torch.bfloat16
-    # no AMX (AMD Zen 4): INT4 alone on a bf16 engine, whose fused layers prefill through oneDNN's bf16 GEMM, where
-    # rtk's bf16 kernels run; INT8 codes keep float32's integer products
+    # no AMX (AMD Zen 4): INT4 too, its rows in AVX512-VNNI's lanes (the tiles' arithmetic), as are INT8 codes
     monkeypatch.setattr(kernels_avx2, "prompt_tiles", lambda: False)
-    assert model.resolve_dtype("auto", int4) == torch.bfloat16
+    assert model.resolve_dtype("auto", int4) == torch.float32
     assert model.resolve_dtype("auto", int8) == torch.float32
     assert model.resolve_dtype("auto", export(torch.ones(8, 32, dtype=torch.int8))) == torch.float32  # W8A16
-    monkeypatch.setattr(kernels, "available", lambda: False)
-    assert model.resolve_dtype("auto", int4) == torch.float32
-    monkeypatch.setattr(kernels, "available", lambda: True)
     assert all(model.resolve_dtype("auto", e) == torch.bfloat16 for e in (w4a8, fp8, dense))
     assert model.resolve_dtype("auto", int8, cpu_kernels=False) == torch.bfloat16
     assert model.resolve_dtype("bfloat16", int8) == torch.bfloat16  # asked for: given

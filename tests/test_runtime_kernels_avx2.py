@@ -9,6 +9,7 @@ integers, exact, for every row.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -374,16 +375,19 @@ def test_w4a8_refuses_what_its_layout_cannot_take():
 
 def test_an_int4_projection_takes_the_integer_products_with_int4_gemv_dot_only():
     """``int4_gemv: "dot"`` (the default: a stated tolerance) takes W4A8 for decode rows, and for prompt rows too
-    where the CPU has no AMX tiles (else :meth:`W4A8Weight.prompt`); ``"exact"`` keeps the float32 GEMV over the
-    same codes, whose weights are the dense path's."""
+    where AMX does not run (else :meth:`W4A8Weight.prompt`), every row in VNNI's lanes where the VNNI build runs
+    without AMX; ``"exact"`` keeps the float32 GEMV over the same codes, whose weights are the dense path's."""
     g = torch.Generator().manual_seed(13)
     lin = w4a16_linear(96, 128, 64, g)
     dot = Projection([lin], torch.float32, pack=False, gemv_kernel=True, blockwise_inputs=True)
     exact = Projection([lin], torch.float32, pack=False, gemv_kernel=True, int4_gemv="exact", blockwise_inputs=True)
     assert dot.kernel == "rtk-avx2-w4a8" and exact.kernel == "rtk-avx2-int8"
-    assert (dot.int_products.tiles is not None) == kernels_avx2.prompt_tiles()
+    assert (dot.int_products.tiles is not None) == (kernels_avx2.prompt_tiles() or kernels_avx2.prompt_lanes())
+    assert dot.int_products.lanes == kernels_avx2.prompt_lanes()
     x = torch.randn(5, 128, generator=g)
     alone = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
+    if dot.int_products.lanes:  # every row through the lanes: the decode rows' kernel is the prompt rows'
+        assert alone.add_tiles(lin.codes.codes, lin.weight, None) and alone.lanes
     with torch.inference_mode():
         assert torch.equal(dot(x, singles=5), alone(x, None))
         mixed = dot(x, singles=2)
@@ -396,14 +400,76 @@ def test_an_int4_projection_takes_the_integer_products_with_int4_gemv_dot_only()
 
 
 needs_tiles = pytest.mark.skipif(
+    not (kernels_avx2.prompt_tiles() or kernels_avx2.prompt_lanes()),
+    reason="INT4 prompt rows in the tiles' layout: AMX-INT8 or AVX512-VNNI (Intel Ice Lake, AMD Zen 4 on)",
+)
+needs_amx = pytest.mark.skipif(
     not kernels_avx2.prompt_tiles(), reason="AMX's int8 tiles: an Intel CPU with AMX-INT8 (Sapphire Rapids on)"
 )
+
+
+def tiles_arithmetic(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w4a8_tiles``' arithmetic in float64 and numpy, each float32 operation rounded as the kernel rounds it: the
+    block-quantized input's codes times the int4 codes, summed per block as integers; a group's block sums times
+    their input scales, the first a product and the others multiply-adds in block order; each group's sum times
+    its scale, multiply-added into the total in group order.  (A float64 multiply-add of float32 values rounds
+    once more than a fused one only where the float64 result falls exactly halfway between two float32 values.)"""
+    rows, k = x.shape
+    n, nb, groups = codes.shape[0], k // 32, scale.shape[1]
+    per_group = nb // groups
+    blocks = x.reshape(rows, nb, 32)
+    qs = blocks.abs().amax(-1) / 127.0
+    q = torch.where(qs[..., None] > 0, blocks / torch.where(qs > 0, qs, 1.0)[..., None], 0.0).round()
+    sums = np.einsum("rbi,nbi->rnb", q.to(torch.int64).numpy(), codes.to(torch.int64).numpy().reshape(n, nb, 32))
+    qs, gs = qs.double().numpy(), scale.double().numpy()
+    total = np.zeros((rows, n), np.float32)
+    for gi in range(groups):
+        group = np.zeros((rows, n))
+        for h in range(per_group):
+            b = gi * per_group + h
+            term = sums[:, :, b].astype(np.float32).astype(np.float64) * qs[:, b : b + 1]
+            group = (term + group).astype(np.float32).astype(np.float64)  # the first: term + 0, the product
+        total = (group * gs[None, :, gi] + total.astype(np.float64)).astype(np.float32)
+    return torch.from_numpy(total)
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", [(960, 576, 64), (48, 128, 128), (64, 1536, 128), (32, 384, 192)])
+def test_int4_prompt_rows_round_as_the_tiles_arithmetic_states(shape):
+    """The prompt-row kernel this host runs (AMX's tiles or AVX512-VNNI's lanes) gives exactly the bits of the tiles'
+    arithmetic written out in numpy, for calls of 1 to 37 rows (every row tile and remainder) and a row alone."""
+    g = torch.Generator().manual_seed(17)
+    n, k, group = shape
+    lin = w4a16_linear(n, k, group, g)
+    packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
+    assert packed.add_tiles(lin.codes.codes, lin.weight, None)
+    assert packed.amx == kernels_avx2.prompt_tiles()
+    for rows in (1, 3, 4, 5, 16, 19, 37):
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+        x[0, :32] = 0.0  # a zero block
+        got = packed.prompt(x, None)
+        assert torch.equal(got, tiles_arithmetic(x, lin.codes.codes, lin.codes.scale)), rows
+        assert torch.equal(torch.cat([packed.prompt(x[i : i + 1], None) for i in range(rows)]), got), rows
+    bias = torch.randn(n, generator=g)
+    assert torch.equal(packed.prompt(x, bias), got + bias)
+
+
+@needs_amx
+def test_amx_tiles_and_vnni_lanes_give_the_same_bits():
+    """On an AMX host both prompt-row kernels run: ``w4a8_lanes`` (what AVX512-VNNI hosts run) equals ``w4a8_tiles``."""
+    g = torch.Generator().manual_seed(18)
+    lin = w4a16_linear(960, 576, 64, g)
+    tiles = kernels_avx2.pack_tiles(lin.codes.codes)
+    for rows in (1, 5, 16, 19, 40):
+        x = torch.randn(rows, 576, generator=g)
+        amx = kernels_avx2.ops().w4a8_tiles(x, tiles, lin.codes.scale, None)
+        assert torch.equal(kernels_avx2.ops().w4a8_lanes(x, tiles, lin.codes.scale, None), amx), rows
 
 
 @needs_tiles
 @pytest.mark.parametrize("shape", [(960, 576, 64), (48, 128, 128), (64, 1536, 128), (32, 384, 192)])
 def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone(shape):
-    """Prompt rows in AMX tiles: the float64 product of the block-quantized input (w4a8's codes and scales)
+    """Prompt rows in the tiles' layout: the float64 product of the block-quantized input (w4a8's codes and scales)
     within the tolerance, the same bits for a row alone or in calls of 3 or 16 (tiles of 16 rows, the last of the
     call's rows % 16 alone), near
     w4a8's own sums (the same integers, float sums in another order); wrong scales fail the check at load."""
@@ -417,7 +483,8 @@ def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone
     assert broken.tiles is None
     x = torch.randn(37, k, generator=g)
     got = packed.prompt(x, None)
-    assert (got - packed(x, None)).abs().max() <= 1e-5 * got.abs().max()
+    w4a8 = kernels_avx2.ops().w4a8(x, packed.codes, packed.scales, None)  # w4a8: its float sums
+    assert (got - w4a8).abs().max() <= 1e-5 * got.abs().max()
 
 
 class TilePath:
@@ -446,8 +513,8 @@ def test_w4a8_tiles_read_every_code_where_pack_tiles_put_it():
 
 
 def test_w4a8_tiles_are_not_packed_where_the_layout_or_the_host_cannot_take_them(monkeypatch):
-    """Outputs not a multiple of 16 keep w4a8 for prompt rows, as does every shape with RTK_AMX=0 (or a CPU
-    without AMX)."""
+    """Outputs not a multiple of 16 keep w4a8 for prompt rows, as does every shape where neither AMX nor the VNNI
+    build runs; RTK_AMX=0 on a VNNI build takes the lanes' kernel."""
     g = torch.Generator().manual_seed(16)
     lin = w4a16_linear(40, 128, 64, g)
     packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
@@ -457,6 +524,10 @@ def test_w4a8_tiles_are_not_packed_where_the_layout_or_the_host_cannot_take_them
     lin = w4a16_linear(48, 128, 64, g)
     monkeypatch.setenv("RTK_AMX", "0")
     assert not kernels_avx2.prompt_tiles()
+    packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
+    vnni = kernels_avx2.library() == "rtk_vnni"
+    assert packed.add_tiles(lin.codes.codes, lin.weight, None) == vnni and not packed.amx
+    monkeypatch.setattr(kernels_avx2, "prompt_lanes", lambda: False)  # the AVX2 build (RTK_VNNI=0, no VNNI)
     packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
     assert not packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles is None
 

@@ -960,6 +960,146 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return w4a8_scaled(x, nullptr, codes, scales, bias);
 }
 
+// -- W4A8 prompt rows with outputs in the lanes (AVX512-VNNI) ---------------------------------------
+//
+// w4a8_tiles' arithmetic (below) where AMX is absent (AMD Zen 4, Intel Ice Lake): the same codes layout
+// (pack_tiles), the same integer block sums and float32 operations in the same order, so the same bits.  A
+// 512-bit register holds 16 outputs' sums; a block's 32 inputs are 8 vpdpbusd of the unpacked nibbles
+// (output o's inputs 4 kk .. 4 kk + 3 in lane o, tdpbssd's B tile) by the row's 4 input codes broadcast to every
+// lane, each register's sums started at -8 * (the block's input codes' sum), so that they end as sum (n - 8) q,
+// the signed products the tiles sum.  Then one conversion and one multiply-add a block, row and 16 outputs, where
+// w4a8's lanes (an output pair a register) take 16.  kLaneRows rows share each block's unpacked codes.
+#ifdef RTK_WIDE_TILES
+constexpr int64_t kLaneRows = 4;
+
+// R rows of one tile of 16 outputs: u the tile's unpacked codes (nb blocks x 8 registers of 64 bytes) or, with
+// Packed, its codes as stored (each block unpacked into registers: a call of one row tile, where a buffer would be
+// written and read once), q / qs / start the rows' input codes, block scales and -8 * block code sums, gs16 the 16
+// outputs' scales per group.
+template <int64_t R, bool Packed>
+inline void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, int64_t K, const uint8_t* u,
+                       const float* gs16, int64_t G, float* y, int64_t ldy) {
+  const int64_t nb = K / 32, per_group = nb / G;
+  __m512 total[R];
+  for (int64_t r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 group[R];
+    for (int64_t h = 0; h < per_group; ++h) {
+      const int64_t b = g * per_group + h;
+      __m512i wv[8];
+      if constexpr (Packed) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {  // the block's 64 bytes j: its rows kk = j (low nibbles) and j + 4 (high)
+          _mm_prefetch(reinterpret_cast<const char*>(u + b * 256 + 64 * j + 2048), _MM_HINT_T0);  // as w4a8's
+          const __m512i raw = _mm512_loadu_si512(u + b * 256 + 64 * j);
+          wv[j] = _mm512_and_si512(raw, low);
+          wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+      } else {
+        for (int kk = 0; kk < 8; ++kk) wv[kk] = _mm512_load_si512(u + b * 512 + 64 * kk);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* qb = reinterpret_cast<const int32_t*>(q + r * K + 32 * b);
+        // two chains of 4 (the integer sums are exact in any order)
+        __m512i s0 = _mm512_set1_epi32(start[r * nb + b]), s1 = _mm512_setzero_si512();
+        for (int kk = 0; kk < 8; kk += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, wv[kk], _mm512_set1_epi32(qb[kk]));
+          s1 = _mm512_dpbusd_epi32(s1, wv[kk + 1], _mm512_set1_epi32(qb[kk + 1]));
+        }
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        const __m512 scale = _mm512_set1_ps(qs[r * nb + b]);
+        group[r] = h == 0 ? _mm512_mul_ps(sum, scale) : _mm512_fmadd_ps(sum, scale, group[r]);
+      }
+    }
+    const __m512 gv = _mm512_loadu_ps(gs16 + g * 16);
+    for (int64_t r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(group[r], gv, total[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, total[r]);
+}
+
+at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_vnni.w4a8_lanes: x must be [rows, K] float32");
+  const int64_t rows = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 32 == 0 &&
+                  codes.size(1) == nb && codes.size(2) == 256,
+              "rtk_vnni.w4a8_lanes: codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
+  const int64_t n = codes.size(0) * 16;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.is_contiguous() && nb % scales.size(1) == 0,
+              "rtk_vnni.w4a8_lanes: scales must be [N, G] float32, groups of a multiple of 32 inputs");
+  const int64_t G = scales.size(1);
+  at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const BlockInputs in(xs.data_ptr<float>(), rows, K, false, pre_scale);
+  std::vector<int32_t> start(rows * nb);  // -8 * each block's sum of input codes
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) s += in.q[32 * i + j];
+    start[i] = -8 * s;
+  }
+  const int8_t* q = in.q.data();
+  const float* qs = in.qs.data();
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const float* gs = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
+    // the thread's buffers, kept from call to call: a tile's unpacked codes and its outputs' group scales
+    static thread_local std::vector<uint8_t> unpacked_buffer;
+    static thread_local std::vector<float> scales_buffer;
+    unpacked_buffer.resize(std::max<size_t>(unpacked_buffer.size(), nb * 512 + 64));
+    scales_buffer.resize(std::max<size_t>(scales_buffer.size(), G * 16));
+    uint8_t* u = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
+    float* gs16 = scales_buffer.data();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * nb * 256;
+      for (int64_t g = 0; g < G; ++g)
+        for (int o = 0; o < 16; ++o) gs16[g * 16 + o] = gs[(16 * t + o) * G + g];
+      if (rows <= kLaneRows) {  // one row tile: each block unpacked into registers
+        float* yt = yp + 16 * t;
+        switch (rows) {
+          case 4: lanes_rows<4, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
+          case 3: lanes_rows<3, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
+          case 2: lanes_rows<2, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
+          default: lanes_rows<1, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4: its rows kk = j % 4 and j % 4 + 4
+        const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
+        uint8_t* block = u + (j / 4) * 512 + 64 * (j % 4);
+        _mm512_store_si512(block, _mm512_and_si512(raw, low));
+        _mm512_store_si512(block + 256, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+      }
+      int64_t r = 0;
+      for (; r + kLaneRows <= rows; r += kLaneRows)
+        lanes_rows<kLaneRows, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n);
+      switch (rows - r) {
+        case 3: lanes_rows<3, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
+        case 2: lanes_rows<2, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
+        case 1: lanes_rows<1, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
+        default: break;
+      }
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+at::Tensor w4a8_lanes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  return w4a8_lanes_scaled(x, nullptr, codes, scales, bias);
+}
+#else
+at::Tensor w4a8_lanes_scaled(const at::Tensor&, const float*, const at::Tensor&, const at::Tensor&,
+                             const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "w4a8_lanes: the AVX2 build has no AVX512-VNNI lanes (kernels_avx2.VNNI_FLAGS)");
+  return at::Tensor();
+}
+#endif
+
 // -- W4A8 prompt rows in AMX tiles (Intel Sapphire Rapids and later) ---------------------------------
 //
 // w4a8's arithmetic for calls of many rows with AMX's int8 tile products: the inputs quantized per block of 32
@@ -1186,9 +1326,15 @@ struct Projection32 {
   at::Tensor mkl_shape;  // [N, K] float32 of stride 0 (kernels_avx2.MklTiles.shape)
   bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
   c10::optional<at::Tensor> plain;      // w8a8's codes in the export's order, for calls of many rows (w8a8)
-  c10::optional<at::Tensor> tiles;      // w4a8's codes for its prompt rows in AMX tiles (w4a8_tiles)
+  c10::optional<at::Tensor> tiles;      // w4a8's codes for its prompt rows in the tile layout (kernels_avx2.pack_tiles)
+  bool tiles_amx = false;               // which kernel reads them: AMX's (w4a8_tiles) or AVX512-VNNI's (w4a8_lanes)
 
   bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
+
+  // rows of an INT4 projection with tiles: AMX's kernel (prompt rows) or the lanes' (every row), the same bits
+  at::Tensor tile_rows(const at::Tensor& x, const float* ps) const {
+    return tiles_amx ? w4a8_tiles_scaled(x, ps, *tiles, *scales, bias) : w4a8_lanes_scaled(x, ps, *tiles, *scales, bias);
+  }
 
   // model.Projection's input: times the pre-quant scale, then the activation's quantize-dequantize
   at::Tensor input(const at::Tensor& x) const {
@@ -1202,7 +1348,7 @@ struct Projection32 {
   }
 
   // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own), W4A8
-  // too or, with tiles, its prompt rows w4a8_tiles; gemv takes the decode rows and at::linear the prompt rows,
+  // too (w4a8, or w4a8_lanes with tiles but no AMX) or, with AMX tiles, its prompt rows w4a8_tiles; gemv takes the decode rows and at::linear the prompt rows,
   // as model.Projection splits them.
   // by_count > 0 (DecodeLayers.tile_decode_rows, decode_batching "full": no batch invariance): an INT4 call of at
   // least by_count rows takes w4a8_tiles for every row, a smaller one w4a8, as model.Projection without singles
@@ -1212,11 +1358,12 @@ struct Projection32 {
                   "rtk_avx2.DecodeLayers: pre_quant_scale has the input's width");
       const float* ps = pre_quant_scale.has_value() ? pre_quant_scale->data_ptr<float>() : nullptr;
       if (kind != kW4) return w8a8_blockwise_scaled(x, ps, weights, *scales, bias);
+      if (tiles.has_value() && !tiles_amx) return tile_rows(x, ps);  // the lanes take every row (W4A8Weight.lanes)
       const int64_t m = x.size(0);
       if (tiles.has_value() && by_count > 0)
-        return m >= by_count ? w4a8_tiles_scaled(x, ps, *tiles, *scales, bias) : w4a8_scaled(x, ps, weights, *scales, bias);
+        return m >= by_count ? tile_rows(x, ps) : w4a8_scaled(x, ps, weights, *scales, bias);
       if (!tiles.has_value() || B == m) return w4a8_scaled(x, ps, weights, *scales, bias);
-      const at::Tensor prompt = w4a8_tiles_scaled(x.narrow(0, B, m - B), ps, *tiles, *scales, bias);
+      const at::Tensor prompt = tile_rows(x.narrow(0, B, m - B), ps);
       return B == 0 ? prompt : at::cat({w4a8_scaled(x.narrow(0, 0, B), ps, weights, *scales, bias), prompt});
     }
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale, plain);  // the scale folded in
@@ -1300,7 +1447,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
                       int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain,
-                      int64_t mkl_tile, c10::optional<at::Tensor> tiles) {
+                      int64_t mkl_tile, c10::optional<at::Tensor> tiles, bool tiles_amx) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -1313,7 +1460,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                                  pre_quant_scale->dim() == 1 && pre_quant_scale->is_contiguous()),
                 "rtk_avx2.DecodeLayers: pre_quant_scale is [K] float32, contiguous");
     TORCH_CHECK(!tiles.has_value() || (w8a8_path && kind == kW4),
-                "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles)");
+                "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles, w4a8_lanes)");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
@@ -1321,7 +1468,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                   pad_rows, mkl_tile,
                                   mkl_tile > 0 ? at::zeros({}, at::kFloat).expand({weights.size(0), weights.size(1)})
                                                : at::Tensor(),
-                                  blockwise, plain, tiles});
+                                  blockwise, plain, tiles, tiles_amx});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }
@@ -1492,6 +1639,9 @@ TORCH_LIBRARY(RTK_KERNELS_LIB, m) {
   m.def("w4a8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8);
   m.def("w4a8_tiles(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8_tiles);
   m.def("tiles_available() -> bool", &tiles_available);
+#ifdef RTK_WIDE_TILES
+  m.def("w4a8_lanes(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &w4a8_lanes);
+#endif
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_f32);
   m.def("mkl_tiles(Tensor x, Tensor packed, Tensor shape, Tensor? bias, int tile) -> Tensor", &mkl_tiles);
   m.def("quantize_input(Tensor x, Tensor? pre_quant_scale, int act_kind, float act_scale) -> Tensor", &quantize_input);

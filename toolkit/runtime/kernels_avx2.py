@@ -24,8 +24,9 @@ integer lane sums one ``vpdpbusd`` each with the same bits, INT8-SQ calls of man
 oneDNN's int8 GEMM over the codes in the export's order (:attr:`W8A8Weight.plain`), again the same bits, and
 GEMV calls (one row too) and blockwise and INT4 calls of two rows or more run in 512-bit registers holding two
 outputs each, every half doing lane for lane what the 256-bit kernel does: the same bits with half the instructions.
-Where the CPU also has AMX-INT8 (Intel Sapphire Rapids and later), INT4 prompt rows take AMX's int8 tiles
-(:meth:`W4A8Weight.prompt`): the same integer block sums, the float sums in another order (:func:`prompt_tiles`).
+INT4 prompt rows take a layout of their own (:meth:`W4A8Weight.prompt`): the same integer block sums, the float sums
+in another order, in AMX's int8 tiles where the CPU has AMX-INT8 (Intel Sapphire Rapids and later;
+:func:`prompt_tiles`), else with 16 outputs in a 512-bit register's lanes (:func:`prompt_lanes`), the same bits.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ CPU_FLAGS = AVX2_KERNEL_FLAGS
 # instructions; built and preferred where the CPU has AVX512-VNNI (Intel Ice Lake,
 # Cascade Lake and later, AMD Zen 4 and later).  RTK_VNNI=0 in the environment keeps the AVX2 build.
 VNNI_FLAGS = [*FLAGS, "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
-# and AMX's int8 tiles, for INT4 prompt rows (w4a8_tiles), run only where the CPU has them (:func:`prompt_tiles`)
+# and AMX's int8 tiles, for INT4 prompt rows (w4a8_tiles), run only where the CPU has them (:func:`prompt_tiles`);
+# elsewhere the VNNI build takes them with the same bits in 512-bit lanes (w4a8_lanes, :func:`prompt_lanes`)
 VNNI_FLAGS += ["-mamx-tile", "-mamx-int8"]
 VNNI_FLAGS.append("-DRTK_KERNELS_LIB=rtk_vnni")  # its own torch.ops namespace: both builds can be loaded
 VNNI_CPU_FLAGS = VNNI_KERNEL_FLAGS
@@ -106,6 +108,12 @@ def prompt_tiles() -> bool:
         and library() == "rtk_vnni"
         and _tiles_permitted()
     )
+
+
+def prompt_lanes() -> bool:
+    """Whether INT4 prompt rows take the tiles' arithmetic in AVX512-VNNI's lanes (``w4a8_lanes``, the same bits as
+    AMX's ``w4a8_tiles``): the VNNI build runs and :func:`prompt_tiles` does not."""
+    return library() == "rtk_vnni" and not prompt_tiles()
 
 
 @functools.cache
@@ -263,7 +271,8 @@ class W8A8Weight:
     # build's hosts, SmoothQuant only): a second byte a weight
     plain: torch.Tensor | None = None
     kind = "int8"  # its codes (INT_KINDS); not a field
-    tiles = None  # prompt rows in AMX tiles: INT4's only (W4A8Weight.tiles)
+    tiles = None  # prompt rows in the tiles' layout: INT4's only (W4A8Weight.tiles, W4A8Weight.amx)
+    amx = False
 
     def __post_init__(self):
         # read once: the call is on every projection of every step
@@ -336,7 +345,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` int4 codes (-8..7; ``N`` a multiple of 16, ``K`` of 32) as ``rtk_vnni.w4a8_tiles`` reads them,
+    """``[N, K]`` int4 codes (-8..7; ``N`` a multiple of 16, ``K`` of 32) as ``rtk_vnni.w4a8_tiles`` (and
+    ``w4a8_lanes``) read them,
     ``[N / 16, K / 32, 256]`` uint8: per 16 outputs and block of 32 inputs, the 512 bytes of tdpbssd's B tile
     (byte ``64 kk + 4 o + i``: output ``o``'s input ``4 kk + i``) as nibbles ``code + 8``, bytes ``j`` (low) and
     ``j + 256`` (high) in byte ``j``."""
@@ -355,13 +365,16 @@ class W4A8Weight:
     weight group in float32 and times the group's scale: llama.cpp's Q4_0 x Q8_0 arithmetic with AWQ's
     groups.  Not the export's arithmetic (float inputs): a stated tolerance (``int4_gemv: "dot"``;
     docs/engine.md).  It reads half of INT8's bytes, and a row's result depends on that row alone, so
-    prompt and decode rows both take it; on CPUs with AMX, prompt rows take :meth:`prompt` (the same arithmetic
-    in AMX's int8 tiles, the float sums in another order: ~3x faster at 64 rows) and decode rows this."""
+    prompt and decode rows both take it.  With the VNNI build the codes are packed again (:attr:`tiles`) for the
+    same integer block sums with the float sums in another order, each block's once: where the CPU has AMX, prompt
+    rows take them in its int8 tiles (:meth:`prompt`, ~3x faster at 64 rows) and decode rows ``w4a8``; elsewhere every
+    row takes them in AVX512-VNNI's lanes (:attr:`lanes`), the tiles' bits."""
 
     codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
     scales: torch.Tensor  # [N, groups] float32
-    # the codes again for prompt rows in AMX tiles (:func:`pack_tiles`, :meth:`add_tiles`); None: every row w4a8
+    # the codes again for prompt rows (:func:`pack_tiles`, :meth:`add_tiles`); None: every row w4a8
     tiles: torch.Tensor | None = None
+    amx: bool = False  # the tiles' kernel: AMX's (w4a8_tiles) or AVX512-VNNI's lanes (w4a8_lanes), the same bits
     plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
     kind = "int4"
 
@@ -381,11 +394,12 @@ class W4A8Weight:
         return cls(pack_nibbles(values), scale.to(torch.float32).contiguous())
 
     def add_tiles(self, codes: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Pack ``codes`` (``[N, K]`` int4) for prompt rows in AMX tiles where :func:`prompt_tiles` and the shape
-        allow (``N`` a multiple of 16) and the tile kernel is the float64 product within :data:`TOLERANCE` and
-        batch-invariant (``dense``: the float32 weights); True where they are."""
-        if not prompt_tiles() or codes.shape[0] % 16:
+        """Pack ``codes`` (``[N, K]`` int4) for prompt rows where the VNNI build runs (:func:`prompt_tiles`,
+        :func:`prompt_lanes`) and the shape allows (``N`` a multiple of 16) and the kernel is the float64 product
+        within :data:`TOLERANCE` and batch-invariant (``dense``: the float32 weights); True where they are."""
+        if not (prompt_tiles() or prompt_lanes()) or codes.shape[0] % 16:
             return False
+        self.amx = prompt_tiles()
         self.tiles = pack_tiles(codes)
         if not kernels.within_and_invariant(self.prompt, dense, bias, TOLERANCE, torch.float32, 32, quantize_blocks):
             log.info("rtk's INT4 tile kernel is off the float32 product for %s; w4a8 takes prompt rows", codes.shape[0])
@@ -397,19 +411,29 @@ class W4A8Weight:
         """Bytes a call of one row reads (``tiles`` is read by prompt rows only)."""
         return self.codes.numel() + self.scales.numel() * 4
 
+    @property
+    def lanes(self) -> bool:
+        """Whether every row (decode rows too) takes ``w4a8_lanes``: :attr:`tiles` without AMX.  Over SmolLM2's INT4
+        layers read from memory (AMD Zen 4, 2 threads) it took 0.91-1.04x w4a8's time at one row, 0.63-0.79x at 2-4
+        rows and 0.52x at 64 (docs/engine.md, "INT4-AWQ rows in AVX512-VNNI's lanes"); one arithmetic for every row
+        keeps a row's result its own, whatever its step holds."""
+        return self.tiles is not None and not self.amx
+
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
     ) -> torch.Tensor:
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
+        if self.lanes:
+            return ops().w4a8_lanes(x, self.tiles, self.scales, bias)
         return ops().w4a8(x, self.codes, self.scales, bias)
 
     def prompt(
         self, x: torch.Tensor, bias: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Prompt rows: through AMX tiles (``w4a8_tiles``: the same quantized inputs and integer block sums, the
-        float sums in another order) where :attr:`tiles`, else as :meth:`__call__`."""
-        if self.tiles is None:
+        """Prompt rows: with AMX (:attr:`amx`), ``w4a8_tiles`` (the same quantized inputs and integer block sums,
+        the float sums in another order), else as :meth:`__call__`."""
+        if not self.amx:
             return self(x, bias, pre_quant_scale)
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
@@ -488,6 +512,7 @@ class DecodeLayers:
                 w.plain,
                 0,
                 w.tiles,
+                w.amx,
             )
             return
         g = proj.fp32_gemv
@@ -519,6 +544,7 @@ class DecodeLayers:
             None,
             0 if tiles is None else MKL_TILE,
             None,
+            False,
         )
 
     def forward(

@@ -76,15 +76,15 @@ def _any_projection(ckpt: Checkpoint, takes: Callable[[Linear], bool]) -> bool:
     return any(isinstance(lin, Linear) and takes(lin) for layer in ckpt.layers for lin in layer.values())
 
 
-def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot", kinds: tuple[str, ...] = ("int8", "int4")) -> bool:
+def integer_products_apply(ckpt: Checkpoint, int4_gemv: str = "dot") -> bool:
     """Whether a float32 engine runs decoder projections of the checkpoint as rtk's integer products: int8 codes,
     or int4 codes with ``int4_gemv: dot``, whose inputs are unquantized or int8 (INT8-SQ, W8A16, INT4-AWQ; not
-    W4A8-AWQ's FP8 inputs); ``kinds``: only codes of these kinds count."""
+    W4A8-AWQ's FP8 inputs)."""
 
     def takes(lin: Linear) -> bool:
         kind = lin.codes.kind if lin.codes is not None else None
         inputs_ok = lin.act_quant is None or lin.act_quant.kind == "int8"
-        return inputs_ok and kind in kinds and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
+        return inputs_ok and (kind == "int8" or (kind == "int4" and int4_gemv == "dot"))
 
     return _any_projection(ckpt, takes)
 
@@ -96,20 +96,16 @@ def resolve_dtype(
     native bf16, and for an export whose projections take rtk's integer products (:func:`integer_products_apply`)
     where they run with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls:
     on an Intel AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
-    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16.  An export whose integer products
-    are INT4 alone stays bfloat16 where its prompt rows would not take AMX's int8 tiles (:func:`kernels_avx2.
-    prompt_tiles`) and rtk's bf16 kernels run: there the bf16 engine's fused layers prefill through oneDNN's bf16
-    GEMM and its decode rows read the codes (``int4-dot``), and SmolLM2's INT4-AWQ export served a first token
-    1.12-1.24x llama-server's against 0.76-0.99x on a float32 engine (AMD Zen 4; docs/engine.md, "INT4-AWQ on a
-    bf16 engine where AMX is absent")."""
+    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16.  INT4 codes take float32 there too:
+    their rows run the tiles' arithmetic in AMX's int8 tiles or AVX512-VNNI's lanes (``W4A8Weight.add_tiles``), and
+    on an AMD Zen 4 host SmolLM2's INT4-AWQ export prefilled in 0.75-0.88x and took its steps with prompt rows at 4
+    and 8 streams in 0.57-0.69x the bf16 engine's time (docs/engine.md, "INT4-AWQ rows in AVX512-VNNI's lanes"),
+    where until then a bf16 engine had served it ("INT4-AWQ on a bf16 engine where AMX is absent")."""
     if name == "auto":
         if not bf16_is_fast():
             return torch.float32
         if cpu_kernels and ckpt is not None and integer_products_apply(ckpt, int4_gemv) and kernels_avx2.wants_vnni():
-            if kernels_avx2.library() != "rtk_vnni":
-                return torch.bfloat16
-            int8 = integer_products_apply(ckpt, int4_gemv, kinds=("int8",))
-            return torch.float32 if int8 or kernels_avx2.prompt_tiles() or not kernels.available() else torch.bfloat16
+            return torch.float32 if kernels_avx2.library() == "rtk_vnni" else torch.bfloat16
         return torch.bfloat16
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     if name not in table:
@@ -264,8 +260,9 @@ class Projection:
         blockwise_inputs: bool = False,
         prompt_tiles: bool = True,
     ):
-        """``prompt_tiles``: INT4 integer products take prompt rows in AMX's tiles where the CPU has them
-        (``W4A8Weight.add_tiles``; not the LM head, whose rows are logit rows, one a sequence).
+        """``prompt_tiles``: INT4 integer products take prompt rows in the tiles' layout where the VNNI kernels run
+        (AMX's tiles or AVX512-VNNI's lanes, ``W4A8Weight.add_tiles``; not the LM head, whose rows are logit rows, one
+        a sequence).
 
         ``blockwise_inputs``: on a float32 engine, weight-only INT8 weights (the LM head of
         ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) and, with
@@ -521,7 +518,7 @@ class Projection:
             log.info("rtk's integer products are off the float32 product for %s; float32 runs it", self.out_features)
             return None
         if isinstance(packed, kernels_avx2.W4A8Weight) and self.prompt_tiles:
-            packed.add_tiles(stored[1], weight, bias)  # prompt rows in AMX tiles, where the CPU has them
+            packed.add_tiles(stored[1], weight, bias)  # prompt rows in the tiles' layout, where the VNNI build runs
         return packed
 
     def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -657,7 +654,7 @@ class Projection:
         # Same order of operations as checkpoint.Linear.__call__ (the reference semantics).
         if self.int_products is not None:  # integer products: a row's result is its own, so every row goes through
             w = self.int_products
-            if w.tiles is None:
+            if not w.amx:  # w4a8 or, with VNNI lanes, w4a8_lanes for every row
                 return w(x, self.bias, self.pre_quant_scale)
             # INT4 with AMX tiles: decode rows through w4a8, prompt rows through the tiles (W4A8Weight.prompt);
             # with decode_batching "full" (singles=None), by the call's row count (TILE_DECODE_ROWS)
@@ -1150,14 +1147,18 @@ class Transformer:
     @property
     def kernels(self) -> str:
         """What computes the model, in one line for logs: dtype, the decoder projections' decode-row kernels
-        (:attr:`Projection.kernel`) with their counts, INT4 prompt rows in AMX tiles, the fused step, rtk's decode
-        attention, the head's."""
+        (:attr:`Projection.kernel`) with their counts, INT4 prompt rows in AMX tiles or VNNI lanes, the fused step,
+        rtk's decode attention, the head's."""
         counts = collections.Counter(p.kernel for p in self.projections)
-        tiles = sum(p.int_products is not None and p.int_products.tiles is not None for p in self.projections)
+        tiled = [p.int_products for p in self.projections if p.int_products and p.int_products.tiles is not None]
+        tiles = len(tiled)
         parts = [str(self.dtype).removeprefix("torch."), ", ".join(f"{k} x{n}" for k, n in counts.items())]
         if tiles:
             rows = "prompt rows" if self.batch_invariant else f"prompt rows and calls of {TILE_DECODE_ROWS}+ rows"
-            parts.append(f"{rows} of {tiles} in AMX tiles")
+            if tiled[0].amx:
+                parts.append(f"{rows} of {tiles} in AMX tiles")
+            else:
+                parts.append(f"every row of {tiles} in VNNI lanes")
         if self.fused is not None:
             rows = "every row" if self.fused.takes_prompt_rows else "decode rows"
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]}, {rows})")
