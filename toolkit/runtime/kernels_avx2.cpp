@@ -969,6 +969,28 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 // lane, each register's sums started at -8 * (the block's input codes' sum), so that they end as sum (n - 8) q,
 // the signed products the tiles sum.  Then one conversion and one multiply-add a block, row and 16 outputs, where
 // w4a8's lanes (an output pair a register) take 16.  kLaneRows rows share each block's unpacked codes.
+// The shapes w4a8_lanes and w4a8_tiles take, checked: x [rows, K] float32, codes [N / 16, K / 32, 256] uint8
+// (kernels_avx2.pack_tiles), scales [N, G] float32, G dividing K's blocks of 32.
+struct TileCall {
+  int64_t rows, K, nb, n, G;
+  const uint8_t* w;   // the codes
+  const float* gs;    // the scales
+  TileCall(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, who, ": x must be [rows, K] float32");
+    rows = x.size(0), K = x.size(1), nb = K / 32;
+    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 32 == 0 &&
+                    codes.size(1) == nb && codes.size(2) == 256,
+                who, ": codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
+    n = codes.size(0) * 16;
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                    scales.is_contiguous() && nb % scales.size(1) == 0,
+                who, ": scales must be [N, G] float32, groups of a multiple of 32 inputs");
+    G = scales.size(1);
+    w = codes.data_ptr<uint8_t>();
+    gs = scales.data_ptr<float>();
+  }
+};
+
 #ifdef RTK_WIDE_TILES
 constexpr int64_t kLaneRows = 4;
 
@@ -1019,16 +1041,8 @@ inline void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, i
 
 at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes,
                              const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_vnni.w4a8_lanes: x must be [rows, K] float32");
-  const int64_t rows = x.size(0), K = x.size(1), nb = K / 32;
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 32 == 0 &&
-                  codes.size(1) == nb && codes.size(2) == 256,
-              "rtk_vnni.w4a8_lanes: codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
-  const int64_t n = codes.size(0) * 16;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.is_contiguous() && nb % scales.size(1) == 0,
-              "rtk_vnni.w4a8_lanes: scales must be [N, G] float32, groups of a multiple of 32 inputs");
-  const int64_t G = scales.size(1);
+  const TileCall call("rtk_vnni.w4a8_lanes", x, codes, scales);
+  const int64_t rows = call.rows, K = call.K, nb = call.nb, n = call.n, G = call.G;
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
@@ -1041,8 +1055,6 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
   }
   const int8_t* q = in.q.data();
   const float* qs = in.qs.data();
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const float* gs = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
     // the thread's buffers, kept from call to call: a tile's unpacked codes and its outputs' group scales
@@ -1054,9 +1066,9 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
     float* gs16 = scales_buffer.data();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = w + t * nb * 256;
+      const uint8_t* wt = call.w + t * nb * 256;
       for (int64_t g = 0; g < G; ++g)
-        for (int o = 0; o < 16; ++o) gs16[g * 16 + o] = gs[(16 * t + o) * G + g];
+        for (int o = 0; o < 16; ++o) gs16[g * 16 + o] = call.gs[(16 * t + o) * G + g];
       if (rows <= kLaneRows) {  // one row tile: each block unpacked into registers
         float* yt = yp + 16 * t;
         switch (rows) {
@@ -1120,24 +1132,17 @@ using rtk_amx::tiles_permitted;
 at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const at::Tensor& codes,
                              const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(tiles_permitted(), "rtk_vnni.w4a8_tiles: the kernel may not use AMX here (arch_prctl refused)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rtk_vnni.w4a8_tiles: x must be [rows, K] float32");
-  const int64_t rows = x.size(0), K = x.size(1), nb = K / 32;
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && K % 32 == 0 &&
-                  codes.size(1) == nb && codes.size(2) == 256,
-              "rtk_vnni.w4a8_tiles: codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
-  const int64_t n = codes.size(0) * 16;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.is_contiguous() && nb % scales.size(1) == 0,
-              "rtk_vnni.w4a8_tiles: scales must be [N, G] float32, groups of a multiple of 32 inputs");
-  const int64_t G = scales.size(1), per_group = nb / G, tail = rows % 16;
+  const TileCall call("rtk_vnni.w4a8_tiles", x, codes, scales);
+  const int64_t rows = call.rows, K = call.K, nb = call.nb, n = call.n, G = call.G, per_group = nb / G,
+                tail = rows % 16;
   at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
   const BlockInputs in(xs.data_ptr<float>(), rows, K, false, pre_scale);
   const int8_t* q = in.q.data();
   const float* qs = in.qs.data();
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const float* gs = scales.data_ptr<float>();
+  const uint8_t* w = call.w;
+  const float* gs = call.gs;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
     TileConfig cfg;  // tiles 0 and 3: a block's sums (16 rows x 16 int32); 1 and 4: 16 rows' 32 input codes;
