@@ -480,8 +480,9 @@ def test_w4a8_tiles_are_the_float64_product_of_w4a8s_inputs_and_rows_stand_alone
     assert packed.add_tiles(lin.codes.codes, lin.weight, None) and packed.tiles.numel() == n * k // 2
     broken = kernels_avx2.W4A8Weight(packed.codes, packed.scales * 1.01)
     check_block_quantized_product(TilePath(packed, lin.codes.codes), TilePath(broken, lin.codes.codes), lin.weight, g)
-    assert broken.tiles is None
+    assert broken.tiles is None and not broken.amx and not broken.lanes
     x = torch.randn(37, k, generator=g)
+    assert torch.equal(broken.prompt(x, None), broken(x, None))  # w4a8 for every row after the failed check
     got = packed.prompt(x, None)
     w4a8 = kernels_avx2.ops().w4a8(x, packed.codes, packed.scales, None)  # w4a8: its float sums
     assert (got - w4a8).abs().max() <= 1e-5 * got.abs().max()

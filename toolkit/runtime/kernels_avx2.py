@@ -372,7 +372,8 @@ class W4A8Weight:
 
     codes: torch.Tensor  # [N, K / 2] uint8 (:func:`pack_nibbles`)
     scales: torch.Tensor  # [N, groups] float32
-    # the codes again for prompt rows (:func:`pack_tiles`, :meth:`add_tiles`); None: every row w4a8
+    # the codes again, for prompt rows in AMX's tiles or every row in VNNI's lanes (:func:`pack_tiles`,
+    # :meth:`add_tiles`); None: every row w4a8
     tiles: torch.Tensor | None = None
     amx: bool = False  # the tiles' kernel: AMX's (w4a8_tiles) or AVX512-VNNI's lanes (w4a8_lanes), the same bits
     plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
@@ -402,13 +403,13 @@ class W4A8Weight:
         self.amx = prompt_tiles()
         self.tiles = pack_tiles(codes)
         if not kernels.within_and_invariant(self.prompt, dense, bias, TOLERANCE, torch.float32, 32, quantize_blocks):
-            log.info("rtk's INT4 tile kernel is off the float32 product for %s; w4a8 takes prompt rows", codes.shape[0])
-            self.tiles = None
+            log.info("rtk's INT4 tile kernel is off the float32 product for %s; w4a8 takes every row", codes.shape[0])
+            self.tiles, self.amx = None, False
         return self.tiles is not None
 
     @property
     def nbytes(self) -> int:
-        """Bytes a call of one row reads (``tiles`` is read by prompt rows only)."""
+        """Bytes a call of one row reads (``codes`` or, in the lanes, ``tiles``: as many)."""
         return self.codes.numel() + self.scales.numel() * 4
 
     @property
@@ -433,7 +434,7 @@ class W4A8Weight:
     ) -> torch.Tensor:
         """Prompt rows: with AMX (:attr:`amx`), ``w4a8_tiles`` (the same quantized inputs and integer block sums,
         the float sums in another order), else as :meth:`__call__`."""
-        if not self.amx:
+        if self.tiles is None or not self.amx:
             return self(x, bias, pre_quant_scale)
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
