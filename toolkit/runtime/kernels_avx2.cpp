@@ -960,15 +960,17 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return w4a8_scaled(x, nullptr, codes, scales, bias);
 }
 
-// -- W4A8 prompt rows with outputs in the lanes (AVX512-VNNI) ---------------------------------------
+// -- W4A8 rows with outputs in the lanes (AVX512-VNNI) ----------------------------------------------
 //
-// w4a8_tiles' arithmetic (below) where AMX is absent (AMD Zen 4, Intel Ice Lake): the same codes layout
+// w4a8_tiles' arithmetic (below) for every row where AMX is absent (AMD Zen 4, Intel Ice Lake;
+// kernels_avx2.W4A8Weight.lanes): the same codes layout
 // (pack_tiles), the same integer block sums and float32 operations in the same order, so the same bits.  A
 // 512-bit register holds 16 outputs' sums; a block's 32 inputs are 8 vpdpbusd of the unpacked nibbles
 // (output o's inputs 4 kk .. 4 kk + 3 in lane o, tdpbssd's B tile) by the row's 4 input codes broadcast to every
 // lane, each register's sums started at -8 * (the block's input codes' sum), so that they end as sum (n - 8) q,
 // the signed products the tiles sum.  Then one conversion and one multiply-add a block, row and 16 outputs, where
 // w4a8's lanes (an output pair a register) take 16.  kLaneRows rows share each block's unpacked codes.
+
 // The shapes w4a8_lanes and w4a8_tiles take, checked: x [rows, K] float32, codes [N / 16, K / 32, 256] uint8
 // (kernels_avx2.pack_tiles), scales [N, G] float32, G dividing K's blocks of 32.
 struct TileCall {
