@@ -969,7 +969,7 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 // (output o's inputs 4 kk .. 4 kk + 3 in lane o, tdpbssd's B tile) by the row's 4 input codes broadcast to every
 // lane, each register's sums started at -8 * (the block's input codes' sum), so that they end as sum (n - 8) q,
 // the signed products the tiles sum.  Then one conversion and one multiply-add a block, row and 16 outputs, where
-// w4a8's lanes (an output pair a register) take 16.  kLaneRows rows share each block's unpacked codes.
+// w4a8's lanes (an output pair a register) take 16.  A row tile (by_row_tiles) shares each block's unpacked codes.
 
 // The shapes w4a8_lanes and w4a8_tiles take, checked: x [rows, K] float32, codes [N / 16, K / 32, 256] uint8
 // (kernels_avx2.pack_tiles), scales [N, G] float32, G dividing K's blocks of 32.
@@ -994,8 +994,6 @@ struct TileCall {
 };
 
 #ifdef RTK_WIDE_TILES
-constexpr int64_t kLaneRows = 4;
-
 // R rows of one tile of 16 outputs: u the tile's unpacked codes (nb blocks x 8 registers of 64 bytes) or, with
 // Packed, its codes as stored (each block unpacked into registers: a call of one row tile, where a buffer would be
 // written and read once), q / qs / start the rows' input codes, block scales and -8 * block code sums, gs16 the 16
@@ -1071,31 +1069,25 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
       const uint8_t* wt = call.w + t * nb * 256;
       for (int64_t g = 0; g < G; ++g)
         for (int o = 0; o < 16; ++o) gs16[g * 16 + o] = call.gs[(16 * t + o) * G + g];
-      if (rows <= kLaneRows) {  // one row tile: each block unpacked into registers
-        float* yt = yp + 16 * t;
-        switch (rows) {
-          case 4: lanes_rows<4, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
-          case 3: lanes_rows<3, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
-          case 2: lanes_rows<2, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
-          default: lanes_rows<1, true>(q, qs, start.data(), K, wt, gs16, G, yt, n); break;
+      const bool packed = rows <= kRowBlock;  // one row tile: each block unpacked into registers
+      if (!packed)
+        for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4: its rows kk = j % 4 and j % 4 + 4
+          const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
+          uint8_t* block = u + (j / 4) * 512 + 64 * (j % 4);
+          _mm512_store_si512(block, _mm512_and_si512(raw, low));
+          _mm512_store_si512(block + 256, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
         }
-        continue;
-      }
-      for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4: its rows kk = j % 4 and j % 4 + 4
-        const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
-        uint8_t* block = u + (j / 4) * 512 + 64 * (j % 4);
-        _mm512_store_si512(block, _mm512_and_si512(raw, low));
-        _mm512_store_si512(block + 256, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-      }
-      int64_t r = 0;
-      for (; r + kLaneRows <= rows; r += kLaneRows)
-        lanes_rows<kLaneRows, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n);
-      switch (rows - r) {
-        case 3: lanes_rows<3, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
-        case 2: lanes_rows<2, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
-        case 1: lanes_rows<1, false>(q + r * K, qs + r * nb, start.data() + r * nb, K, u, gs16, G, yp + r * n + 16 * t, n); break;
-        default: break;
-      }
+      by_row_tiles(rows, [&](auto R, int64_t r) {
+        constexpr int64_t Rows = decltype(R)::value;
+        const int8_t* qr = q + r * K;
+        const float* sr = qs + r * nb;
+        const int32_t* st = start.data() + r * nb;
+        float* yr = yp + r * n + 16 * t;
+        if (packed)
+          lanes_rows<Rows, true>(qr, sr, st, K, wt, gs16, G, yr, n);
+        else
+          lanes_rows<Rows, false>(qr, sr, st, K, u, gs16, G, yr, n);
+      });
     }
   });
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
@@ -1355,8 +1347,8 @@ struct Projection32 {
   }
 
   // Rows [0, B) are decode rows, the rest prompt rows: W8A8 takes them all (a row's result is its own), W4A8
-  // too (w4a8, or w4a8_lanes with tiles but no AMX) or, with AMX tiles, its prompt rows w4a8_tiles; gemv takes the decode rows and at::linear the prompt rows,
-  // as model.Projection splits them.
+  // too (w4a8, or w4a8_lanes with tiles but no AMX) or, with AMX tiles, its prompt rows w4a8_tiles; gemv takes
+  // the decode rows and at::linear the prompt rows, as model.Projection splits them.
   // by_count > 0 (DecodeLayers.tile_decode_rows, decode_batching "full": no batch invariance): an INT4 call of at
   // least by_count rows takes w4a8_tiles for every row, a smaller one w4a8, as model.Projection without singles
   at::Tensor rows(const at::Tensor& x, int64_t B, int64_t by_count = 0) const {

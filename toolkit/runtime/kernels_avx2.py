@@ -415,7 +415,7 @@ class W4A8Weight:
     @property
     def lanes(self) -> bool:
         """Whether every row (decode rows too) takes ``w4a8_lanes``: :attr:`tiles` without AMX.  Over SmolLM2's INT4
-        layers read from memory (AMD Zen 4, 2 threads) it took 0.91-1.04x w4a8's time at one row, 0.63-0.79x at 2-4
+        layers read from memory (AMD Zen 4, 2 threads) it took 0.91-1.04x w4a8's time at one row, 0.63-0.80x at 2-4
         rows and 0.52x at 64 (docs/engine.md, "INT4-AWQ rows in AVX512-VNNI's lanes"); one arithmetic for every row
         keeps a row's result its own, whatever its step holds."""
         return self.tiles is not None and not self.amx
