@@ -850,6 +850,7 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(step_budget_ms=40.0, enable_chunked_context=False), "step_budget_ms"),
         (dict(step_budget_ratio=1.0), "step_budget_ratio"),
         (dict(step_budget_ratio=2.0, enable_chunked_context=False), "step_budget_ratio"),
+        (dict(prompt_backlog_steps=-1), "prompt_backlog_steps"),
         (dict(context_chunk_unit=24), "context_chunk_unit"),
         (dict(context_chunk_unit=16, max_num_tokens=16), "context_chunk_unit"),
     ],
@@ -1104,13 +1105,14 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_k
 
 
 def test_the_step_trace_writes_one_line_a_step(tmp_path, tiny_llama_dir, monkeypatch):
-    """``RTK_STEP_TRACE``: each step's start, decode and prompt rows, threads, wall and CPU ms, appended to the file."""
+    """``RTK_STEP_TRACE``: each step's start, decode and prompt rows, threads, wall and CPU ms and the scheduler's ms,
+    appended to the file."""
     trace = tmp_path / "steps.txt"
     monkeypatch.setenv("RTK_STEP_TRACE", str(trace))
     eng = Engine(tiny_llama_dir, config(max_num_tokens=32))
     ids, _, _ = run(eng, [greedy(prompt(40, 1), n=3), greedy(prompt(5, 2), n=3)])
     lines = [line.split() for line in trace.read_text().splitlines()]
-    assert len(lines) == eng.steps and all(len(fields) == 6 for fields in lines)
+    assert len(lines) == eng.steps and all(len(fields) == 7 for fields in lines)
     rows = [(int(d), int(p)) for _, d, p, *_ in lines]
     assert sum(p for _, p in rows) == 45 and sum(d for d, _ in rows) == 4  # every prompt row; 2 + 2 decode rows
-    assert all(int(t) >= 1 and float(ms) > 0 for *_, t, ms, _ in lines)
+    assert all(int(t) >= 1 and float(ms) > 0 and float(plan) >= 0 for *_, t, ms, _, plan in lines)

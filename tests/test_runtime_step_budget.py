@@ -10,7 +10,7 @@ import pytest
 from toolkit.runtime.kv_cache import BlockManager
 from toolkit.runtime.sampling import SamplingParams
 from toolkit.runtime.scheduler import Scheduler, Sequence
-from toolkit.runtime.step_times import MIN_STEPS, WINDOW, StepTimes, attention_rows
+from toolkit.runtime.step_times import MIN_STEPS, REFIT_EVERY, WINDOW, StepTimes, attention_rows
 
 TRUE = (4.0, 1.5, 2.0, 3.0)  # fixed, per decode row, per prompt row, per 1024 tokens of chunk context (ms)
 
@@ -64,6 +64,16 @@ def test_the_fit_follows_the_host_and_tolerates_noise():
     assert times.coef[2] == pytest.approx(3.0, rel=0.15)
 
 
+def test_once_it_predicts_the_fit_waits_for_refit_every_new_steps():
+    times = StepTimes()
+    feed(times, 64)
+    assert times.coef == pytest.approx(TRUE, rel=1e-6)
+    for i in range(REFIT_EVERY):  # the host doubles its step times: seen only at the next fit
+        assert times.coef == pytest.approx(TRUE, rel=1e-6)
+        feed(times, 1, seed=10 + i, scale=2.0)
+    assert times.coef != pytest.approx(TRUE, rel=1e-3)
+
+
 def test_prompt_rows_that_look_free_give_no_prediction():
     times = StepTimes()
     for i in range(12):  # prompt steps no slower than decode-only ones: nothing to cut on
@@ -90,10 +100,21 @@ def sequence(order: int, prompt_len: int, max_new: int = 64) -> Sequence:
 
 
 def decoding(
-    budget_ms: float | None, coef=(5.0, 1.0, 2.0, 0.0), decoders: int = 3, ratio: float | None = None
+    budget_ms: float | None,
+    coef=(5.0, 1.0, 2.0, 0.0),
+    decoders: int = 3,
+    ratio: float | None = None,
+    backlog_steps: int = 0,
 ) -> Scheduler:
     """A scheduler (unit 16, 64-token steps) with ``decoders`` sequences generating and a known step cost."""
-    sched = Scheduler(BlockManager(256, 16, True), 8, 64, step_budget_ms=budget_ms, step_budget_ratio=ratio)
+    sched = Scheduler(
+        BlockManager(256, 16, True),
+        8,
+        64,
+        step_budget_ms=budget_ms,
+        step_budget_ratio=ratio,
+        prompt_backlog_steps=backlog_steps,
+    )
     for i in range(decoders):
         sched.add(sequence(i, 4))
     for seq, n in sched.schedule():  # no one decodes yet: the three prompts whole
@@ -163,6 +184,61 @@ def test_the_context_term_cuts_a_long_prompts_later_chunks():
     assert first == [("r10", 32)] and late == [("r10", 16)]
 
 
+@pytest.mark.parametrize(
+    "budget_ms, backlog_steps, prompts, chunks",
+    [
+        (1.0, 0, [100], [16]),  # the cut alone: a unit
+        (1.0, 2, [100], [48]),  # 100 waiting over 2 steps: 50, in whole units 48
+        (1.0, 4, [100], [16]),  # 25: one unit, what the cut keeps anyway
+        (1.0, 4, [100, 60], [32]),  # 160 over 4 steps: 40 -> 32 rows, all the first prompt's (the oldest)
+        (1.0, 2, [20, 100], [20, 16]),  # 120 over 2: 60 -> 48 rows: the first prompt whole, the 28 left to a unit
+        (80.0, 4, [100], [32]),  # the cut leaves more than the floor: the cut's 32
+        (1.0, 1, [500], [48]),  # the floor never passes the token budget (61 after 3 decodes, whole units)
+    ],
+)
+def test_a_step_takes_the_prompt_backlogs_share_whatever_the_cut(budget_ms, backlog_steps, prompts, chunks):
+    sched = decoding(budget_ms, backlog_steps=backlog_steps)
+    for i, n in enumerate(prompts):
+        sched.add(sequence(10 + i, n))
+    assert [n for _, n in planned(sched.schedule())] == chunks
+
+
+def serve_steps(sched: Scheduler, steps: int, arrive_every: int, prompt_len: int, max_new: int) -> list[int]:
+    """Run ``sched`` for ``steps`` steps as the engine would (chunks committed, a token a generating row,
+    finished sequences dropped), a ``prompt_len``-token request arriving every ``arrive_every`` steps; returns
+    each finished request's steps from arrival to its first token."""
+    arrived: dict[Sequence, int] = {}
+    waits = []
+    for step in range(steps):
+        if step % arrive_every == 0:
+            seq = sequence(100 + step, prompt_len, max_new=max_new)
+            sched.add(seq)
+            arrived[seq] = step
+        for seq, n in sched.schedule():
+            sched.commit(seq, n)
+            if not seq.prefilling:
+                if seq.num_generated == 0 and seq in arrived:
+                    waits.append(step - arrived.pop(seq))
+                seq.tokens.append(7)
+                if seq.num_generated >= seq.max_new_tokens:
+                    sched.drop(seq)
+    return waits
+
+
+def test_under_a_ratio_budget_the_backlog_floor_keeps_prompts_from_queueing():
+    """Prompts arriving at 20 tokens a step against a ratio budget that cuts them to a unit (16) a step: without
+    the floor every prompt waits longer than the one before; with it the wait stays at a few steps."""
+    waits = {}
+    for backlog_steps in (0, 4):
+        sched = decoding(None, decoders=0, ratio=1.01, backlog_steps=backlog_steps)
+        sched.blocks = BlockManager(4096, 16, True)
+        sched.max_batch_size = 64
+        hold_cost(sched.step_times, (5.0, 1.0, 2.0, 0.0))
+        waits[backlog_steps] = serve_steps(sched, 300, arrive_every=4, prompt_len=80, max_new=16)
+    assert waits[0][-1] > 2 * waits[0][len(waits[0]) // 4] > 0  # a queue that grows for as long as it runs
+    assert max(waits[4][len(waits[4]) // 4 :]) <= 8  # bounded: the backlog clears within about 4 steps (5 here)
+
+
 def test_no_time_cut_without_decodes_or_before_the_fit():
     sched = Scheduler(BlockManager(256, 16, True), 8, 64, max_num_tokens_without_decode=512, step_budget_ms=1.0)
     hold_cost(sched.step_times, (5.0, 1.0, 2.0, 0.0))
@@ -178,12 +254,17 @@ def test_no_time_cut_without_decodes_or_before_the_fit():
 
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(
-    "unit, time_budget",
-    [(None, dict(step_budget_ms=1e-3)), (8, dict(step_budget_ms=1e-3)), (8, dict(step_budget_ratio=1.0001))],
+    "unit, time_budget, chunks",
+    [
+        (None, dict(step_budget_ms=1e-3), [16] * 6 + [4]),  # the backlog's floor (over 6 steps) below a unit
+        (8, dict(step_budget_ms=1e-3, prompt_backlog_steps=0), [8] * 12 + [4]),  # the cut alone: a unit a step
+        # the floor: 100 waiting over 6 steps is two units, 84 one, below 48 the cut's unit
+        (8, dict(step_budget_ratio=1.0001), [16] + [8] * 10 + [4]),
+    ],
     ids=["unit16", "unit8", "unit8-ratio"],
 )
 def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_tokens(
-    tiny_llama_dir, unit, time_budget
+    tiny_llama_dir, unit, time_budget, chunks
 ):
     from test_runtime_engine import config, greedy, hf_greedy, prompt, run, tokens, transformers_model
 
@@ -197,11 +278,11 @@ def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_
     # (on a busy host prompt rows can even look free, and it declines to predict): hold the cost at one we know
     assert min(eng.scheduler.step_times.observed) >= MIN_STEPS
     hold_cost(eng.scheduler.step_times, (5.0, 1.0, 2.0, 0.0))
-    chunks: list[int] = []
+    seen: list[int] = []
     forward = eng.model.forward
 
     def record(ids, plan, pool):
-        chunks.append(sum(n for seq, n in eng._planned if seq.prefilling))
+        seen.append(sum(n for seq, n in eng._planned if seq.prefilling))
         return forward(ids, plan, pool)
 
     schedule = eng.scheduler.schedule
@@ -213,8 +294,8 @@ def test_an_engine_under_a_tiny_time_budget_cuts_chunks_to_a_unit_and_keeps_the_
     eng.scheduler.schedule, eng.model.forward = keep, record
     reqs = [greedy(prompt(8, 80), n=30), greedy(prompt(8, 81), n=30), greedy(prompt(100, 82), n=4)]
     ids, events, _ = run(eng, reqs, arrivals={1: 1, 2: 4})
-    # once two decode, the 100-token prompt goes a unit a step (the token budget alone: 48, then 52)
-    u = unit or 16
-    assert [c for c in chunks if c][2:] == [u] * (96 // u) + [4]
+    # once two decode, the 100-token prompt goes a unit a step or its backlog's floor (the token budget alone: 48,
+    # then 52)
+    assert [c for c in seen if c][2:] == chunks
     for i, r in enumerate(reqs):
         assert tokens(events[ids[i]]) == hf_greedy(hf_model, r.prompt_ids, r.max_new_tokens)

@@ -68,6 +68,7 @@ def test_examples_validate(path):
         ),
         ("name: x\nbuild: {target: trt-engine, step_budget_ratio: 2}\n", "build.step_budget_ratio", "in tokens only"),
         ("name: x\nbuild: {context_chunk_unit: 12}\n", "build.context_chunk_unit", "power of two"),
+        ("name: x\nbuild: {prompt_backlog_steps: -1}\n", "build.prompt_backlog_steps", "greater than or equal to 0"),
         ("name: x\nbuild: {lm_head: fp8}\n", "build.lm_head", "'exported' or 'int8'"),
         ("name: x\nbuild: {target: trt-engine, lm_head: int8}\n", "build.lm_head", "quantize_lm_head"),
         ("name: x\nbuild: {compute_dtype: float16}\n", "build.compute_dtype", "'auto', 'bfloat16' or 'float32'"),

@@ -176,6 +176,15 @@ class BuildSpec(Section):
         "or below); with step_budget_ms too, the smaller budget applies (docs/engine.md, 'A step budget relative "
         "to the decode step')",
     )
+    prompt_backlog_steps: int = Field(
+        6,
+        ge=0,
+        description="cpu: under step_budget_ms or step_budget_ratio, a step with a request generating still takes "
+        "the prompt tokens waiting divided by this many steps (in whole attention units), so prompts that arrive "
+        "faster than the budget's cut lets through wait about this many steps instead of queueing behind a unit a "
+        "step (TTFT at 8 streams under a ratio budget); 0: the cut alone (docs/engine.md, 'A floor under the step "
+        "budget')",
+    )
     context_chunk_unit: int | None = Field(
         None,
         ge=1,

@@ -73,6 +73,10 @@ class EngineConfig:
     # the same budget as a multiple of the predicted time of the step's decode rows alone (> 1), so it
     # follows the load: a bound on ITL p99 / p50.  With step_budget_ms too, the smaller applies
     step_budget_ratio: float | None = None
+    # under either time budget a step still takes the prompt tokens waiting over this many steps (whole
+    # units), so prompts arriving faster than the budget's cut lets through wait about this many steps
+    # instead of queueing behind a unit a step; 0: the cut alone
+    prompt_backlog_steps: int = 6
     # prompt chunks end on multiples of this many tokens (or at the prompt's end) and prefill attention
     # runs this many query rows a call, so a prompt's numbers never depend on how the load split it; a
     # power of two <= tokens_per_block.  None: tokens_per_block, halved until a step with a full batch
@@ -155,6 +159,7 @@ class EngineConfig:
             max_num_tokens_without_decode=build.max_num_tokens_without_decode,
             step_budget_ms=build.step_budget_ms,
             step_budget_ratio=build.step_budget_ratio,
+            prompt_backlog_steps=build.prompt_backlog_steps,
             context_chunk_unit=build.context_chunk_unit,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
@@ -205,6 +210,8 @@ class EngineConfig:
             bad("step_budget_ms", f"{self.step_budget_ms} must be above 0 ms")
         if self.step_budget_ratio is not None and not self.step_budget_ratio > 1:
             bad("step_budget_ratio", f"{self.step_budget_ratio} must be above 1 (the decode rows' own time)")
+        if self.prompt_backlog_steps < 0:
+            bad("prompt_backlog_steps", f"{self.prompt_backlog_steps} must be 0 (off) or more steps")
         for name in ("step_budget_ms", "step_budget_ratio"):
             if getattr(self, name) is not None and not self.enable_chunked_context:
                 bad(name, "cuts prompt chunks; set enable_chunked_context true or leave it unset")
@@ -358,6 +365,7 @@ class Engine:
             config.step_budget_ms,
             config.context_chunk_unit,
             config.step_budget_ratio,
+            config.prompt_backlog_steps,
         )
         self._seqs: dict[str, Sequence] = {}  # live requests
         self._times: dict[str, RequestTimes] = {}  # finished requests' times, kept for times()
@@ -477,6 +485,7 @@ class Engine:
         """Run one iteration: schedule, one forward over the flat batch, sample, stream."""
         torch = self._torch
         events, self._pending_events = self._pending_events, []
+        planning = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
             return events
@@ -537,10 +546,11 @@ class Engine:
         if timed:
             ms = (time.perf_counter() - started) * 1e3
             self.scheduler.step_times.observe(decode_rows, prompt_rows, attention, ms)
-            if self._trace is not None:  # start (ns), rows, threads, wall ms, the process's CPU ms in the step
+            if self._trace is not None:  # start (ns), rows, threads, wall ms, the process's CPU ms, schedule() ms
                 cpu_ms = (time.process_time() - cpu_started) * 1e3
                 used = threads if threads is not None else torch.get_num_threads()
-                self._trace.write(f"{now} {decode_rows} {prompt_rows} {used} {ms:.3f} {cpu_ms:.3f}\n")
+                plan_ms = (started - planning) * 1e3
+                self._trace.write(f"{now} {decode_rows} {prompt_rows} {used} {ms:.3f} {cpu_ms:.3f} {plan_ms:.3f}\n")
         self.steps += 1
         now = time.time_ns()
         for seq, tok, lp in zip(sampled, next_ids, log_probs, strict=True):

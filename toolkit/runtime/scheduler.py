@@ -10,7 +10,9 @@ engine runs in one step.  A step with someone generating may also have a time bu
 is smaller when both are set): prompt chunks are then cut to what the step's predicted time leaves
 (step_times.py: the engine's measured step times), keeping at least one attention unit of prompt a
 step, so the wait between tokens follows the host's speed of the moment rather than a token count
-chosen for one hour of it.
+chosen for one hour of it.  Under a time budget a step also takes at least the prompt tokens waiting
+over ``prompt_backlog_steps`` (whole units), so prompts arriving faster than the cut lets through
+wait a bounded number of steps rather than in a growing queue.
 
 1. sequences that are generating get their token first, so a long prompt arriving never delays
    anyone's next token by more than one step;
@@ -127,6 +129,7 @@ class Scheduler:
         step_budget_ms: float | None = None,
         unit: int | None = None,
         step_budget_ratio: float | None = None,
+        prompt_backlog_steps: int = 0,
     ):
         if policy not in POLICIES:
             from ..errors import UsageError
@@ -142,9 +145,11 @@ class Scheduler:
         self.policy = policy
         self.step_budget_ms = step_budget_ms
         self.step_budget_ratio = step_budget_ratio
+        self.prompt_backlog_steps = prompt_backlog_steps
         self.step_times = StepTimes()  # the engine reports every step's time to it
         self._time_left: float | None = None  # ms this step's prompt chunks may still take (time budget)
         self._prompt_rows = 0  # prompt rows planned so far this step
+        self._prompt_floor = 0  # prompt rows this step takes whatever the time budget (the backlog's share)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.preempted_total = 0
@@ -202,9 +207,10 @@ class Scheduler:
         if not seq.prefilling:  # one row per token; a recompute takes at most a unit of rows per step
             return min(seq.remaining, budget, self.unit)
         left = seq.prompt_len - seq.num_cached
-        if self._time_left is not None:  # a time budget; the step's first chunk keeps at least a unit
+        if self._time_left is not None:  # a time budget; the step takes at least its floor, its first chunk a unit
             fit = self.step_times.prompt_rows_within(self._time_left, seq.num_cached)
-            budget = min(budget, max(fit, 0 if self._prompt_rows else min(left, self.unit)))
+            owed = max(self._prompt_floor - self._prompt_rows, 0 if self._prompt_rows else self.unit)
+            budget = min(budget, max(fit, min(left, owed)))
         if left <= budget:
             return left
         if not self.chunked and left <= self.max_num_tokens:
@@ -272,6 +278,7 @@ class Scheduler:
             and self.step_times.ready  # fits only here: a step with decodes and a prompt to cut
         ):
             self._time_left = self._prompt_time(self.step_times.decode_ms(sum(n for _, n in generating)))
+            self._prompt_floor = self._backlog_floor()
         for seq in sorted((s for s in self.running if s.prefilling), key=lambda s: s.order):
             if seq not in self.running or budget == 0:
                 continue
@@ -300,7 +307,7 @@ class Scheduler:
             (prefills if seq.prefilling else generating).append((seq, n))
             budget -= n
             self._charge(seq, n)
-        self._time_left = None
+        self._time_left, self._prompt_floor = None, 0
         return generating + prefills
 
     @property
@@ -314,6 +321,18 @@ class Scheduler:
         if self.step_budget_ratio is not None:
             left.append((self.step_budget_ratio - 1) * decode_ms)
         return min(left)
+
+    def _backlog_floor(self) -> int:
+        """Prompt rows a step takes under a time budget whatever its cut: the prompt tokens waiting (prefills
+        under way and the queue, before any prefix-cache match) over ``prompt_backlog_steps``, in whole units
+        (rounded down).  Where prompts arrive faster than the budget's cut lets through, the backlog grows until
+        this floor carries them, so a prompt waits about that many steps instead of a queue growing behind a
+        unit a step (a ratio budget at 8 streams); at lower load it is below a unit and the cut decides."""
+        if not self.prompt_backlog_steps:
+            return 0
+        waiting = sum(s.prompt_len - s.num_cached for s in self.running if s.prefilling)
+        waiting += sum(s.prompt_len for s in self.waiting)
+        return waiting // (self.prompt_backlog_steps * self.unit) * self.unit
 
     def _charge(self, seq: Sequence, n: int) -> None:
         """Take a planned prompt chunk's predicted time off what is left of the step's time budget."""

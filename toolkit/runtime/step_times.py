@@ -33,6 +33,7 @@ import numpy as np
 WINDOW = 32  # steps of each kind the fit remembers (the host's speed moves; old steps must not hold it)
 MIN_STEPS = 3  # of each kind before the model predicts
 DECODE_ONLY_WEIGHT = 0.1  # a decode-only step's residual counts this much of a prompt step's
+REFIT_EVERY = 8  # steps observed between fits once the model predicts (a fit costs 0.1-0.5 ms of the step's gap)
 
 
 def attention_rows(rows: int, context: int) -> float:
@@ -47,15 +48,17 @@ class StepTimes:
         self._with_prompt: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self._without: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self._coef: tuple[float, float, float, float] | None = None
-        self._stale = False  # steps observed since the last fit
+        self._new = 0  # steps observed since the last fit
 
     @property
     def coef(self) -> tuple[float, float, float, float] | None:
         """Fixed, per decode row, per prompt row, per context unit (ms); None until it can predict.
 
-        Fitted when asked after new steps (~0.2 ms), so the decode steps that only record pay nothing."""
-        if self._stale:
-            self._stale = False
+        Fitted when asked after new steps, so the decode steps that only record pay nothing; once it predicts,
+        after :data:`REFIT_EVERY` new steps at most (served, a fit before every mixed step took 1.3 ms of the
+        gap between steps: the host's speed moves over seconds, not from one step to the next)."""
+        if self._new and (self._coef is None or self._new >= REFIT_EVERY):
+            self._new = 0
             enough = len(self._with_prompt) >= MIN_STEPS and len(self._without) >= MIN_STEPS
             self._coef = self._fit() if enough else None
         return self._coef
@@ -72,7 +75,7 @@ class StepTimes:
     def observe(self, decode_rows: int, prompt_rows: int, attention: float, ms: float) -> None:
         """Record a step: its decode rows, prompt rows, chunks' :func:`attention_rows` summed, and time."""
         (self._with_prompt if prompt_rows else self._without).append((decode_rows, prompt_rows, attention, ms))
-        self._stale = True
+        self._new += 1
 
     def _fit(self) -> tuple[float, float, float, float] | None:
         data = np.array([*self._with_prompt, *self._without], dtype=np.float64)
