@@ -45,6 +45,18 @@ def test_the_threads_drop_while_other_processes_take_the_cores_and_come_back_aft
 
 
 @needs_cores
+def test_what_other_processes_did_while_the_engine_idled_does_not_take_its_threads():
+    """A window without steps (here 0.9 s of 0.3 s windows) is dropped: a burst after idling keeps its threads."""
+    cores = FreeCores(window_s=0.3)
+    assert cores.threads() == CORES
+    with spinning_processes(CORES - 1):
+        time.sleep(0.9)  # the engine idles while the others take every core but one
+    assert cores.threads() == CORES and cores.free is None
+    with spinning_processes(CORES - 1):  # while it steps, the same load takes them within a window or two
+        assert wait_for(lambda: cores.threads() == 1), f"still {cores.current} threads, {cores.free} cores free"
+
+
+@needs_cores
 def test_an_engine_that_follows_the_free_cores_keeps_its_tokens_on_fewer_threads(tiny_llama_dir, monkeypatch):
     """Sampling too runs on the step's threads: its parallel regions would otherwise wake the OpenMP worker on a
     core the free-core count gave away."""

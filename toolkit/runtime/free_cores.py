@@ -5,7 +5,8 @@ every parallel region: one of them shares its core with the other process, and t
 when it has had its turn.  SmolLM2 FP8 served 2.7-27 tokens/s that way against 99-155 on one thread
 (docs/engine.md, "Served engines beside other load").  :class:`FreeCores` reads ``/proc/stat`` for the
 cores this process may run on and this process's own CPU time, and gives the number of cores the others
-left over the last window.
+left over the last window (a window the engine idled through is dropped: the first steps after it keep the
+threads they had).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ WINDOW_S = 1.0
 # core while the engine serves, which must not make a 2-core engine drop to one thread.
 DROP = 0.6
 RISE = 0.4
+# A window this many times window_s long spanned a stretch without steps: it is dropped, not judged.  What
+# other processes did while the engine idled (served: the front door's and the benchmark client's start, 0.6-1
+# of a core for seconds) held the first second of every burst after it on one thread, at 1.4-1.9x the step
+# time (docs/engine.md, "A floor under the step budget").
+STALE_WINDOWS = 2
 
 
 def _proc_stat(cpus: set[int]) -> tuple[int, int] | None:
@@ -81,8 +87,10 @@ class FreeCores:
         end = self._sample()
         if end is None:
             return self.current
-        (_, (busy0, total0), own0), (_, (busy1, total1), own1) = self._start, end
+        (t0, (busy0, total0), own0), (t1, (busy1, total1), own1) = self._start, end
         self._start = end
+        if t1 - t0 > STALE_WINDOWS * self.window_s:  # no steps for a while: judge the next window instead
+            return self.current
         self.free = free_cores(len(self.cpus), busy1 - busy0, total1 - total0, own1 - own0, self.hz)
         if self.free < self.current - DROP and self.current > 1:
             self.current = max(1, min(self.current - 1, int(self.free + DROP)))
