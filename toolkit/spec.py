@@ -176,14 +176,14 @@ class BuildSpec(Section):
         "or below); with step_budget_ms too, the smaller budget applies (docs/engine.md, 'A step budget relative "
         "to the decode step')",
     )
-    prompt_backlog_steps: int = Field(
-        6,
+    prompt_backlog_steps: int | None = Field(
+        None,
         ge=0,
         description="cpu: under step_budget_ms or step_budget_ratio, a step with a request generating still takes "
         "the prompt tokens waiting divided by this many steps (in whole attention units), so prompts that arrive "
         "faster than the budget's cut lets through wait about this many steps instead of queueing behind a unit a "
-        "step (TTFT at 8 streams under a ratio budget); 0: the cut alone (docs/engine.md, 'A floor under the step "
-        "budget')",
+        "step (TTFT at 8 streams under a ratio budget); 0: the cut alone; default 6 (docs/engine.md, 'A floor "
+        "under the step budget')",
     )
     context_chunk_unit: int | None = Field(
         None,
@@ -888,7 +888,7 @@ class Spec(Section):
                 f"{b.max_num_tokens_without_decode} is below build.max_num_tokens ({b.max_num_tokens}); a step "
                 "without decodes may take more tokens, not fewer. Raise it or leave it unset",
             )
-        for name in ("step_budget_ms", "step_budget_ratio"):
+        for name in ("step_budget_ms", "step_budget_ratio", "prompt_backlog_steps"):
             if getattr(b, name) is not None and b.target != "cpu":
                 raise _Rule(
                     f"build.{name}",
@@ -932,6 +932,12 @@ class Spec(Section):
                     f"{u} does not fit a step beside a full batch's decodes (build.max_num_tokens - "
                     f"build.max_batch_size + 1 = {room}); lower it or raise build.max_num_tokens",
                 )
+        if b.prompt_backlog_steps is not None and b.step_budget_ms is None and b.step_budget_ratio is None:
+            raise _Rule(
+                "build.prompt_backlog_steps",
+                "is a floor under a step's time budget and there is none: set build.step_budget_ratio or "
+                "build.step_budget_ms, or drop prompt_backlog_steps",
+            )
         for name in ("step_budget_ms", "step_budget_ratio"):
             if getattr(b, name) is not None and not b.enable_chunked_context:
                 raise _Rule(

@@ -159,7 +159,9 @@ class EngineConfig:
             max_num_tokens_without_decode=build.max_num_tokens_without_decode,
             step_budget_ms=build.step_budget_ms,
             step_budget_ratio=build.step_budget_ratio,
-            prompt_backlog_steps=build.prompt_backlog_steps,
+            prompt_backlog_steps=cls.prompt_backlog_steps
+            if build.prompt_backlog_steps is None
+            else build.prompt_backlog_steps,
             context_chunk_unit=build.context_chunk_unit,
             max_input_len=build.max_input_len,
             max_seq_len=build.max_seq_len,
