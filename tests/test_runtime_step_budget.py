@@ -230,9 +230,9 @@ def test_under_a_ratio_budget_the_backlog_floor_keeps_prompts_from_queueing():
     the floor every prompt waits longer than the one before; with it the wait stays at a few steps."""
     waits = {}
     for backlog_steps in (0, 4):
-        sched = decoding(None, decoders=0, ratio=1.01, backlog_steps=backlog_steps)
-        sched.blocks = BlockManager(4096, 16, True)
-        sched.max_batch_size = 64
+        sched = Scheduler(
+            BlockManager(4096, 16, True), 64, 64, step_budget_ratio=1.01, prompt_backlog_steps=backlog_steps
+        )
         hold_cost(sched.step_times, (5.0, 1.0, 2.0, 0.0))
         waits[backlog_steps] = serve_steps(sched, 300, arrive_every=4, prompt_len=80, max_new=16)
     assert waits[0][-1] > 2 * waits[0][len(waits[0]) // 4] > 0  # a queue that grows for as long as it runs
