@@ -38,6 +38,8 @@ def triton(tmp_path_factory):
     write_fake_llm(repo, "slow", ttft_ms=50, itl_ms=50, serial=True, max_batch_size=1)
     # The first token comes late (for deadline misses after admission).
     write_fake_llm(repo, "late", ttft_ms=3000, itl_ms=5)
+    # Every second request's first token comes 300 ms later (for the admission's margin from its error).
+    write_fake_llm(repo, "jumpy", ttft_ms=20, itl_ms=5, stall_every=2, stall_ms=300)
     write_fake_llmapi(repo, "tensorrt_llm")
     write_fake_logprobs(repo, "lp_ensemble")
     with running_server(repo) as server:
@@ -298,6 +300,45 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_429_before_any_token
         metrics = httpx.get(fd.url + "/metrics").text
         assert 'rtk_frontdoor_refusals_total{status="429",reason="predicted_late"} 1' in metrics
         assert done.wait(30)
+
+
+def _refusal(c: httpx.Client, deadline_ms: float) -> tuple[int, str]:
+    r = c.post("/v1/chat/completions", json=chat_body(), headers={"x-rtk-ttft-deadline-ms": f"{deadline_ms:g}"})
+    return r.status_code, (r.json().get("error") or {}).get("message", "")
+
+
+def test_admission_checks_the_deadline_against_the_prediction_widened_by_its_recent_error(triton):
+    """The fake's first tokens alternate between 20 and 320 ms, so the estimator's prediction (a typical TTFT)
+    is short by ~2x on every second request.  Once enough first tokens have shown that, a deadline between the
+    prediction and the prediction times its error's 0.9 quantile is refused; without the margin
+    (``prediction_quantile: null``) the same kind of deadline is admitted."""
+    import re
+
+    from toolkit.frontdoor.admission import MIN_ERROR_SAMPLES
+
+    def predicted(message: str) -> tuple[float, float | None]:
+        m = re.search(r"first token is (\d+) ms(?: \((\d+) ms with the recent predictions' error\))?", message)
+        assert m, message
+        return float(m[1]), float(m[2]) if m[2] else None
+
+    for quantile in (0.9, None):
+        with (
+            front_door(triton, model="jumpy", guard={"prediction_quantile": quantile}) as fd,
+            httpx.Client(base_url=fd.url, timeout=30) as c,
+        ):
+            for _ in range(MIN_ERROR_SAMPLES + 4 if quantile else 6):
+                assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+            margin = float(re.search(r"^rtk_frontdoor_prediction_margin (\S+)$", c.get("/metrics").text, re.M)[1])
+            status, message = _refusal(c, 1)  # no state changes while requests are refused: the same prediction
+            assert status == 429
+            raw, bound = predicted(message)
+            if quantile:
+                assert margin > 1.5 and bound is not None and bound > 1.5 * raw
+                assert _refusal(c, (raw + bound) / 2)[0] == 429  # the prediction meets it, the bound does not
+                assert _refusal(c, 1.2 * bound)[0] == 200
+            else:
+                assert margin == 1.0 and bound is None
+                assert _refusal(c, 1.2 * raw + 1)[0] == 200
 
 
 def test_bad_deadline_header_is_400(plain):

@@ -139,7 +139,7 @@ def test_the_slot_wait_follows_how_long_answers_run():
     e.finish("a")
     assert len(e.lengths) == 256 and e._lengths_sorted == sorted(e.lengths)
     for i in range(256):
-        e._add_length(50 + i % 7)
+        e._add_sorted(e.lengths, e._lengths_sorted, 50 + i % 7)
     assert e._lengths_sorted == sorted(e.lengths) and min(e.lengths) == 50
 
 
@@ -287,6 +287,51 @@ def test_estimates_follow_the_measurements():
     e.inflight["a"].arrival -= 0.5  # the first token came 0.5 s after arrival
     e.first_token("a")
     assert e.prefill_s_per_token == pytest.approx((0.5 - 0.05) / 100, rel=0.05)
+
+
+def _served(e: Estimator, rid: str, measured_over_predicted: float, prompt: int = 10) -> None:
+    """Admit ``rid`` and give it its first token at ``measured_over_predicted`` times its prediction."""
+    p = e.predict(prompt)
+    e.admit(rid, 4, p)
+    e.inflight[rid].arrival -= p.ttft_s * measured_over_predicted  # the first token came that long after arrival
+    e.first_token(rid)
+    e.finish(rid)
+
+
+def test_the_deadline_bound_is_the_prediction_times_its_recent_errors_quantile():
+    from toolkit.frontdoor.admission import ERROR_WINDOW, MIN_ERROR_SAMPLES
+
+    # alpha 0: the speed estimates stay put, so every prediction is the same and only the error moves
+    e = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, alpha=0.0, quantile=0.9)
+    for i in range(MIN_ERROR_SAMPLES - 1):
+        _served(e, f"a{i}", 2.0)
+    p = e.predict(10)
+    assert e.margin() == 1.0 and p.bound_s == p.ttft_s  # too few first tokens yet: the prediction is the bound
+    _served(e, "last", 2.0)
+    p = e.predict(10)
+    assert e.margin() == pytest.approx(2.0, rel=1e-3) and p.bound_s == pytest.approx(2.0 * p.ttft_s, rel=1e-3)
+    # The quantile, not the mean or the worst: 9 in 10 at 1.1, 1 in 10 at 3.0 -> the 0.9 quantile is 1.1 and
+    # the 0.95 one 3.0.
+    for q, want in ((0.9, 1.1), (0.95, 3.0)):
+        e = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, alpha=0.0, quantile=q)
+        for i in range(100):
+            _served(e, f"r{i}", 3.0 if i % 10 == 0 else 1.1)
+        assert e.margin() == pytest.approx(want, rel=1e-3)
+    # Never below the prediction: answers that came sooner than predicted leave the bound at the prediction.
+    early = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, alpha=0.0, quantile=0.9)
+    for i in range(2 * MIN_ERROR_SAMPLES):
+        _served(early, f"r{i}", 0.5)
+    assert early.margin() == 1.0
+    # The window keeps the latest ERROR_WINDOW errors: once the engine keeps its predictions again, the margin
+    # goes back to 1.
+    for i in range(ERROR_WINDOW):
+        _served(e, f"s{i}", 1.0)
+    assert e.margin() == pytest.approx(1.0, rel=1e-3) and e._errors_sorted == sorted(e.errors)
+    # Off: the prediction alone is checked.
+    off = Estimator(max_batch=8, step_s=0.02, prefill_s_per_token=0.001, alpha=0.0, quantile=None)
+    for i in range(2 * MIN_ERROR_SAMPLES):
+        _served(off, f"r{i}", 2.0)
+    assert off.margin() == 1.0 and off.predict(10).bound_s == off.predict(10).ttft_s
 
 
 def test_a_request_of_ours_that_just_ended_is_not_counted_again_from_the_engines_gauge():

@@ -121,6 +121,7 @@ class TritonPythonModel:
         self.serial = params.get("serial", "0") == "1"
         self.stall_at = int(params.get("stall_at_request", "-1"))
         self.stall_s = float(params.get("stall_ms", "0")) / 1e3
+        self.stall_every = int(params.get("stall_every", "0"))
         self.fail_every = int(params.get("fail_every", "0"))
         self.count = 0
         self.lock = threading.Lock()
@@ -164,7 +165,7 @@ class TritonPythonModel:
             want = set(request.requested_output_names())
             if self.fail_every and index % self.fail_every == self.fail_every - 1:
                 raise RuntimeError(f"request {index} fails on purpose (fail_every={self.fail_every})")
-            if index == self.stall_at:
+            if index == self.stall_at or (self.stall_every and index % self.stall_every == self.stall_every - 1):
                 time.sleep(self.stall_s)
             start = time.perf_counter()
             scheduled_ns = time.time_ns()
@@ -228,6 +229,7 @@ def write_fake_llm(
     serial: bool = False,
     stall_at_request: int = -1,
     stall_ms: float = 0.0,
+    stall_every: int = 0,
     fail_every: int = 0,
     max_batch_size: int = 8,
 ) -> Path:
@@ -235,7 +237,8 @@ def write_fake_llm(
 
     Token i of a request is sent at ``start + ttft_ms + i * itl_ms`` (absolute deadlines, so delays
     do not accumulate).  ``serial``: one request at a time, in arrival order; request number
-    ``stall_at_request`` (0-based, counting every request the model sees) first sleeps ``stall_ms``.
+    ``stall_at_request`` (0-based, counting every request the model sees) first sleeps ``stall_ms``, and so does
+    every ``stall_every``-th request.
     ``fail_every``: every n-th request gets an error response instead of tokens.
     """
     if interface == "ensemble":
@@ -267,6 +270,7 @@ def write_fake_llm(
         serial="1" if serial else "0",
         stall_at_request=stall_at_request,
         stall_ms=stall_ms,
+        stall_every=stall_every,
         fail_every=fail_every,
     )
     cfg = model_config_text(name, inputs, outputs, max_batch_size=max_batch_size, decoupled=True, parameters=params)

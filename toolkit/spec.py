@@ -369,6 +369,13 @@ class GuardSpec(Section):
     fallbacks: list[FallbackTier] = Field(default_factory=list, description="tiers tried in order; then 429")
     retry_after_s: int = Field(1, ge=1, le=3600, description="least Retry-After on a refusal (seconds)")
     metrics_poll_ms: int = Field(100, ge=10, le=10_000, description="how often the engine's gauges are read")
+    prediction_quantile: float | None = Field(
+        0.9,
+        gt=0,
+        lt=1,
+        description="the deadline is checked against the predicted TTFT times this quantile of its recent error "
+        "(measured / predicted, at least 1); none: against the prediction alone",
+    )
 
 
 class CacheSpec(Section):

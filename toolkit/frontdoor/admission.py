@@ -31,6 +31,12 @@ docs/guard.md, "How well the prediction holds".)
   end of sequence free their slots early;
 * step time and prefill time per token: measured on the answered requests (exponentially weighted),
   starting from conservative defaults until the first answers arrive;
+* the bound the deadline is checked against: the prediction times its recent error, the ``quantile``
+  (``serving.guard.prediction_quantile``) of measured / predicted TTFT over the last :data:`ERROR_WINDOW`
+  admitted requests (the front door sees both: its prediction and when the first token came), never below
+  1, once :data:`MIN_ERROR_SAMPLES` have their first token.  The model above is a typical TTFT; at 1.5x
+  capacity on a 2-core host one admitted answer in ten came 1.5x later than predicted, so requests predicted
+  just under the deadline missed it about as often as not (docs/guard.md, "The prediction's error as a margin");
 * own prompt tokens: those the engine will prefill.  A session turn's stored ids are in the engine's
   prefix cache (app.py counts them out); for other requests sent as ids, :class:`PrefixCache` mirrors
   the engine's block reuse (kv_cache.py, after TensorRT-LLM's kvCacheManager.cpp: full blocks of
@@ -54,6 +60,10 @@ from dataclasses import dataclass, field
 GAUGE_LAG_S = 0.25
 # Answers that must have ended before their lengths stand for the running ones' (until then: max_tokens).
 MIN_LENGTH_SAMPLES = 16
+# The prediction's error: measured / predicted TTFT of the latest admitted requests, and how many first
+# tokens it takes before their quantile widens the bound (until then the prediction is the bound).
+ERROR_WINDOW = 128
+MIN_ERROR_SAMPLES = 16
 
 
 @dataclass
@@ -63,6 +73,7 @@ class InFlight:
     arrival: float
     ahead_tokens: int = 0  # prompt tokens ahead of it at admission (for the measurement)
     slot_wait_s: float = 0.0
+    predicted_s: float = 0.0  # its predicted TTFT (for the prediction's error)
     first_at: float | None = None
     tokens: int = 0
 
@@ -75,6 +86,7 @@ class Prediction:
     slot_wait_s: float
     prompt_tokens: int = 0  # the request's own tokens to prefill (its prompt less the cached prefix)
     cached_tokens: int = 0  # its prompt tokens predicted to be in the engine's prefix cache
+    bound_s: float = 0.0  # what the deadline is checked against: ttft_s times the recent error's quantile (>= 1)
 
 
 class PrefixCache:
@@ -136,9 +148,21 @@ class Estimator:
     step_tokens: int | None = None  # the engine's max_num_tokens with chunked prompts; None: whole prompts
     ended: deque = field(default_factory=lambda: deque(maxlen=256))  # when our latest requests ended (monotonic)
     prefix: PrefixCache | None = None  # the engine's block reuse, where it reuses blocks
+    quantile: float | None = 0.9  # of measured / predicted TTFT, for the bound; None: the prediction is the bound
     # The latest answers' output tokens in the order they ended, and the same sorted (inf: cut at max_tokens).
     lengths: deque = field(default_factory=lambda: deque(maxlen=256), init=False, repr=False)
     _lengths_sorted: list = field(default_factory=list, init=False, repr=False)
+    # The latest admitted requests' measured / predicted TTFT in the order their first tokens came, and sorted.
+    errors: deque = field(default_factory=lambda: deque(maxlen=ERROR_WINDOW), init=False, repr=False)
+    _errors_sorted: list = field(default_factory=list, init=False, repr=False)
+
+    def margin(self) -> float:
+        """The factor from a prediction to the bound checked against the deadline: the ``quantile`` of the
+        recent measured / predicted TTFT, at least 1 (1 until :data:`MIN_ERROR_SAMPLES` first tokens)."""
+        errs = self._errors_sorted
+        if self.quantile is None or len(errs) < MIN_ERROR_SAMPLES:
+            return 1.0
+        return max(1.0, errs[max(0, math.ceil(self.quantile * len(errs)) - 1)])
 
     def tokens_left(self, r: InFlight) -> int:
         """``r``'s predicted remaining output tokens (the module's docstring, "slot wait")."""
@@ -198,14 +222,16 @@ class Estimator:
             per_step = max(1, self.step_tokens - min(n_run, max_batch - 1))
             steps = math.ceil((tokens_ahead + prompt_tokens) / per_step)
             ttft = max(ttft, (steps + 0.5) * self.step_s)
-        return Prediction(ttft, n_wait, tokens_ahead, slot_wait, prompt_tokens, cached)
+        return Prediction(ttft, n_wait, tokens_ahead, slot_wait, prompt_tokens, cached, ttft * self.margin())
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def admit(self, rid: str, max_tokens: int, p: Prediction, ids: list[int] | None = None) -> None:
         """The request was sent with prediction ``p`` (its prompt tokens: ``p.prompt_tokens``, those the engine
         prefills); ``ids``: the prompt as sent, where known (its blocks join the cache)."""
         prompt_tokens = p.prompt_tokens
-        self.inflight[rid] = InFlight(prompt_tokens, max_tokens, time.monotonic(), p.tokens_ahead, p.slot_wait_s)
+        self.inflight[rid] = InFlight(
+            prompt_tokens, max_tokens, time.monotonic(), p.tokens_ahead, p.slot_wait_s, predicted_s=p.ttft_s
+        )
         self.mean_prompt += 0.05 * (prompt_tokens - self.mean_prompt)
         if ids is not None and self.prefix is not None:
             self.prefix.add(ids)
@@ -220,6 +246,8 @@ class Estimator:
         sample = max(0.0, ttft - r.slot_wait_s - self.step_s) / max(1, work)
         self.prefill_s_per_token += self.alpha * (sample - self.prefill_s_per_token)
         self.samples += 1
+        if r.predicted_s > 0:
+            self._add_sorted(self.errors, self._errors_sorted, ttft / r.predicted_s)
 
     def token(self, rid: str, n: int = 1) -> None:
         r = self.inflight.get(rid)
@@ -234,15 +262,16 @@ class Estimator:
         if r is not None:
             self.ended.append(time.monotonic())
         if output_tokens is not None:
-            self._add_length(output_tokens if stopped else math.inf)
+            self._add_sorted(self.lengths, self._lengths_sorted, output_tokens if stopped else math.inf)
         if r is None or r.first_at is None or r.tokens < 3:
             return
         step = (time.monotonic() - r.first_at) / (r.tokens - 1)
         self.step_s += self.alpha * (step - self.step_s)
 
-    def _add_length(self, n: float) -> None:
-        if len(self.lengths) == self.lengths.maxlen:
-            old = self.lengths[0]
-            del self._lengths_sorted[bisect_right(self._lengths_sorted, old) - 1]
-        self.lengths.append(n)
-        insort(self._lengths_sorted, n)
+    @staticmethod
+    def _add_sorted(window: deque, ordered: list, x: float) -> None:
+        """``x`` into a bounded window and its sorted copy (the oldest value leaves both when it is full)."""
+        if len(window) == window.maxlen:
+            del ordered[bisect_right(ordered, window[0]) - 1]
+        window.append(x)
+        insort(ordered, x)

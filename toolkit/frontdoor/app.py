@@ -99,6 +99,7 @@ class FrontDoor:
                     max_batch=config.max_batch_size,
                     step_tokens=config.step_tokens,
                     prefix=PrefixCache(*config.prefix_cache) if config.prefix_cache else None,
+                    quantile=config.guard.prediction_quantile,
                 ),
             )
             for i, (grpc, metrics) in enumerate(urls)
@@ -476,9 +477,12 @@ class FrontDoor:
                     f"{p.prompt_tokens} prompt tokens to prefill ({n_prompt} in all, {p.cached_tokens} in the "
                     "engine's prefix cache)"
                 )
-            if deadline_ms is not None and p.ttft_s * 1e3 > deadline_ms:
-                retry = math.ceil(p.ttft_s - deadline_ms / 1e3)
+            if deadline_ms is not None and p.bound_s * 1e3 > deadline_ms:
+                retry = math.ceil(p.bound_s - deadline_ms / 1e3)
                 where = "" if router.single is not None else f" on the best of {router.ready_count()} ready replicas"
+                margin = (
+                    f" ({p.bound_s * 1e3:.0f} ms with the recent predictions' error)" if p.bound_s > p.ttft_s else ""
+                )
                 return await self._fallback(
                     req,
                     body,
@@ -486,8 +490,8 @@ class FrontDoor:
                     "predicted_late",
                     status=429,
                     retry_s=retry,
-                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{where} for {counted} "
-                    f"({p.requests_ahead} requests, {p.tokens_ahead} prompt tokens ahead), over the "
+                    message=f"the predicted time to first token is {p.ttft_s * 1e3:.0f} ms{margin}{where} for "
+                    f"{counted} ({p.requests_ahead} requests, {p.tokens_ahead} prompt tokens ahead), over the "
                     f"{deadline_ms:.0f} ms deadline; "
                     "retry later",
                 )
@@ -799,6 +803,11 @@ class FrontDoor:
             "rtk_frontdoor_prefill_seconds_per_token": (
                 "measured prefill time per prompt token" + ("" if n == 1 else " (mean over the replicas)"),
                 sum(r.estimator.prefill_s_per_token for r in replicas) / n,
+            ),
+            "rtk_frontdoor_prediction_margin": (
+                "factor from a predicted TTFT to the bound checked against the deadline (the recent error's "
+                "serving.guard.prediction_quantile)" + ("" if n == 1 else " (mean over the replicas)"),
+                sum(r.estimator.margin() for r in replicas) / n,
             ),
             "rtk_frontdoor_triton_ready": (
                 "1 when Triton and the model are ready" + ("" if n == 1 else " on at least one replica"),
