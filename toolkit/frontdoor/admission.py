@@ -86,7 +86,11 @@ class Prediction:
     slot_wait_s: float
     prompt_tokens: int = 0  # the request's own tokens to prefill (its prompt less the cached prefix)
     cached_tokens: int = 0  # its prompt tokens predicted to be in the engine's prefix cache
-    bound_s: float = 0.0  # what the deadline is checked against: ttft_s times the recent error's quantile (>= 1)
+    bound_s: float | None = None  # what the deadline is checked against: ttft_s times its recent error's quantile
+
+    def __post_init__(self):
+        if self.bound_s is None:
+            self.bound_s = self.ttft_s
 
 
 class PrefixCache:
