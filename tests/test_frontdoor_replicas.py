@@ -85,6 +85,25 @@ def test_a_tie_never_goes_past_the_deadline_the_best_replica_meets():
     assert {router.pick(10, deadline_s=(best + other) / 2)[0].label for _ in range(4)} == {"0"}
 
 
+def test_a_replica_whose_predictions_have_come_late_is_compared_by_its_widened_bound():
+    """Equal predictions, but replica 0's recent first tokens came at twice its predictions: its bound (what the
+    deadline is checked against) is twice replica 1's, so replica 1 gets the requests, not the two in turn."""
+    from toolkit.frontdoor.admission import MIN_ERROR_SAMPLES
+
+    router = _router(True, True)
+    late = router.replicas[0].estimator
+    late.alpha = 0.0  # its speed estimates stay put: only its error moves
+    for i in range(MIN_ERROR_SAMPLES):
+        p = late.predict(10)
+        late.admit(f"r{i}", 4, p)
+        late.inflight[f"r{i}"].arrival -= 2 * p.ttft_s
+        late.first_token(f"r{i}")
+        late.finish(f"r{i}")
+    assert late.predict(10).ttft_s == router.replicas[1].estimator.predict(10).ttft_s
+    assert late.margin() == pytest.approx(2.0, rel=1e-3)
+    assert {router.pick(10)[0].label for _ in range(4)} == {"1"}
+
+
 def test_replica_addresses_are_checked_naming_the_field():
     assert replica_urls("h:1", "http://h:2/metrics") == [("h:1", "http://h:2/metrics")]
     assert replica_urls(["h:1", "h:3"], None) == [("h:1", None), ("h:3", None)]

@@ -72,7 +72,9 @@ class Router:
     def pick(
         self, prompt_tokens: int, deadline_s: float | None = None, ids: list[int] | None = None
     ) -> tuple[Replica, Prediction] | None:
-        """The ready replica with the lowest predicted TTFT and its prediction; None when none is ready.
+        """The ready replica with the lowest predicted TTFT and its prediction; None when none is ready.  Replicas
+        are compared by the bound their deadline check uses (the prediction times the replica's own recent error,
+        admission.py), which is the prediction until a replica has shown an error.
 
         ``ids``: the prompt as sent, where known: each replica counts what its own prefix cache holds, so a
         prompt that shares a prefix with recent ones leans towards the replica that has it.  Ties (within
@@ -87,7 +89,7 @@ class Router:
         predictions = [
             r.estimator.predict(prompt_tokens, r.backend.gauges, ids) if r.backend.ready else None for r in replicas
         ]
-        best = min((p.ttft_s for p in predictions if p is not None), default=None)
+        best = min((p.bound_s for p in predictions if p is not None), default=None)
         if best is None:
             return None
         bound = best * (1 + TIE_FRACTION) + TIE_S
@@ -97,7 +99,7 @@ class Router:
         for k in range(n):
             i = (self._turn + k) % n
             p = predictions[i]
-            if p is not None and p.ttft_s <= bound:
+            if p is not None and p.bound_s <= bound:
                 self._turn = i + 1
                 return replicas[i], p
         return None  # not reached: the lowest is within its own bound
