@@ -35,8 +35,9 @@ docs/guard.md, "How well the prediction holds".)
   (``serving.guard.prediction_quantile``) of measured / predicted TTFT over the last :data:`ERROR_WINDOW`
   admitted requests (the front door sees both: its prediction and when the first token came), never below
   1, once :data:`MIN_ERROR_SAMPLES` have their first token.  The model above is a typical TTFT; at 1.5x
-  capacity on a 2-core host one admitted answer in ten came 1.5x later than predicted, so requests predicted
-  just under the deadline missed it about as often as not (docs/guard.md, "The prediction's error as a margin");
+  capacity on a 2-core host a tenth of the admitted answers came 1.5x or more later than predicted, so a
+  request predicted just under the deadline missed it about as often as not (docs/guard.md, "The
+  prediction's error as a margin");
 * own prompt tokens: those the engine will prefill.  A session turn's stored ids are in the engine's
   prefix cache (app.py counts them out); for other requests sent as ids, :class:`PrefixCache` mirrors
   the engine's block reuse (kv_cache.py, after TensorRT-LLM's kvCacheManager.cpp: full blocks of
