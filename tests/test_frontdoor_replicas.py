@@ -88,17 +88,15 @@ def test_a_tie_never_goes_past_the_deadline_the_best_replica_meets():
 def test_a_replica_whose_predictions_have_come_late_is_compared_by_its_widened_bound():
     """Equal predictions, but replica 0's recent first tokens came at twice its predictions: its bound (what the
     deadline is checked against) is twice replica 1's, so replica 1 gets the requests, not the two in turn."""
+    from test_frontdoor_units import _served
+
     from toolkit.frontdoor.admission import MIN_ERROR_SAMPLES
 
     router = _router(True, True)
     late = router.replicas[0].estimator
     late.alpha = 0.0  # its speed estimates stay put: only its error moves
     for i in range(MIN_ERROR_SAMPLES):
-        p = late.predict(10)
-        late.admit(f"r{i}", 4, p)
-        late.inflight[f"r{i}"].arrival -= 2 * p.ttft_s
-        late.first_token(f"r{i}")
-        late.finish(f"r{i}")
+        _served(late, f"r{i}", 2.0)
     assert late.predict(10).ttft_s == router.replicas[1].estimator.predict(10).ttft_s
     assert late.margin() == pytest.approx(2.0, rel=1e-3)
     assert {router.pick(10)[0].label for _ in range(4)} == {"1"}
