@@ -153,6 +153,13 @@ def front_door(
     return FrontDoorServer(app, "127.0.0.1", free_port())
 
 
+def frontdoor_ms(headers) -> float:
+    """The front door's own time to the response's head, from its ``Server-Timing: frontdoor;dur=<ms>``."""
+    name, dur = headers["server-timing"].split(";")
+    assert name == "frontdoor" and dur.startswith("dur=")
+    return float(dur.removeprefix("dur="))
+
+
 def chat_body(text="hello there", **kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **kw}
 
@@ -194,13 +201,17 @@ def test_models_and_health(plain):
 
 
 def test_chat_streams_with_usage_and_tier(plain):
+    sent = time.perf_counter()
     with (
         httpx.Client(base_url=plain.url) as c,
         c.stream(
             "POST", "/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
         ) as r,
     ):
+        head_ms = (time.perf_counter() - sent) * 1e3
         assert r.status_code == 200 and r.headers["x-rtk-tier"] == "primary"
+        # The stream's head goes with its first token: the front door's time includes the fake's 10 ms.
+        assert 10 <= frontdoor_ms(r.headers) <= head_ms
         assert r.headers["content-type"].startswith("text/event-stream")
         assert float(r.headers["x-rtk-predicted-ttft-ms"]) > 0  # what admission predicted
         events = sse_events(r)
@@ -214,8 +225,11 @@ def test_chat_streams_with_usage_and_tier(plain):
 
 
 def test_completion_without_streaming(plain):
+    sent = time.perf_counter()
     r = httpx.post(plain.url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 3})
+    took_ms = (time.perf_counter() - sent) * 1e3
     assert r.status_code == 200, r.text
+    assert 10 + 2 * 5 <= frontdoor_ms(r.headers) <= took_ms  # the whole answer came before the head
     body = r.json()
     assert body["object"] == "text_completion" and body["rtk_tier"] == "primary"
     assert body["choices"][0]["text"].split() == fake_answer("a b c", 3)  # a plain prompt is sent as is
@@ -249,6 +263,7 @@ def test_bad_input_is_400_naming_the_field_and_the_server_keeps_serving(plain, b
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(plain.url + "/v1/chat/completions", headers={"content-type": "application/json"}, **kw)
     assert r.status_code == 400, r.text
+    assert frontdoor_ms(r.headers) >= 0
     err = r.json()["error"]
     assert err["param"] == param and err["message"]
     if param:
@@ -283,13 +298,16 @@ def _occupy(fd, n_tokens=40):
 def test_a_request_that_cannot_meet_its_deadline_is_refused_429_before_any_token(triton):
     with front_door(triton, model="slow", max_batch_size=1, guard={"ttft_deadline_ms": 300, "retry_after_s": 2}) as fd:
         done = _occupy(fd)
+        sent = time.perf_counter()
         with (
             httpx.Client(base_url=fd.url) as c,
             c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r,
         ):
             status, headers, raw = r.status_code, r.headers, r.read()
+        took_ms = (time.perf_counter() - sent) * 1e3
         assert status == 429
         assert int(headers["retry-after"]) >= 2 and headers["x-rtk-tier"] == "refused"
+        assert 0 <= frontdoor_ms(headers) <= took_ms
         err = json.loads(raw)["error"]  # a JSON error, not a stream: no token was sent
         assert err["code"] == "overloaded" and "deadline" in err["message"]
         # A request with a generous deadline of its own (header) is admitted and served.

@@ -282,9 +282,10 @@ def turn(fd, served, text, *, key="key-alice", sid="s1", stream=False):
     if not stream:
         r = httpx.post(fd.url + "/v1/chat/completions", json=body, headers=h, timeout=120)
         assert r.status_code == 200, r.text
+        assert r.headers["server-timing"].startswith("frontdoor;dur=")  # a turn's head is timed too
         return r.json()["choices"][0]["message"]["content"]
     with httpx.Client(timeout=120) as c, c.stream("POST", fd.url + "/v1/chat/completions", json=body, headers=h) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.headers["server-timing"].startswith("frontdoor;dur=")
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
 

@@ -14,7 +14,10 @@ serves it with uvicorn.  Per request, before the first byte:
    own overload refusal ("Exceeds maximum queue size") is treated like a failed prediction.
 
 Every answer names its tier in the ``x-rtk-tier`` header and the ``rtk_tier`` field of its final
-chunk (or body).  A client that disconnects cancels its Triton request.
+chunk (or body).  Every response to a generation request, refusals and errors included, carries
+``Server-Timing: frontdoor;dur=<ms>``: from the handler's start to the response's head (a stream's
+head goes with its first token; a refusal's is the refusal), the front door's own share of the
+latency a client measures (W3C Server Timing).  A client that disconnects cancels its Triton request.
 """
 
 from __future__ import annotations
@@ -54,13 +57,14 @@ from .protocol import (
     usage_chunk,
 )
 from .replicas import Replica, Router, replica_urls
-from .sessions import SessionService
+from .sessions import AfterSend, SessionService
 from .tiers import Answer, DeploymentTier, RuleTier, make_cache, read_secret
 from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 
 log = logging.getLogger("rtk.frontdoor")
 DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
 PREDICTED_HEADER = "x-rtk-predicted-ttft-ms"  # on the primary tier's answers: the admission's prediction
+TIMING_HEADER = "server-timing"  # frontdoor;dur=<ms from the handler's start to the response's head>
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -360,12 +364,15 @@ class FrontDoor:
             self._prepare_for_model(req)
             deadline_ms = self._deadline(request, req)
             if req.session_id:  # one turn of a session at a time (toolkit/frontdoor/sessions.py)
-                return await self.sessions.serve_turn(
+                resp = await self.sessions.serve_turn(
                     req, request, lambda: self._route(request, req, body, deadline_ms, arrival)
                 )
-            return await self._route(request, req, body, deadline_ms, arrival)
+            else:
+                resp = await self._route(request, req, body, deadline_ms, arrival)
         except APIError as exc:
-            return self._error(exc)
+            resp = self._error(exc)
+        _stamp(resp, arrival)
+        return resp
 
     def _prepare_for_model(self, req: GenRequest) -> None:
         """What depends on the served model: log-probs (not with an output filter, whose hold-back would not
@@ -912,12 +919,26 @@ class _SSE(Response):
             watcher.cancel()
 
 
+def _timing(arrival: float) -> str:
+    return f"frontdoor;dur={(time.perf_counter() - arrival) * 1e3:.2f}"
+
+
+def _stamp(resp, arrival: float) -> None:
+    """The ``Server-Timing`` header of a response whose head is about to go (a deferred body's when it is ready)."""
+    inner = resp.response if isinstance(resp, AfterSend) else resp
+    if isinstance(inner, _Deferred):
+        inner.arrival = arrival
+    else:
+        inner.headers[TIMING_HEADER] = _timing(arrival)
+
+
 class _Deferred(Response):
     """A response whose body is computed when served, so a client disconnect can cancel the work."""
 
     def __init__(self, make):
         super().__init__()
         self.make = make
+        self.arrival: float | None = None  # the request's start, for the Server-Timing header
 
     async def __call__(self, scope, receive, send):
         task = asyncio.ensure_future(self.make())
@@ -941,6 +962,8 @@ class _Deferred(Response):
                 response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         finally:
             watcher.cancel()
+        if self.arrival is not None:
+            response.headers[TIMING_HEADER] = _timing(self.arrival)
         await response(scope, receive, send)
 
 
