@@ -3,23 +3,26 @@
     .venv/bin/python scripts/bench_overload.py SPEC|REPOSITORY [--duration 60] [--load 1.5 | --rate R] [--deadline-ms D]
 
 Starts tritonserver on the repository (free ports) and the front door as its own process
-(``python -m toolkit.frontdoor``), then, with this process as the client (httpx on the front door's kind of event
+(``python -m toolkit.frontdoor``), then, with this process as the client (aiohttp on the front door's kind of event
 loop, uvloop's where it is installed; streamed chat requests, every latency measured from the request's
 *scheduled* send time, so this client's own lag counts against the server):
 
-1. capacity: closed loop at ``build.max_batch_size`` concurrency; capacity = answers per second.
-   The deadline D defaults to 2x the TTFT p50 measured there.
-2. the same Poisson schedule at ``load`` x capacity (or ``--rate`` requests/s: the closed-loop capacity
-   varies by 25 % between runs on a shared host, so runs compared take one rate) for ``duration``
-   seconds, twice: without a deadline
+1. capacity.  A closed loop at ``build.max_batch_size`` concurrency first; the deadline D defaults to 2x the
+   TTFT p50 measured there.  Then (``--capacity search``, the default) capacity is what ``rtk slo --search
+   rate`` finds through the front door without a deadline: the highest Poisson rate whose TTFT p99 stays
+   within D (``toolkit.slo.runner.search_slo``, the same prompts as the phases below, ``--search-requests``
+   at each rate); ``--capacity closed-loop`` takes the closed loop's answers per second instead.
+2. the same Poisson schedule at ``load`` x capacity (or ``--rate`` requests/s: capacity varies between runs
+   on a shared host, so runs compared take one rate) for ``duration`` seconds, twice: without a deadline
    (the peer: every request queues) and with D as each request's deadline (``x-rtk-ttft-deadline-ms``).
    Goodput counts answers whose first token came within D.
 3. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
 4. fallback: the primary held busy by long requests; requests with deadline D answered by a rule tier.
 
-The overload phases also print this client's send lag (scheduled → sent) and the refusal latency and served
-TTFT from the send: on a 2-core host the client shares the cores with the engine and the front door, and a
-refusal the front door made in 4 ms can reach the table at 120 ms when the client sent it late.
+The overload phases also print this client's send lag (scheduled → sent), the refusal latency and served
+TTFT from the send, and both as the front door timed them (its ``Server-Timing`` header: from its handler's
+start to the response's head): on a 2-core host the client shares the cores with the engine and the front
+door, and a refusal the front door made in 4 ms can reach the table at 120 ms when the client sent it late.
 
 Each phase also compares the admission's predicted TTFT (the ``x-rtk-predicted-ttft-ms`` header of every
 primary answer) with the TTFT measured here.  Prints one table with the host's load average; a benchmark,
@@ -35,10 +38,12 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,6 +81,7 @@ class Result:
     tier: str = ""
     tokens: int = 0
     predicted: float | None = None  # seconds: the admission's TTFT prediction (x-rtk-predicted-ttft-ms)
+    frontdoor: float | None = None  # seconds: the front door's own time to the response's head (Server-Timing)
 
 
 def pct(xs, q):
@@ -119,16 +125,19 @@ async def one(client, url, model, i, at, t0, *, max_tokens, deadline_ms=None, bo
     start = t0 + at
     res.sent = time.perf_counter() - start
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            res.status, res.tier = r.status_code, r.headers.get("x-rtk-tier", "")
+        async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            res.status, res.tier = r.status, r.headers.get("x-rtk-tier", "")
             if "x-rtk-predicted-ttft-ms" in r.headers:
                 res.predicted = float(r.headers["x-rtk-predicted-ttft-ms"]) / 1e3
-            if r.status_code != 200:
-                await r.aread()
+            timing = r.headers.get("server-timing", "")
+            if timing.startswith("frontdoor;dur="):
+                res.frontdoor = float(timing.removeprefix("frontdoor;dur=")) / 1e3
+            if r.status != 200:
+                await r.read()
                 res.ttft = res.end = time.perf_counter() - start
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
                     continue
                 obj = json.loads(line[6:])
                 if obj.get("choices") and obj["choices"][0].get("delta", {}).get("content"):
@@ -136,14 +145,21 @@ async def one(client, url, model, i, at, t0, *, max_tokens, deadline_ms=None, bo
                         res.ttft = time.perf_counter() - start
                     res.tokens += 1
             res.end = time.perf_counter() - start
-    except httpx.HTTPError:
+    except aiohttp.ClientError:
         res.status = -1
     return res
 
 
+def client_session() -> aiohttp.ClientSession:
+    """aiohttp (rtk slo's OpenAI client too), connections unlimited: at 1.5x capacity without admission hundreds of
+    requests are in flight."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600), auto_decompress=False
+    )
+
+
 async def run_schedule(url, model, times, *, max_tokens, deadline_ms=None):
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with client_session() as client:
         t0 = time.perf_counter() + 0.2
         return await asyncio.gather(
             *(
@@ -155,7 +171,7 @@ async def run_schedule(url, model, times, *, max_tokens, deadline_ms=None):
 
 async def closed_loop(url, model, concurrency, n, *, max_tokens):
     results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with client_session() as client:
         counter = iter(range(n))
 
         async def worker():
@@ -204,7 +220,17 @@ def main() -> int:
     )
     ap.add_argument("--deadline-ms", type=float, default=None, help="default: 2x the TTFT p50 at capacity")
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--capacity-requests", type=int, default=48)
+    ap.add_argument("--capacity-requests", type=int, default=48, help="requests of the closed loop")
+    ap.add_argument(
+        "--capacity",
+        choices=("search", "closed-loop"),
+        default="search",
+        help="search: the highest Poisson rate whose TTFT p99 is within D without admission (rtk slo --search rate); "
+        "closed-loop: the closed loop's answers per second",
+    )
+    ap.add_argument(
+        "--search-requests", type=int, default=150, help="requests the search sends at each rate (p99 needs ≥ 100)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--frontdoor-set",
@@ -266,26 +292,98 @@ def ms3(xs) -> str:
     return f"{pct(xs, 50) * 1e3:.1f} / {pct(xs, 99) * 1e3:.1f} / {max(xs) * 1e3:.1f} ms"
 
 
+def search_capacity(args, t, url, model, deadline_ms, hint) -> tuple[float, list[tuple[str, str]]]:
+    """The highest Poisson rate at which the front door without a deadline keeps TTFT p99 within D: ``rtk slo
+    --search rate`` (doubling from half the closed loop's rate, then bisecting to 10 %), with the phases' prompts."""
+    from toolkit.slo.runner import search_slo
+    from toolkit.slo.verdict import PASS
+    from toolkit.spec import Objective, SLOSpec
+
+    def point(rep) -> None:
+        d = rep.dist("ttft")
+        print(
+            f"  search: {rep.plan.value:.2f} req/s, TTFT p99 {d.p99:.0f} ms over {rep.summary.measured} requests: "
+            f"{rep.verdict.status}",
+            flush=True,
+        )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text(
+            "".join(
+                json.dumps({"text": messages(i)[0]["content"], "output_tokens": args.output_tokens}) + "\n"
+                for i in range(10_000)
+            )
+        )
+        slo = SLOSpec(
+            transport="openai",
+            endpoint="chat",
+            model=model,
+            request_rate=hint,
+            arrival="poisson",
+            num_requests=args.search_requests,
+            warmup_requests=t.build.max_batch_size,
+            dataset=str(prompts),
+            seed=args.seed,
+            objectives=[Objective(metric="ttft", stat="p99", max=deadline_ms)],
+            # This client shares the host's cores with the server it saturates; its lag is measured and counts
+            # against the server (latencies run from the schedule), so a lagging point is a miss, not unknown.
+            max_schedule_lag_ms=1e6,
+        )
+        rep = search_slo(
+            slo,
+            url,
+            kind="rate",
+            start=hint / 2,
+            limit=hint * 8,
+            precision=0.1,
+            max_steps=8,
+            repository=t.repository,
+            on_point=point,
+        )
+    if rep.best is None:
+        raise SystemExit(f"the capacity search found no rate with TTFT p99 within {deadline_ms:.0f} ms: {rep.notes}")
+    tried = ", ".join(
+        f"{p.plan.value:.2f} ({p.dist('ttft').p99:.0f} ms, {'pass' if p.verdict.status == PASS else 'miss'})"
+        for p in rep.points
+    )
+    return rep.best, [
+        (
+            f"capacity: rtk slo --search rate, TTFT p99 ≤ D without a deadline, {args.search_requests} requests a rate",
+            f"**{rep.best:.2f} req/s**",
+        ),
+        ("… rates tried, req/s (TTFT p99)", tried),
+    ]
+
+
 def run_all(args, t, model, plain, cached, ruled):
     rows = []
     conc = t.build.max_batch_size
     run(closed_loop(plain, model, conc, conc, max_tokens=args.output_tokens))  # warm the path
     res, wall = run(closed_loop(plain, model, conc, args.capacity_requests, max_tokens=args.output_tokens))
     ok = [r for r in res if r.status == 200]
-    capacity = len(ok) / wall
+    capacity = closed = len(ok) / wall
     ttft50 = pct([r.ttft for r in ok if r.ttft], 50)
     deadline_ms = args.deadline_ms or round(2 * ttft50 * 1000, -1)
     rows += [
-        (f"capacity (closed loop, concurrency = max_batch_size {conc})", f"{capacity:.2f} req/s"),
-        ("TTFT p50 / p99 at capacity", f"{ttft50 * 1e3:.0f} / {pct([r.ttft for r in ok if r.ttft], 99) * 1e3:.0f} ms"),
+        (f"closed loop (concurrency = max_batch_size {conc}): answers per second", f"{closed:.2f} req/s"),
         (
-            f"answer length at capacity, content chunks p10 / p50 / p90 (max_tokens {args.output_tokens})",
+            "TTFT p50 / p99 in the closed loop",
+            f"{ttft50 * 1e3:.0f} / {pct([r.ttft for r in ok if r.ttft], 99) * 1e3:.0f} ms",
+        ),
+        (
+            f"answer length in the closed loop, content chunks p10 / p50 / p90 (max_tokens {args.output_tokens})",
             " / ".join(f"{pct([r.tokens for r in ok], q):.0f}" for q in (10, 50, 90)),
         ),
-        prediction_row("capacity", ok),
+        prediction_row("closed loop", ok),
         ("deadline D", f"{deadline_ms:.0f} ms"),
     ]
-    print(f"capacity {capacity:.2f} req/s, TTFT p50 {ttft50 * 1e3:.0f} ms, deadline {deadline_ms:.0f} ms", flush=True)
+    print(f"closed loop {closed:.2f} req/s, TTFT p50 {ttft50 * 1e3:.0f} ms, deadline {deadline_ms:.0f} ms", flush=True)
+    if args.capacity == "search":
+        capacity, search_rows = search_capacity(args, t, plain, model, deadline_ms, hint=closed)
+        rows += search_rows
+    else:
+        rows.append(("capacity", "the closed loop's answers per second"))
 
     rate = args.rate or args.load * capacity
     rng = random.Random(args.seed)
@@ -323,16 +421,22 @@ def run_all(args, t, model, plain, cached, ruled):
                     ms3([r.ttft - r.sent for r in served if r.ttft]),
                 )
             )
+            heads = [r.frontdoor for r in served if r.frontdoor is not None]
+            if heads:
+                rows.append((f"… {label}: served TTFT in the front door (Server-Timing) p50 / p99 / max", ms3(heads)))
         if shed:
             rows += [
                 (f"… {label}: refusal latency p50 / p99 / max", ms3([r.ttft for r in shed])),
                 (f"… {label}: refusal latency from the send p50 / p99 / max", ms3([r.ttft - r.sent for r in shed])),
             ]
+            inside = [r.frontdoor for r in shed if r.frontdoor is not None]
+            if inside:
+                rows.append((f"… {label}: refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside)))
         print(rows[-1], flush=True)
 
     # Cache: the first answer from the engine, then hits.
     async def cache_run():
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with client_session() as client:
             firsts, hits = [], []
             for i in range(5):
                 msgs = messages(1000 + i)
@@ -376,7 +480,7 @@ def run_all(args, t, model, plain, cached, ruled):
 
     # Fallback: hold the primary busy with long requests, then ask with deadline D.
     async def fallback_run():
-        async with httpx.AsyncClient(timeout=600) as client:
+        async with client_session() as client:
             now = time.perf_counter()
             hold = [
                 asyncio.create_task(one(client, ruled, model, 2000 + i, 0.0, now, max_tokens=4 * args.output_tokens))
