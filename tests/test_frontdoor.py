@@ -237,6 +237,19 @@ def test_completion_without_streaming(plain):
     assert float(r.headers["x-rtk-predicted-ttft-ms"]) > 0
 
 
+def test_rtk_slo_over_openai_reads_the_front_doors_own_ttft(plain, tmp_path):
+    from toolkit.slo import run_slo
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"text": f"hello {i}"}) + "\n" for i in range(4)))
+    slo = {"transport": "openai", "concurrency": 1, "num_requests": 4, "warmup_requests": 0}
+    report = run_slo(slo | {"dataset": str(data), "output_tokens": 3}, plain.url)
+    server = report.dist("server_ttft")
+    assert report.summary.succeeded == 4 and server.count == 4
+    assert server.min >= 10  # the fake's first token comes after 10 ms, and the head with it
+    assert report.dist("ttft_outside_server").min >= 0  # the client's TTFT from its send holds the front door's
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

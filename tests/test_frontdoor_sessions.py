@@ -424,6 +424,7 @@ def test_rtk_slo_multi_turn_over_openai_goes_through_sessions(served, monkeypatc
     history (stored, and counted in the next turn's prompt tokens); the report is the usual per-turn one."""
     from toolkit.slo import run_slo
     from toolkit.slo.openai_transport import SESSION_PREFIX
+    from toolkit.slo.records import ARRIVAL, FIRST_TOKEN
     from toolkit.slo.workload import HFTokenizer, SyntheticWorkload, find_tokenizer_dir
 
     monkeypatch.setenv("OPENAI_API_KEY", "key-bob")
@@ -440,6 +441,9 @@ def test_rtk_slo_multi_turn_over_openai_goes_through_sessions(served, monkeypatc
     with front_door(served, monkeypatch) as fd:
         report = run_slo(slo, fd.url, repository=served["repo"])
         assert report.summary.failed == 0 and sorted(r.turn for r in report.records if r.measured) == [0, 0, 1, 1, 2, 2]
+        # The front door's Server-Timing is each turn's server-side TTFT, inside what the client measured.
+        timed = [(r.server_ms(ARRIVAL, FIRST_TOKEN), r.ttft_ms(from_sent=True)) for r in report.records if r.measured]
+        assert all(s is not None and 0 < s <= t for s, t in timed), timed
         assert any("keeps sessions" in n for n in report.notes), report.notes
         mine = httpx.get(fd.url + "/v1/sessions", headers={"Authorization": "Bearer key-bob"}).json()["data"]
         runs = {s["id"].rsplit("-", 1)[0] for s in mine if s["id"].startswith(SESSION_PREFIX)}

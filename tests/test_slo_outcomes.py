@@ -252,6 +252,46 @@ def test_openai_chunks_usage_and_tier_decode_into_the_record():
     assert r2.text == "ab" and r2.chunk_tokens == [1, 1] and r2.outcome == O.SERVED and r2.tier is None
 
 
+@pytest.mark.parametrize(
+    "value, ms",
+    [
+        ("frontdoor;dur=12.5", 12.5),
+        ('cdn-cache;desc="HIT", frontdoor;desc="rtk";dur=3', 3.0),
+        ("frontdoor; DUR = 0.25", 0.25),
+        ("db;dur=7", None),  # another component's time is not the front door's
+        ("frontdoor", None),
+        ("frontdoor;dur=fast", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_server_timing_header_gives_the_front_doors_own_time(value, ms):
+    assert O.server_timing_ms(value) == ms
+
+
+def test_a_timed_head_becomes_the_records_server_ttft():
+    from toolkit.slo.metrics import REQUEST_METRICS
+    from toolkit.slo.openai_transport import HEADER_AT, HEADER_SERVER_MS, HEADER_TIER
+    from toolkit.slo.transport import ModelInfo, finish_record
+
+    info = ModelInfo(name="m", interface="chat", max_batch_size=0, inputs=set(), outputs=set())
+    rec = RequestRecord(index=0, scheduled_ns=0, sent_ns=1 * MS, requested_output_tokens=2)
+    rec.raw = [
+        (9 * MS, {HEADER_TIER: "primary", HEADER_SERVER_MS: 6.5, HEADER_AT: 9 * MS}),
+        (9 * MS, json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]}).encode()),
+        (12 * MS, json.dumps({"choices": [{"index": 0, "delta": {"content": "b"}}]}).encode()),
+    ]
+    rec.final_ns = 13 * MS
+    finish_record(rec, info, "openai")
+    assert rec.ttft_ms(from_sent=True) == pytest.approx(8)
+    assert REQUEST_METRICS["server_ttft"].values(rec) == [pytest.approx(6.5)]
+    assert REQUEST_METRICS["ttft_outside_server"].values(rec) == [pytest.approx(1.5)]  # network, queue, client
+    untimed = RequestRecord(index=1, scheduled_ns=0, sent_ns=0, requested_output_tokens=1, final_ns=5 * MS)
+    untimed.raw = [(2 * MS, {HEADER_TIER: "primary", HEADER_SERVER_MS: None, HEADER_AT: 2 * MS})]
+    finish_record(untimed, info, "openai")
+    assert untimed.server == {}
+
+
 def test_reports_show_outcomes_and_tiers(tmp_path):
     from toolkit.slo.loadgen import LoadPlan
     from toolkit.slo.report import markdown, outcome_line

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..slo.outcome import PRIMARY_TIER as PRIMARY
-from ..slo.outcome import TIER_FIELD, TIER_HEADER
+from ..slo.outcome import TIER_FIELD, TIER_HEADER, TIMING_HEADER, TIMING_METRIC
 from .admission import Estimator, PrefixCache
 from .config import FrontDoorConfig, config_from
 from .filter import Rules, TritonClassifier, check_request, filtered
@@ -64,7 +64,6 @@ from .triton import TritonBackend, TritonRefused, TritonStream, classify_refusal
 log = logging.getLogger("rtk.frontdoor")
 DEADLINE_HEADER = "x-rtk-ttft-deadline-ms"
 PREDICTED_HEADER = "x-rtk-predicted-ttft-ms"  # on the primary tier's answers: the admission's prediction
-TIMING_HEADER = "server-timing"  # frontdoor;dur=<ms from the handler's start to the response's head>
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -920,7 +919,7 @@ class _SSE(Response):
 
 
 def _timing(arrival: float) -> str:
-    return f"frontdoor;dur={(time.perf_counter() - arrival) * 1e3:.2f}"
+    return f"{TIMING_METRIC};dur={(time.perf_counter() - arrival) * 1e3:.2f}"
 
 
 def _stamp(resp, arrival: float) -> None:

@@ -18,7 +18,8 @@ Outcomes follow outcome.py: HTTP 429 and 503 are refusals (shed); a fallback tie
 :data:`~toolkit.slo.outcome.TIER_HEADER` response header or the final chunk's
 :data:`~toolkit.slo.outcome.TIER_FIELD` field is shed as well; any other status, an ``error``
 event or a broken stream is a failure.  ``OPENAI_API_KEY``, when set, is sent as a bearer token
-and never written anywhere.
+and never written anywhere.  A ``Server-Timing: frontdoor;dur=<ms>`` header (rtk's front door) becomes
+the record's server arrival → first token (``server_ttft``).
 """
 
 from __future__ import annotations
@@ -32,18 +33,26 @@ import uuid
 from typing import Any
 
 from ..errors import ServerError, UsageError
-from .outcome import TIER_FIELD, TIER_HEADER
+from .outcome import TIER_FIELD, TIER_HEADER, TIMING_HEADER, server_timing_ms
+from .records import ARRIVAL, FIRST_TOKEN
 from .transport import Decoded, HttpTransport, ModelInfo, Payload, now_ns
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-HEADER_TIER = "header_tier"  # key of the pseudo-payload that carries the tier header to the decoder
+# Keys of the pseudo-payload that carries the response's head to the decoder: the tier header, the front door's
+# own time to the head (Server-Timing) and when the head arrived here.
+HEADER_TIER, HEADER_SERVER_MS, HEADER_AT = "header_tier", "header_server_ms", "header_at"
 SESSION_PREFIX = "rtk-slo-"
 
 
 def decode_openai(info: ModelInfo, payload: Any, *, content: bool = True, stamps: bool = True) -> Decoded:
     """One SSE ``data:`` payload (or the tier header's pseudo-payload) → tokens, text, tier, usage."""
     if isinstance(payload, dict):
-        return Decoded(0, tier=payload.get(HEADER_TIER))
+        # A front door that times itself (rtk's: Server-Timing ``frontdoor;dur``) sends its head with the first
+        # token: its arrival → first token, placed on this clock so that only the difference is the server's.
+        ms = payload.get(HEADER_SERVER_MS)
+        at = payload.get(HEADER_AT)
+        found = {ARRIVAL: at - round(ms * 1e6), FIRST_TOKEN: at} if stamps and ms is not None and at else {}
+        return Decoded(0, tier=payload.get(HEADER_TIER), stamps=found)
     obj = json.loads(payload)
     usage = obj.get("usage") or {}
     total = usage.get("completion_tokens")
@@ -149,8 +158,10 @@ class OpenAITransport(HttpTransport):
                     text = await resp.text()
                     self._on_error(rid, now_ns(), f"HTTP {resp.status}: {text.strip()[:500]}", status=resp.status)
                     return
-                if tier is not None:
-                    self._on_response(rid, t, {HEADER_TIER: tier}, False)
+                server_ms = server_timing_ms(resp.headers.get(TIMING_HEADER))
+                if tier is not None or server_ms is not None:
+                    head = {HEADER_TIER: tier, HEADER_SERVER_MS: server_ms, HEADER_AT: t}
+                    self._on_response(rid, t, head, False)
                 async for line in resp.content:
                     t = now_ns()
                     if not line.startswith(b"data:"):

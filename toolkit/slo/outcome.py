@@ -25,6 +25,27 @@ TIER_HEADER = "x-rtk-tier"
 TIER_FIELD = "rtk_tier"
 PRIMARY_TIER = "primary"
 
+# The front door's own time from its handler's start to the response's head (W3C Server Timing,
+# ``Server-Timing: frontdoor;dur=<ms>``): on a streamed answer its time to the first token.
+TIMING_HEADER = "server-timing"
+TIMING_METRIC = "frontdoor"
+
+
+def server_timing_ms(value: str | None, metric: str = TIMING_METRIC) -> float | None:
+    """``metric``'s ``dur`` in milliseconds from a ``Server-Timing`` header value; None when it has none."""
+    for entry in (value or "").split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        if name != metric:
+            continue
+        for param in params:
+            key, _, v = param.partition("=")
+            if key.strip().lower() == "dur":
+                try:
+                    return float(v)
+                except ValueError:
+                    return None
+    return None
+
 
 def classify(
     *, finished: bool, error: str | None, status: int | None = None, tier: str | None = None, timed_out: bool = False
