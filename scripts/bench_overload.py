@@ -48,6 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from toolkit.slo.outcome import TIMING_HEADER, server_timing_ms  # noqa: E402
 from toolkit.triton import launch  # noqa: E402
 from toolkit.triton.server import free_ports  # noqa: E402
 
@@ -129,9 +130,8 @@ async def one(client, url, model, i, at, t0, *, max_tokens, deadline_ms=None, bo
             res.status, res.tier = r.status, r.headers.get("x-rtk-tier", "")
             if "x-rtk-predicted-ttft-ms" in r.headers:
                 res.predicted = float(r.headers["x-rtk-predicted-ttft-ms"]) / 1e3
-            timing = r.headers.get("server-timing", "")
-            if timing.startswith("frontdoor;dur="):
-                res.frontdoor = float(timing.removeprefix("frontdoor;dur=")) / 1e3
+            ms = server_timing_ms(r.headers.get(TIMING_HEADER))
+            res.frontdoor = None if ms is None else ms / 1e3
             if r.status != 200:
                 await r.read()
                 res.ttft = res.end = time.perf_counter() - start
