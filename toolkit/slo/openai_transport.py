@@ -45,7 +45,7 @@ SESSION_PREFIX = "rtk-slo-"
 
 
 def decode_openai(info: ModelInfo, payload: Any, *, content: bool = True, stamps: bool = True) -> Decoded:
-    """One SSE ``data:`` payload (or the tier header's pseudo-payload) → tokens, text, tier, usage."""
+    """One SSE ``data:`` payload (or the response head's pseudo-payload) → tokens, text, tier, usage, server stamps."""
     if isinstance(payload, dict):
         # A front door that times itself (rtk's: Server-Timing ``frontdoor;dur``) sends its head with the first
         # token: its arrival → first token, placed on this clock so that only the difference is the server's.
