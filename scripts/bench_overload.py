@@ -218,7 +218,7 @@ def main() -> int:
         default=None,
         help="offered rate in requests/s instead of --load x capacity (the same load for runs compared)",
     )
-    ap.add_argument("--deadline-ms", type=float, default=None, help="default: 2x the TTFT p50 at capacity")
+    ap.add_argument("--deadline-ms", type=float, default=None, help="default: 2x the TTFT p50 in the closed loop")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--capacity-requests", type=int, default=48, help="requests of the closed loop")
     ap.add_argument(
