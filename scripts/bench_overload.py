@@ -312,7 +312,7 @@ def search_capacity(args, t, url, model, deadline_ms, hint) -> tuple[float, list
         prompts.write_text(
             "".join(
                 json.dumps({"text": messages(i)[0]["content"], "output_tokens": args.output_tokens}) + "\n"
-                for i in range(10_000)
+                for i in range(args.search_requests + t.build.max_batch_size)  # each rate's requests and warm-up
             )
         )
         slo = SLOSpec(
