@@ -244,6 +244,21 @@ def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
     assert 115 <= next(p for p in rep.points if p.plan.value == 2).dist("e2e").p50 <= 170
 
 
+def test_search_looks_below_a_start_that_misses(server):
+    # The same bound from concurrency 4 (≈240 ms: a miss): the search halves to 2 (a pass), then bisects to 3.
+    slo = _slo(
+        model="serial60",
+        output_tokens=1,
+        num_requests=12,
+        warmup_requests=2,
+        objectives=[Objective(metric="e2e", stat="p50", max=170)],
+    )
+    rep = search_slo(slo, server.grpc_url, kind="concurrency", start=4, limit=8)
+    assert rep.best == 2, [(p.plan.value, p.dist("e2e").p50) for p in rep.points]
+    assert [p.plan.value for p in rep.points] == [2, 3, 4]
+    assert rep.status == "PASS" and not rep.notes
+
+
 def test_sweep_over_rates_writes_the_throughput_latency_plot(server, tmp_path):
     from toolkit.slo.report import write_sweep
 

@@ -133,7 +133,13 @@ def _slo_options(fn):
     help="Find the highest load meeting every objective (--start, --limit).",
 )
 @click.option("--values", help="Sweep loads, comma separated (e.g. 1,2,4,8).")
-@click.option("--start", type=float, default=1.0, show_default=True, help="Search: first load tried.")
+@click.option(
+    "--start",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Search: first load tried (doubled while it passes, halved while it misses).",
+)
 @click.option("--limit", type=float, default=64.0, show_default=True, help="Search: highest load tried.")
 @click.option(
     "--serve",

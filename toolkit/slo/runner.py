@@ -445,9 +445,10 @@ def search_slo(
 ) -> SweepReport:
     """The highest load (up to ``limit``) at which every objective passes.
 
-    Doubles from ``start`` while the verdict is PASS, then bisects between the last pass and the
-    first miss until they are within ``precision`` (relative; concurrency: 1).  A point that is
-    not PASS — FAIL or INCONCLUSIVE — counts as a miss.
+    Doubles from ``start`` while the verdict is PASS (halves while it misses, when ``start`` itself
+    misses), then bisects between the last pass and the first miss until they are within
+    ``precision`` (relative; concurrency: 1).  A point that is not PASS — FAIL or INCONCLUSIVE —
+    counts as a miss.  At most ``max_steps`` points are run.
     """
     if not 0 < start <= limit:
         raise UsageError(f"search needs 0 < start ({start}) ≤ limit ({limit})")
@@ -469,12 +470,16 @@ def search_slo(
     while len(tried) < max_steps:
         if probe(v):
             lo = v
-            if v >= limit:
+            if v >= limit or hi is not None:
                 break
             v = min(v * 2, limit)
         else:
             hi = v
-            break
+            if lo is not None:
+                break
+            v = v // 2 if kind == "concurrency" else v / 2  # the start missed: look below it
+            if v < 1 and kind == "concurrency":
+                break
     while lo is not None and hi is not None and len(tried) < max_steps:
         if (kind == "concurrency" and hi - lo <= 1) or (kind == "rate" and (hi - lo) / hi <= precision):
             break
@@ -485,7 +490,7 @@ def search_slo(
             hi = mid
     notes = []
     if lo is None:
-        notes.append(f"even the lowest load tried ({start:g}) missed an objective")
+        notes.append(f"even the lowest load tried ({min(p.plan.value for p in points):g}) missed an objective")
     elif hi is None:
         notes.append(f"every load up to the limit ({limit:g}) passed; raise the limit to find the edge")
     return SweepReport(kind=kind, points=sorted(points, key=lambda p: p.plan.value), search=True, best=lo, notes=notes)
