@@ -70,6 +70,12 @@ def test_several_instances_on_one_gpu_each_run_in_orchestrator_mode(tmp_path):
     assert "--cuda-memory-pool-byte-size=1:0" in argv and "--disable-auto-complete-config" in argv
 
 
+@pytest.mark.parametrize("target, niceness", [("cpu", 5), ("trt-engine", 0)])
+def test_a_repository_served_by_its_path_gets_its_targets_server_niceness(tmp_path, target, niceness):
+    # the manifest records no server-only field, so the target's default applies
+    assert launch.make_server(launch.resolve(emitted_repo(tmp_path, target))).niceness == niceness
+
+
 def test_a_repository_from_an_older_rtk_is_refused_with_what_to_rerun(tmp_path):
     repo = emitted_repo(tmp_path, "cpu", fmt=None)  # written before repository_format existed
     with pytest.raises(UsageError, match=r"repository format 1.*Re-run `rtk emit SPEC`"):
@@ -83,6 +89,8 @@ def test_server_only_settings_need_no_new_emit_but_repository_settings_do(tmp_pa
     path.write_text(yaml.safe_dump({**spec, "serving": {**spec["serving"], "http_port": 9100, "grpc_port": 9101}}))
     t = launch.resolve(path)
     assert (t.serving.http_port, t.serving.grpc_port) == (9100, 9101)
+    path.write_text(yaml.safe_dump({**spec, "serving": {**spec["serving"], "server_niceness": 2}}))
+    assert launch.make_server(launch.resolve(path)).niceness == 2
     path.write_text(yaml.safe_dump({**spec, "serving": {**spec["serving"], "default_max_tokens": 7}}))
     with pytest.raises(UsageError, match="other serving settings"):
         launch.resolve(path)

@@ -107,6 +107,20 @@ def test_serves_a_python_model_on_loopback_and_stops_cleanly(tmp_path):
         s.bind(("127.0.0.1", srv.http_port))
 
 
+def test_a_server_niceness_covers_tritonserver_its_stubs_and_its_autogroup(tmp_path):
+    repo = tmp_path / "repo"
+    write_echo_model(repo)
+    with running_server(repo, niceness=5) as srv:
+        pid = srv.process.pid
+        stubs = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        assert stubs, "the echo model's python stub"
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in (pid, *stubs)] == [5] * (1 + len(stubs))
+        group = Path(f"/proc/{pid}/autogroup")
+        if group.exists():  # the session's share against other sessions (the front door, clients)
+            assert group.read_text().split()[-1] == "5"
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the starter keeps its own
+
+
 def test_broken_repository_fails_fast_with_the_log_tail(tmp_path):
     repo = tmp_path / "repo"
     write_python_model(

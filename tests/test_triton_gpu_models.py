@@ -165,6 +165,14 @@ def test_each_target_has_queue_defaults_it_enforces():
     assert gpu_spec("llmapi").serving.max_queue_size is None
 
 
+def test_the_cpu_engine_yields_its_cores_to_the_front_door_by_default():
+    # serving.server_niceness: 5 where the engine shares the cores with the front door, 0 for GPU engines
+    assert [gpu_spec(t).serving.server_niceness for t in ("cpu", "trt-engine", "llmapi")] == [5, 0, 0]
+    assert gpu_spec("cpu", serving={"server_niceness": 0}).serving.server_niceness == 0
+    with pytest.raises(SpecError, match="server_niceness"):
+        gpu_spec("cpu", serving={"server_niceness": 20})
+
+
 # -- llmapi -------------------------------------------------------------------------------------
 
 

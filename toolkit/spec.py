@@ -530,6 +530,14 @@ class ServingSpec(Section, Endpoints):
         ge=1,
         description="refuse requests not scheduled within this time (cpu only: the GPU backends cannot enforce it)",
     )
+    server_niceness: int | None = Field(
+        None,
+        ge=0,
+        le=19,
+        description="CPU niceness of tritonserver and its model processes (their session's autogroup too): above 0, "
+        "the front door and clients on the same cores run first when the engine saturates them; default 5 on the "
+        "cpu target, 0 on GPU targets (docs/guard.md)",
+    )
     batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "V1"] = "inflight_fused_batching"
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     warmup: bool = Field(True, description="send warm-up requests at load so no user meets a cold start")
@@ -971,6 +979,8 @@ class Spec(Section):
                 raise _Rule(f"serving.{name}", f"the {b.target} target cannot enforce it: {why}")
         if s.max_queue_size is None and target.default_max_queue_size is not None:
             s.max_queue_size = target.default_max_queue_size
+        if s.server_niceness is None:
+            s.server_niceness = target.default_server_niceness
         if target.max_world_size is not None and b.world_size > target.max_world_size:
             raise _Rule("build.tp_size", f"the {b.target} target runs on one process; set tp_size and pp_size to 1")
         if b.kv_cache_blocks is not None:

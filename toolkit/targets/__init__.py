@@ -71,6 +71,9 @@ class Target:
     # serving settings the target cannot enforce -> why; the spec refuses them when set
     unenforceable: dict[str, str] = field(default_factory=dict)
     default_max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE
+    # serving.server_niceness when the spec leaves it unset: the cpu engine shares the cores with the front door
+    # and clients, which deliver its tokens and make its refusals (docs/guard.md, "Refusals under saturation")
+    default_server_niceness: int = 0
 
     def min_sm(self, fmt: str, kv: str) -> int:
         return max(MIN_SM[fmt], MIN_SM_KV[kv])
@@ -87,6 +90,7 @@ TARGETS: dict[str, Target] = {
         build=_call(".cpu", "build"),
         doctor_checks=_call("..doctor", "cpu_checks"),
         max_world_size=1,
+        default_server_niceness=5,
     ),
     "trt-engine": Target(
         name="trt-engine",

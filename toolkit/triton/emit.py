@@ -50,6 +50,7 @@ SERVER_ONLY_FIELDS = frozenset(
         "grpc_port",
         "metrics_port",
         "tritonserver",
+        "server_niceness",
         "repository",
         "frontend",
         "guard",

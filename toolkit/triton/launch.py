@@ -51,8 +51,10 @@ from .server import (
     _is_our_server,
     _wait_pid_gone,
     free_ports,
+    priority,
     read_states,
     run_dir,
+    set_priority,
     start_detached_group,
     stop_detached,
     stop_detached_all,
@@ -123,6 +125,8 @@ def resolve(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         serving = spec.serving
     engine = (manifest.get("inputs") or {}).get("engine_dir")
     target = TARGETS[manifest.get("target", build.target)]
+    if serving.server_niceness is None:  # a repository's record without it: the target's default
+        serving = serving.model_copy(update={"server_niceness": target.default_server_niceness})
     if target.ensemble and (repo / "ensemble").is_dir():
         (repo / "ensemble" / "1").mkdir(exist_ok=True)  # an empty directory a copy tool may have dropped
     return ServeTarget(
@@ -169,6 +173,7 @@ def make_server(
         metrics_port=metrics_port or ports[2],
         ready_timeout_s=ready_timeout_s,
         launch=t.launch(),
+        niceness=s.server_niceness or 0,
         # rtk writes complete configs; skipping auto-complete saves a stub start per python model.
         extra_args=["--disable-auto-complete-config"],
     )
@@ -387,14 +392,14 @@ def reload(
         server = make_server(t, host=old.host, free_ports=True, ready_timeout_s=ready_timeout_s)
         try:
             server.start(detach=True)
-            base = _priority(old.pid)
+            base = priority(old.pid)
             lower = [None if v is None else min(19, v + load_niceness) for v in base]
             # Only as root: setting the priority back is privileged.
-            lowered = load_niceness > 0 and os.geteuid() == 0 and _set_priority(server.process.pid, *lower)
+            lowered = load_niceness > 0 and os.geteuid() == 0 and set_priority(server.process.pid, *lower)
             server.wait_ready(models=t.models)
             _probe(server)
             if lowered:
-                _set_priority(server.process.pid, *base)
+                set_priority(server.process.pid, *base)
             if on_ready is not None:
                 on_ready(server)
         except BaseException as exc:
@@ -531,31 +536,6 @@ def _wait_drained(repository: Path, grpc_url: str, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _priority(pid: int) -> tuple[int, int | None]:
-    """A server's CPU priority: its niceness, and its autogroup's where the kernel has autogroups.
-
-    With autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) the scheduler first shares the CPU between
-    sessions, and a detached server runs in a session of its own, so only its autogroup's niceness ranks it
-    against the other server; a process's niceness counts only inside its own session."""
-    try:
-        group = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
-    except (OSError, ValueError, IndexError):
-        group = None
-    return os.getpriority(os.PRIO_PROCESS, pid), group
-
-
-def _set_priority(pgid: int, niceness: int, group: int | None) -> bool:
-    """Set the niceness of a server's process group (tritonserver and the python stubs it starts) and its
-    autogroup's."""
-    try:
-        os.setpriority(os.PRIO_PGRP, pgid, niceness)
-        if group is not None:
-            Path(f"/proc/{pgid}/autogroup").write_text(str(group))
-    except OSError:
-        return False
-    return True
 
 
 def _stop_pid(pid: int, timeout_s: float = 30.0) -> None:

@@ -312,6 +312,7 @@ class TritonServer(Endpoints):
         extra_args: Iterable[str] = (),
         ready_timeout_s: float = 120.0,
         launch: Launch | None = None,
+        niceness: int = 0,
     ):
         self.repository = Path(repository).resolve()
         self._binary = binary
@@ -336,6 +337,7 @@ class TritonServer(Endpoints):
         self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.launch = launch or Launch()
+        self.niceness = int(niceness)
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -422,6 +424,10 @@ class TritonServer(Endpoints):
             env=self.environment(),
             start_new_session=True,  # own session: Ctrl-C reaches us, and we stop the server in order
         )
+        if self.niceness > 0:  # before its models load: the stubs it starts inherit the niceness
+            pid = self.process.pid
+            if not set_priority(pid, self.niceness, self.niceness if priority(pid)[1] is not None else None):
+                log.warning("could not lower tritonserver's CPU priority to niceness %d", self.niceness)
         return self
 
     def is_ready(self) -> bool:
@@ -698,3 +704,30 @@ def stop_detached_all(repository: str | os.PathLike, timeout: float = 30.0) -> l
     with contextlib.suppress(OSError):
         state_path(repository).unlink()
     return running
+
+
+def priority(pid: int) -> tuple[int, int | None]:
+    """A server's CPU priority: its niceness, and its autogroup's where the kernel has autogroups.
+
+    With autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) the scheduler first shares the CPU between
+    sessions, and a server runs in a session of its own, so only its autogroup's niceness ranks it against the
+    processes of other sessions (the front door, a client, another server); a process's niceness counts only
+    inside its own session."""
+    try:
+        group = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        group = None
+    return os.getpriority(os.PRIO_PROCESS, pid), group
+
+
+def set_priority(pgid: int, niceness: int, group: int | None) -> bool:
+    """Set the niceness of a server's process group (tritonserver and the python stubs it starts) and its
+    autogroup's (``group``; None: leave it).  Raising a niceness needs no privilege, lowering one needs
+    CAP_SYS_NICE."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pgid, niceness)
+        if group is not None:
+            Path(f"/proc/{pgid}/autogroup").write_text(str(group))
+    except OSError:
+        return False
+    return True
