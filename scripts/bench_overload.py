@@ -2,8 +2,10 @@
 
     .venv/bin/python scripts/bench_overload.py SPEC|REPOSITORY [--duration 60] [--load 1.5 | --rate R] [--deadline-ms D]
 
-Starts tritonserver on the repository (free ports) and the front door as its own process
-(``python -m toolkit.frontdoor``), then, with this process as the client (aiohttp on the front door's kind of event
+Starts tritonserver on the repository (free ports, ``serving.server_niceness`` or ``--server-niceness``) and the
+front door as its own process in its own session (``python -m toolkit.frontdoor``, as ``rtk serve --detach`` does;
+one at a time: a plain one, then one with a cache tier, then one with a rule tier), then, with this process as the
+client (aiohttp on the front door's kind of event
 loop, uvloop's where it is installed; streamed chat requests, every latency measured from the request's
 *scheduled* send time, so this client's own lag counts against the server):
 
@@ -16,13 +18,17 @@ loop, uvloop's where it is installed; streamed chat requests, every latency meas
    on a shared host, so runs compared take one rate) for ``duration`` seconds, twice: without a deadline
    (the peer: every request queues) and with D as each request's deadline (``x-rtk-ttft-deadline-ms``).
    Goodput counts answers whose first token came within D.
-3. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
-4. fallback: the primary held busy by long requests; requests with deadline D answered by a rule tier.
+3. refusals under saturation: a closed loop of 2x ``build.max_batch_size`` streams, and beside it a request with a
+   1 ms deadline every ``--probe-period`` s for ``--probe-seconds`` (hundreds of refusals: a p99 that is not just
+   the slowest of a few dozen).
+4. cache: a deterministic request repeated; TTFT of the cache hits against the same request's first answer.
+5. fallback: the primary held busy by long requests; requests with deadline D answered by a rule tier.
 
 The overload phases also print this client's send lag (scheduled → sent), the refusal latency and served
 TTFT from the send, and both as the front door timed them (its ``Server-Timing`` header: from its handler's
 start to the response's head): on a 2-core host the client shares the cores with the engine and the front
 door, and a refusal the front door made in 4 ms can reach the table at 120 ms when the client sent it late.
+``--client-nice -10`` (where permitted) raises this client's CPU priority once the server and the front door run.
 
 Each phase also compares the admission's predicted TTFT (the ``x-rtk-predicted-ttft-ms`` header of every
 primary answer) with the TTFT measured here.  Prints one table with the host's load average; a benchmark,
@@ -199,7 +205,12 @@ def start_frontdoor(repo: Path, server, port: int, *sets: str) -> subprocess.Pop
         *(a for s in sets for a in ("--set", s)),
     ]
     p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,  # as rtk serve --detach starts it: its own session (and autogroup), not the client's
     )
     line = p.stdout.readline()
     if not line.startswith("ready"):
@@ -233,6 +244,27 @@ def main() -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--probe-seconds",
+        type=float,
+        default=30.0,
+        help="refusals under saturation: how long a must-refuse request is sent beside a saturating closed loop "
+        "(0: skip)",
+    )
+    ap.add_argument("--probe-period", type=float, default=0.05, help="seconds between the must-refuse requests")
+    ap.add_argument(
+        "--client-nice",
+        type=int,
+        default=None,
+        help="this client's niceness once the server and the front door run (e.g. -10: needs CAP_SYS_NICE); "
+        "default: unchanged",
+    )
+    ap.add_argument(
+        "--server-niceness",
+        type=int,
+        default=None,
+        help="serving.server_niceness for the server started (default: the spec's)",
+    )
+    ap.add_argument(
         "--frontdoor-set",
         action="append",
         default=[],
@@ -242,27 +274,27 @@ def main() -> int:
     args = ap.parse_args()
 
     t = launch.resolve(args.source)
+    if args.server_niceness is not None:
+        t.serving.server_niceness = args.server_niceness
     server = launch.make_server(t, free_ports=True)
     server.start()
     procs = []
     try:
         server.wait_ready(models=t.models)
-        p_plain, p_cache, p_rule = free_ports(3)
         sets = args.frontdoor_set
-        procs.append(start_frontdoor(t.repository, server, p_plain, *sets))
-        procs.append(start_frontdoor(t.repository, server, p_cache, *sets, "serving.guard.fallbacks=[{kind: cache}]"))
-        procs.append(
-            start_frontdoor(
-                t.repository,
-                server,
-                p_rule,
-                *sets,
-                "serving.guard.fallbacks=[{kind: rule, template: 'Busy right now.'}]",
-            )
-        )
-        plain, cached, ruled = (f"http://127.0.0.1:{p}" for p in (p_plain, p_cache, p_rule))
-        model = httpx.get(plain + "/v1/models").json()["data"][0]["id"]
-        rows = run_all(args, t, model, plain, cached, ruled)
+
+        def frontdoor(*more: str) -> str:
+            """Another front door on the server (one at a time: an idle one still polls Triton's gauges)."""
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+            procs.clear()
+            (port,) = free_ports(1)
+            procs.append(start_frontdoor(t.repository, server, port, *sets, *more))
+            return f"http://127.0.0.1:{port}"
+
+        rows = [client_priority(args.client_nice)]
+        rows += run_all(args, t, frontdoor)
     finally:
         for p in procs:
             p.terminate()
@@ -356,8 +388,88 @@ def search_capacity(args, t, url, model, deadline_ms, hint) -> tuple[float, list
     ]
 
 
-def run_all(args, t, model, plain, cached, ruled):
-    rows = []
+def client_priority(nice: int | None) -> tuple[str, str]:
+    """This client's niceness, set once the server and the front door run (each in a session of its own): a client
+    starved of CPU by the engine it saturates adds its own lag to every latency it measures.  Linux's niceness is a
+    thread's, so every thread's; with autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) the scheduler shares
+    the CPU between sessions first, so also this session's autogroup's.  A negative value needs CAP_SYS_NICE;
+    without it the client stays as it was."""
+    row = "this client's niceness (the server and the front door: the caller's, each in its own session)"
+    if nice is None:
+        return row, f"{os.getpriority(os.PRIO_PROCESS, 0)} (unchanged)"
+    try:
+        for task in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
+        group = Path("/proc/self/autogroup")
+        if group.exists() and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+            group.write_text(str(nice))
+            return row, f"{nice} (and its session's autogroup)"
+    except OSError as exc:
+        print(f"--client-nice {nice}: not applied ({exc.strerror}); the client keeps its niceness", flush=True)
+        return row, f"{os.getpriority(os.PRIO_PROCESS, 0)} (--client-nice {nice} not permitted)"
+    return row, f"{nice}"
+
+
+def refusal_probe(args, url: str, model: str, conc: int) -> list[tuple[str, str]]:
+    """Refusals under saturation, enough of them for a p99: a closed loop of 2x max_batch_size streams without a
+    deadline keeps the engine busy and a queue waiting, and beside it a request that no prediction can meet (a 1 ms
+    deadline) every ``--probe-period`` seconds.  The overload phases refuse a few dozen requests, so their p99 is
+    about their slowest one."""
+    period, seconds = args.probe_period, args.probe_seconds
+
+    async def go():
+        async with client_session() as client:
+            stop = asyncio.Event()
+
+            async def stream(i: int) -> None:
+                k = 0
+                while not stop.is_set():
+                    await one(
+                        client, url, model, 5000 + 100 * i + k, 0.0, time.perf_counter(), max_tokens=args.output_tokens
+                    )
+                    k += 1
+
+            loops = [asyncio.create_task(stream(i)) for i in range(2 * conc)]
+            await asyncio.sleep(2.0)  # the queue builds
+            t0 = time.perf_counter()
+            probes = await asyncio.gather(
+                *(
+                    one(client, url, model, 9000 + j, j * period, t0, max_tokens=args.output_tokens, deadline_ms=1)
+                    for j in range(int(seconds / period))
+                )
+            )
+            stop.set()
+            await asyncio.gather(*loops)
+            return probes
+
+    probes = run(go())
+    label = (
+        f"refusals under saturation ({2 * conc} streams in a closed loop, a request with a 1 ms deadline every "
+        f"{period * 1e3:.0f} ms for {seconds:.0f} s)"
+    )
+    statuses: dict[int, int] = {}
+    for r in probes:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    shed = [r for r in probes if r.status in (429, 503)]
+    rows = [(f"{label}: statuses", ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items())))]
+    if shed:
+        from_send = [r.ttft - r.sent for r in shed]
+        inside = [r.frontdoor for r in shed if r.frontdoor is not None]
+        rows += [
+            ("… refusal latency from the send p50 / p99 / max", ms3(from_send)),
+            ("… refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside) if inside else "—"),
+            ("… refusals over 50 ms from the send", f"{sum(x > 0.05 for x in from_send)} of {len(shed)}"),
+            ("… this client's send lag p50 / p99 / max", ms3([r.sent for r in probes])),
+        ]
+    print(rows[1] if shed else rows[0], flush=True)
+    return rows
+
+
+def run_all(args, t, frontdoor):
+    """The phases.  ``frontdoor(*settings)`` starts the front door a phase uses (and stops the one before)."""
+    plain = frontdoor()
+    model = httpx.get(plain + "/v1/models").json()["data"][0]["id"]
+    rows = [("serving.server_niceness (tritonserver and its models)", str(t.serving.server_niceness))]
     conc = t.build.max_batch_size
     run(closed_loop(plain, model, conc, conc, max_tokens=args.output_tokens))  # warm the path
     res, wall = run(closed_loop(plain, model, conc, args.capacity_requests, max_tokens=args.output_tokens))
@@ -434,7 +546,12 @@ def run_all(args, t, model, plain, cached, ruled):
                 rows.append((f"… {label}: refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside)))
         print(rows[-1], flush=True)
 
+    if args.probe_seconds > 0:
+        rows += refusal_probe(args, plain, model, conc)
+
     # Cache: the first answer from the engine, then hits.
+    cached = frontdoor("serving.guard.fallbacks=[{kind: cache}]")
+
     async def cache_run():
         async with client_session() as client:
             firsts, hits = [], []
@@ -479,6 +596,8 @@ def run_all(args, t, model, plain, cached, ruled):
     ]
 
     # Fallback: hold the primary busy with long requests, then ask with deadline D.
+    ruled = frontdoor("serving.guard.fallbacks=[{kind: rule, template: 'Busy right now.'}]")
+
     async def fallback_run():
         async with client_session() as client:
             now = time.perf_counter()
