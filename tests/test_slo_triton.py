@@ -227,17 +227,20 @@ def test_stall_without_cap_queues_in_the_server_and_shows_in_server_stamps(serve
     assert rep.verdict.status == "FAIL"
 
 
-def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
-    # One request at a time, 60 ms each: E2E ≈ concurrency × 60 ms in a closed loop.  The bound
-    # leaves 50 ms for a busy host at concurrency 2; concurrency 3 (≈180 ms) can only miss it.
-    slo = _slo(
+def _serial60_slo():
+    """One request at a time, 60 ms each: E2E ≈ concurrency × 60 ms in a closed loop.  The bound leaves 50 ms for a
+    busy host at concurrency 2; concurrency 3 (≈180 ms) can only miss it."""
+    return _slo(
         model="serial60",
         output_tokens=1,
         num_requests=12,
         warmup_requests=2,
         objectives=[Objective(metric="e2e", stat="p50", max=170)],
     )
-    rep = search_slo(slo, server.grpc_url, kind="concurrency", start=1, limit=8)
+
+
+def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
+    rep = search_slo(_serial60_slo(), server.grpc_url, kind="concurrency", start=1, limit=8)
     assert rep.best == 2, [(p.plan.value, p.dist("e2e").p50) for p in rep.points]
     assert [p.plan.value for p in rep.points] == [1, 2, 3, 4]
     assert rep.status == "PASS" and rep.exit_code == 0
@@ -246,14 +249,7 @@ def test_search_finds_the_highest_concurrency_meeting_the_objective(server):
 
 def test_search_looks_below_a_start_that_misses(server):
     # The same bound from concurrency 4 (≈240 ms: a miss): the search halves to 2 (a pass), then bisects to 3.
-    slo = _slo(
-        model="serial60",
-        output_tokens=1,
-        num_requests=12,
-        warmup_requests=2,
-        objectives=[Objective(metric="e2e", stat="p50", max=170)],
-    )
-    rep = search_slo(slo, server.grpc_url, kind="concurrency", start=4, limit=8)
+    rep = search_slo(_serial60_slo(), server.grpc_url, kind="concurrency", start=4, limit=8)
     assert rep.best == 2, [(p.plan.value, p.dist("e2e").p50) for p in rep.points]
     assert [p.plan.value for p in rep.points] == [2, 3, 4]
     assert rep.status == "PASS" and not rep.notes
