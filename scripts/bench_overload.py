@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,6 +411,15 @@ def client_priority(nice: int | None) -> tuple[str, str]:
     return row, f"{nice}"
 
 
+def refusal_rows(prefix: str, shed: list[Result]) -> list[tuple[str, str]]:
+    """The refusals' latency from this client's send, and the front door's own (``Server-Timing``) where it sent it."""
+    rows = [(f"{prefix} refusal latency from the send p50 / p99 / max", ms3([r.ttft - r.sent for r in shed]))]
+    inside = [r.frontdoor for r in shed if r.frontdoor is not None]
+    if inside:
+        rows.append((f"{prefix} refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside)))
+    return rows
+
+
 def refusal_probe(args, url: str, model: str, conc: int) -> list[tuple[str, str]]:
     """Refusals under saturation, enough of them for a p99: a closed loop of 2x max_batch_size streams without a
     deadline keeps the engine busy and a queue waiting, and beside it a request that no prediction can meet (a 1 ms
@@ -447,18 +457,13 @@ def refusal_probe(args, url: str, model: str, conc: int) -> list[tuple[str, str]
         f"refusals under saturation ({2 * conc} streams in a closed loop, a request with a 1 ms deadline every "
         f"{period * 1e3:.0f} ms for {seconds:.0f} s)"
     )
-    statuses: dict[int, int] = {}
-    for r in probes:
-        statuses[r.status] = statuses.get(r.status, 0) + 1
+    statuses = Counter(r.status for r in probes)
     shed = [r for r in probes if r.status in (429, 503)]
     rows = [(f"{label}: statuses", ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items())))]
     if shed:
-        from_send = [r.ttft - r.sent for r in shed]
-        inside = [r.frontdoor for r in shed if r.frontdoor is not None]
+        rows += refusal_rows("…", shed)
         rows += [
-            ("… refusal latency from the send p50 / p99 / max", ms3(from_send)),
-            ("… refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside) if inside else "—"),
-            ("… refusals over 50 ms from the send", f"{sum(x > 0.05 for x in from_send)} of {len(shed)}"),
+            ("… refusals over 50 ms from the send", f"{sum(r.ttft - r.sent > 0.05 for r in shed)} of {len(shed)}"),
             ("… this client's send lag p50 / p99 / max", ms3([r.sent for r in probes])),
         ]
     print(rows[1] if shed else rows[0], flush=True)
@@ -537,13 +542,8 @@ def run_all(args, t, frontdoor):
             if heads:
                 rows.append((f"… {label}: served TTFT in the front door (Server-Timing) p50 / p99 / max", ms3(heads)))
         if shed:
-            rows += [
-                (f"… {label}: refusal latency p50 / p99 / max", ms3([r.ttft for r in shed])),
-                (f"… {label}: refusal latency from the send p50 / p99 / max", ms3([r.ttft - r.sent for r in shed])),
-            ]
-            inside = [r.frontdoor for r in shed if r.frontdoor is not None]
-            if inside:
-                rows.append((f"… {label}: refusal in the front door (Server-Timing) p50 / p99 / max", ms3(inside)))
+            rows.append((f"… {label}: refusal latency p50 / p99 / max", ms3([r.ttft for r in shed])))
+            rows += refusal_rows(f"… {label}:", shed)
         print(rows[-1], flush=True)
 
     if args.probe_seconds > 0:
