@@ -255,6 +255,14 @@ def test_search_looks_below_a_start_that_misses(server):
     assert rep.status == "PASS" and not rep.notes
 
 
+def test_search_does_not_look_below_an_inconclusive_start(server):
+    # 12 requests cannot give a p99 (INCONCLUSIVE at any load): one point, and the search says so.
+    slo = _serial60_slo().model_copy(update={"objectives": [Objective(metric="e2e", stat="p99", max=170)]})
+    rep = search_slo(slo, server.grpc_url, kind="concurrency", start=4, limit=8)
+    assert [p.plan.value for p in rep.points] == [4] and rep.best is None
+    assert rep.points[0].verdict.status == "INCONCLUSIVE" and "missed" in rep.notes[0]
+
+
 def test_sweep_over_rates_writes_the_throughput_latency_plot(server, tmp_path):
     from toolkit.slo.report import write_sweep
 

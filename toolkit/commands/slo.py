@@ -138,7 +138,7 @@ def _slo_options(fn):
     type=float,
     default=1.0,
     show_default=True,
-    help="Search: first load tried (doubled while it passes, halved while it misses).",
+    help="Search: first load tried (doubled while it passes, halved while it fails).",
 )
 @click.option("--limit", type=float, default=64.0, show_default=True, help="Search: highest load tried.")
 @click.option(

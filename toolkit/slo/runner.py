@@ -445,8 +445,8 @@ def search_slo(
 ) -> SweepReport:
     """The highest load (up to ``limit``) at which every objective passes.
 
-    Doubles from ``start`` while the verdict is PASS (halves while it misses, when ``start`` itself
-    misses), then bisects between the last pass and the first miss until they are within
+    Doubles from ``start`` while the verdict is PASS (halves while it is FAIL, when ``start`` itself
+    fails), then bisects between the last pass and the first miss until they are within
     ``precision`` (relative; concurrency: 1).  A point that is not PASS — FAIL or INCONCLUSIVE —
     counts as a miss.  At most ``max_steps`` points are run.
     """
@@ -475,9 +475,11 @@ def search_slo(
             v = min(v * 2, limit)
         else:
             hi = v
-            if lo is not None:
+            # A start that failed: look below it.  An INCONCLUSIVE one (too few samples for a percentile, a lagging
+            # client) would not become conclusive lower down, where each point takes longer.
+            if lo is not None or points[-1].verdict.status != FAIL:
                 break
-            v = v // 2 if kind == "concurrency" else v / 2  # the start missed: look below it
+            v = v // 2 if kind == "concurrency" else v / 2
             if v < 1 and kind == "concurrency":
                 break
     while lo is not None and hi is not None and len(tried) < max_steps:
