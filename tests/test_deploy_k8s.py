@@ -27,6 +27,7 @@ from toolkit.deploy.launch import pod_spec, triton_command
 from toolkit.deploy.layout import KUBERNETES_VERSIONS, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
 from toolkit.errors import SpecError
 from toolkit.spec import load_spec, spec_from_dict
+from toolkit.targets import TARGETS
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 CRDS = Path(__file__).parent / "data" / "k8s"
@@ -314,11 +315,32 @@ def test_leader_runs_rtks_mpi_launch_over_the_group(bundles):
     assert "sshd" in worker["command"][2]
 
 
+@pytest.mark.parametrize("case", ["trt-tp2-s3-keda", "trt-tp8pp2-lws-hpa"])
+def test_gpu_pod_starts_the_server_at_the_specs_niceness(case):
+    """GPU targets default to niceness 0 (the command as is); a spec's own niceness starts the server (or the leader's
+    mpirun) under ``nice``, as rtk serve sets it after the start."""
+
+    def server(spec):
+        (c,) = [c for c in _pod_templates(render(spec))[0][1]["spec"]["containers"] if c["name"] == "server"]
+        return c
+
+    data = copy.deepcopy(CASES[case])
+    c = server(spec_from_dict(data))
+    assert "nice" not in c["command"][:1] and "nice -n" not in " ".join(c["command"])
+    data.setdefault("serving", {})["server_niceness"] = 3
+    spec = spec_from_dict(data)
+    c = server(spec)
+    argv, _ = triton_command(pod_spec(spec))
+    if c["command"][:2] == ["bash", "-c"]:  # a multi-node leader: exec nice -n 3 mpirun ...
+        assert "\nexec nice -n 3 mpirun " in c["command"][2]
+    else:
+        assert c["command"] == ["nice", "-n", "3", *argv]
+
+
 @pytest.mark.parametrize("case", ["trt-tp2-s3-keda", "trt-tp8pp2-lws-hpa", "trt-instances-custom", "llmapi-none-gs"])
 def test_pod_command_is_the_one_rtk_serve_runs(case):
     """The pod runs what ``rtk serve`` would run for the same repository (toolkit.triton.launch.make_server),
     with the NGC image's binary."""
-    from toolkit.targets import TARGETS
     from toolkit.triton import launch
     from toolkit.triton.server import TritonBinary
 
@@ -345,6 +367,8 @@ def test_cpu_pod_serves_the_spec_from_its_configmap(bundles):
     served = spec_from_dict(yaml.safe_load(cm["data"]["spec.yaml"]))
     assert served.serving.host == "0.0.0.0" and served.serving.repository == "/models/triton_repo/smollm2-cpu"
     assert served.serving.frontend.host == "127.0.0.1"  # not exposed without its keys from a Secret
+    # rtk serve in the pod ranks tritonserver below its front door, as on a host (the cpu target's default).
+    assert served.serving.server_niceness == TARGETS["cpu"].default_server_niceness > 0
     (c,) = _pod_templates(bundle)[0][1]["spec"]["containers"]
     assert c["command"][:3] == ["rtk", "serve", "/etc/rtk/spec.yaml"]
     # rtk serve writes its log and state to a writable emptyDir, not beside the (read-only) repository.

@@ -60,9 +60,11 @@ def server_command(spec: Spec, layout: Layout) -> tuple[list[str], dict[str, str
     if layout.target == "cpu":
         return ["rtk", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--timeout", str(spec.deploy.startup_timeout_s)], {}
     argv, env = triton_command(pod_spec(spec))
+    # rtk serve sets the niceness after the start (TritonServer(niceness=)); the pod starts the server under it.
+    nice = ["nice", "-n", str(spec.serving.server_niceness)] if spec.serving.server_niceness else []
     if not layout.multi_node:
-        return argv, env
-    return ["bash", "-c", leader_script(argv, layout)], env
+        return [*nice, *argv], env
+    return ["bash", "-c", leader_script(argv, layout, nice)], env
 
 
 def triton_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
@@ -84,13 +86,15 @@ def triton_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     return server.command(), dict(launch.env)
 
 
-def leader_script(argv: list[str], layout: Layout) -> str:
-    """Wait for every worker's sshd, then ``exec`` rtk's mpirun line with the group's hosts."""
+def leader_script(argv: list[str], layout: Layout, nice: list[str] | None = None) -> str:
+    """Wait for every worker's sshd, then ``exec`` rtk's mpirun line with the group's hosts (under ``nice``: the
+    leader's ranks; the workers' ranks, started by sshd, keep their niceness)."""
     assert argv[0] == "mpirun"
     flags = [a for a in argv[1:] if a == "--allow-run-as-root"]
     programs = argv[1 + len(flags) :]
     ssh = f"ssh -p {SSH_PORT} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
     mpirun = [
+        *(nice or []),
         "mpirun",
         *flags,
         "--host",
