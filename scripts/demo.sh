@@ -9,9 +9,9 @@
 # through the fused layers"; `rtk doctor --target cpu` says which path a host gets), with its down
 # projections W8A16: with their inputs quantized too, SmolLM2 answers "France" for the capital of
 # France (docs/engine.md, "INT8-SQ's down projections as W8A16"); and with a 45 ms time budget for
-# steps in which someone decodes, prompt chunks in 8-token units, so that a newcomer's prompt chunk
-# beside the decoding streams stays inside the gate's ITL p99 whatever the host's speed of the hour
-# (docs/engine.md, "A step budget in time").
+# steps in which someone decodes (instead of the example's step_budget_ratio), prompt chunks in 8-token units,
+# so that a newcomer's prompt chunk beside the decoding streams stays inside the gate's ITL p99 whatever the
+# host's speed of the hour (docs/engine.md, "A step budget in time").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RTK=.venv/bin/rtk
@@ -24,7 +24,7 @@ elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
        "W8A16), steps of at most 45 ms"
   ARGS=(--set quantization.format=int8_sq --set quantization.quantize_lm_head=true
         --set 'quantization.weight_only_modules=[down_proj]' --set build.max_num_tokens=32
-        --set build.context_chunk_unit=8 --set build.step_budget_ms=45)
+        --set build.context_chunk_unit=8 --set build.step_budget_ms=45 --set build.step_budget_ratio=null)
 fi
 # The example's objectives were measured on an AVX512-BF16 host without AMX (AMD Zen 4) and hold on an Intel AMX
 # host (docs/engine.md, "The main job's gate on the AMX host"); without AVX512-BF16 the gate is the one measured
