@@ -174,7 +174,7 @@ class BuildSpec(Section):
         "predicted time of its decode rows alone: prompt chunks are cut so the step stays within it, at least one "
         "attention unit a step. Bounds the ITL tail against the ITL median at any load: a step with prompt rows "
         "takes about this multiple of a decode step, so ITL p99/p50 lands near it plus the host's spread (the "
-        "example's 1.6: 1.3-1.7 at 4 and 8 streams); with step_budget_ms too, the smaller budget applies "
+        "example's 1.6: 1.3-2.0 at 4 and 8 streams); with step_budget_ms too, the smaller budget applies "
         "(docs/engine.md, 'A step budget relative to the decode step', 'A ratio budget in the example')",
     )
     prompt_backlog_steps: int | None = Field(
