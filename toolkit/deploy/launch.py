@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -86,7 +87,7 @@ def triton_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     return server.command(), dict(launch.env)
 
 
-def leader_script(argv: list[str], layout: Layout, nice: list[str] | None = None) -> str:
+def leader_script(argv: list[str], layout: Layout, nice: Sequence[str] = ()) -> str:
     """Wait for every worker's sshd, then ``exec`` rtk's mpirun line with the group's hosts (under ``nice``: the
     leader's ranks; the workers' ranks, started by sshd, keep their niceness)."""
     assert argv[0] == "mpirun"
@@ -94,7 +95,7 @@ def leader_script(argv: list[str], layout: Layout, nice: list[str] | None = None
     programs = argv[1 + len(flags) :]
     ssh = f"ssh -p {SSH_PORT} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
     mpirun = [
-        *(nice or []),
+        *nice,
         "mpirun",
         *flags,
         "--host",
