@@ -5,13 +5,13 @@
 # With no SPEC argument it runs examples/smollm2-cpu.yaml: FP8 weights on a CPU with native bf16
 # (AVX512-BF16). A CPU without it (AVX2, or AVX512 without BF16) computes in float32, where the FP8 build misses the
 # example's gate; there the example is built as INT8-SQ with its LM head quantized, whose products
-# are integer and which meets the gate on a quiet 2-core AVX2 host (docs/engine.md, "Prompt rows
+# are integer and which meets the gate on a quiet 2-core AVX2 host (docs/engine-measurements.md, "Prompt rows
 # through the fused layers"; `rtk doctor --target cpu` says which path a host gets), with its down
 # projections W8A16: with their inputs quantized too, SmolLM2 answers "France" for the capital of
-# France (docs/engine.md, "INT8-SQ's down projections as W8A16"); and with a 45 ms time budget for
+# France (docs/engine-measurements.md, "INT8-SQ's down projections as W8A16"); and with a 45 ms time budget for
 # steps in which someone decodes (instead of the example's step_budget_ratio), prompt chunks in 8-token units,
 # so that a newcomer's prompt chunk beside the decoding streams stays inside the gate's ITL p99 whatever the
-# host's speed of the hour (docs/engine.md, "A step budget in time").
+# host's speed of the hour (docs/engine-measurements.md, "A step budget in time").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RTK=.venv/bin/rtk
@@ -27,8 +27,8 @@ elif ! grep -qw avx512_bf16 /proc/cpuinfo; then
         --set build.context_chunk_unit=8 --set build.step_budget_ms=45 --set build.step_budget_ratio=null)
 fi
 # The example's objectives were measured on an AVX512-BF16 host without AMX (AMD Zen 4) and hold on an Intel AMX
-# host (docs/engine.md, "The main job's gate on the AMX host"); without AVX512-BF16 the gate is the one measured
-# before (examples/smollm2-cpu.yaml, docs/engine.md "The main job's gate")
+# host (docs/engine-measurements.md, "The main job's gate on the AMX host"); without AVX512-BF16 the gate is the one measured
+# before (examples/smollm2-cpu.yaml, docs/engine-measurements.md "The main job's gate")
 SLO_ARGS=()
 if [ $# -eq 0 ] && ! grep -qw avx512_bf16 /proc/cpuinfo; then
   SLO_ARGS=(--objective 'ttft:p99<=680' --objective 'itl:p99<=75' --objective 'error_rate<=0.001')

@@ -41,7 +41,7 @@ TINY_CONFIG = dict(
 def gemv_rounds_its_own_way() -> bool:
     """Whether rtk's bf16 GEMV rounds apart from oneDNN's one-row kernel here (oneDNN's AMX kernel, Intel
     Sapphire Rapids and later): the engine's bf16 decode rows are then not transformers' bits, but within the
-    GEMV's tolerance (docs/engine.md, "Intel CPUs with AMX")."""
+    GEMV's tolerance (docs/engine-measurements.md, "Intel CPUs with AMX")."""
     import torch
 
     from toolkit.runtime import kernels

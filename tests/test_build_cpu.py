@@ -109,7 +109,8 @@ def test_a_served_engine_takes_every_core_unless_the_spec_says(tmp_path, tiny_ll
         ).path
         assert load_engine(unset).config.num_threads is None  # the engine alone: torch's default, all cores
         served = load_engine(unset, served=True)
-        # served: every core for every step (one OpenMP pool, docs/engine.md); the step kinds' own counts unset
+        # served: every core for every step (docs/engine-measurements.md, "One OpenMP pool"); the step kinds' own
+        # counts unset
         assert served.config.num_threads == cores and torch.get_num_threads() == cores
         assert served.config.follow_free_cores  # fewer while other processes take cores (test_runtime_free_cores)
         assert (served.config.prefill_threads, served.config.lone_decode_threads) == (None, None)

@@ -181,7 +181,7 @@ def test_doctor_says_how_the_cpu_engine_computes_from_the_cpus_flags():
     assert "INT4-AWQ prompt rows in AMX's int8 tiles" in amx_int8.found and "decode_batching" in amx_int8.found
     zen3 = engine_check(["avx2", "fma"])
     assert zen3.status == "warn" and "float32" in zen3.found and "AVX2 kernels" in zen3.found
-    assert "int8_sq" in zen3.fix and "docs/engine.md" in zen3.fix and "VNNI" not in zen3.found
+    assert "int8_sq" in zen3.fix and "docs/engine-measurements.md" in zen3.fix and "VNNI" not in zen3.found
     ice_lake = engine_check(["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"])
     assert ice_lake.status == "warn" and "float32" in ice_lake.found and "VNNI" in ice_lake.found
     assert "oneDNN's int8 GEMM" in ice_lake.found and ice_lake.fix == zen3.fix

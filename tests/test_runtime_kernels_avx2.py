@@ -546,8 +546,8 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     weight-only projections (the INT8 head; INT4's head and layers) run integer products over inputs quantized
     per block of 32, the logits stay within that quantization's reach of the dense float32 path (the export's
     arithmetic), every greedy token is that path's best or within that reach of it (the random model has
-    near-ties; the real model's chat replies are checked in docs/engine.md), and the perplexity is the quality
-    report's within the issue's 0.5 %."""
+    near-ties; the real model's chat replies are checked in docs/engine-measurements.md), and the perplexity is the
+    quality report's within the issue's 0.5 %."""
     import json
 
     from conftest import spec_for

@@ -57,7 +57,8 @@ def test_greedy_chat_replies_match_transformers_alone_and_batched(smollm2_dir, t
         pytest.skip(
             "an AVX512 CPU without AVX512-BF16: oneDNN's bf16 there converts to float32, and the engine's bf16 "
             "calls round apart from transformers' (with oneDNN's packed weights or without): one reply of four "
-            "parts after 10 tokens; the engine computes in float32 here (docs/engine.md, 'AVX512 without bf16')"
+            "parts after 10 tokens; the engine computes in float32 here (docs/engine-measurements.md, 'AVX512 without "
+            "bf16')"
         )
 
     hf = transformers_model(smollm2_dir, dtype=getattr(torch, dtype))  # float32 attention, as the engine's default

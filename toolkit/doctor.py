@@ -269,24 +269,24 @@ def _cpu_engine(host: HostInfo) -> Check:
     need = "AVX512-BF16 + AVX512-VBMI (AMD Zen 4+, Intel Sapphire Rapids+): bf16 compute with rtk's kernels"
     vnni = set(VNNI_KERNEL_FLAGS) <= flags
     integer = (
-        "; INT8-SQ / INT4-AWQ exports compute in float32 with rtk's VNNI integer products (docs/engine.md, "
-        "'The engine's dtype on AVX512-VNNI hosts')"
+        "; INT8-SQ / INT4-AWQ exports compute in float32 with rtk's VNNI integer products "
+        "(docs/engine-measurements.md, 'The engine's dtype on AVX512-VNNI hosts')"
         if vnni
         else ""
     )
     if vnni and set(AMX_INT8_FLAGS) <= flags:
         integer += (
             "; INT4-AWQ prompt rows in AMX's int8 tiles, and decode rows too in steps of 8 rows or more "
-            "(`build.decode_batching: auto` takes `full` there; docs/engine.md, 'INT4-AWQ prompt rows in AMX's int8 "
-            "tiles')"
+            "(`build.decode_batching: auto` takes `full` there; docs/engine-measurements.md, 'INT4-AWQ prompt rows in "
+            "AMX's int8 tiles')"
         )
     if set(BF16_KERNEL_FLAGS) <= flags and set(AMX_BF16_FLAGS) <= flags:
         return Check(
             "CPU engine",
             "ok",
             "AVX512-BF16 + VBMI + AMX: bf16, rtk's kernels in AMX's bf16 tiles, every row with oneDNN's bits "
-            "(RTK_AMX=0: the AVX512 GEMV, rounding apart from oneDNN's AMX kernel; docs/engine.md, 'rtk's GEMVs in "
-            "AMX's bf16 tiles')" + integer,
+            "(RTK_AMX=0: the AVX512 GEMV, rounding apart from oneDNN's AMX kernel; docs/engine-measurements.md, 'rtk's "
+            "GEMVs in AMX's bf16 tiles')" + integer,
             need,
         )
     if set(BF16_KERNEL_FLAGS) <= flags:
@@ -304,17 +304,18 @@ def _cpu_engine(host: HostInfo) -> Check:
             "`quantization.weight_only_modules: [down_proj]`): its projections run as integer products and whole "
             "steps through rtk's fused layers; with `build.step_budget_ms: 45`, `build.context_chunk_unit: 8`, "
             "`build.max_num_tokens: 32` it held the example's ITL objective in every run on a 2-core AVX2 host, and "
-            "missed its TTFT one in slow hours on the load's opening wave (docs/engine.md, 'Prompt rows through the "
-            "fused layers', 'A step budget in time'); the down projections' inputs unquantized keep SmolLM2's "
-            "answers (docs/engine.md, 'INT8-SQ's down projections as W8A16'); the example's FP8 export was measured "
-            "on an AVX512-BF16 host",
+            "missed its TTFT one in slow hours on the load's opening wave (docs/engine-measurements.md, 'Prompt rows "
+            "through the fused layers', 'A step budget in time'); the down projections' inputs unquantized keep "
+            "SmolLM2's answers (docs/engine-measurements.md, 'INT8-SQ's down projections as W8A16'); the example's FP8 "
+            "export was measured on an AVX512-BF16 host",
         )
     return Check(
         "CPU engine",
         "warn",
         "no AVX2: float32 compute, torch's operators only",
         need,
-        "expect several times the latency of an AVX2 or AVX512 host (docs/engine.md, 'CPUs without native bf16')",
+        "expect several times the latency of an AVX2 or AVX512 host (docs/engine-measurements.md, 'CPUs without native "
+        "bf16')",
     )
 
 
@@ -330,7 +331,7 @@ def _huge_pages(host: HostInfo) -> Check:
         f"transparent huge pages: {mode or 'not offered by this kernel'}",
         need,
         "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled (decode 6-17 % slower on 4 KiB pages "
-        "on an AVX2 host; docs/engine.md, 'Decode attention read in place, and 2 MiB pages')",
+        "on an AVX2 host; docs/engine-measurements.md, 'Decode attention read in place, and 2 MiB pages')",
     )
 
 

@@ -64,7 +64,7 @@ def modelopt_config(
     layers' format: W4A16 AWQ under int4_awq, W8A16 under int8_sq (ModelOpt then exports MIXED_PRECISION).
     Its input stays unquantized: on SmolLM2-135M an INT8-SQ head with its static per-tensor input scale
     raised the export's perplexity increase from 6.8 % to 10.3 % (FP8: 2.0 % to 4.6 %), the weight-only
-    INT8 head by nothing measurable (docs/engine.md).  A blanket ``*lm_head*`` entry would also enable
+    INT8 head by nothing measurable (docs/engine-measurements.md).  A blanket ``*lm_head*`` entry would also enable
     the output quantizer, and the export would then claim an INT8 KV cache.
 
     ``weight_only_modules``: int8_sq layers whose input quantizer is turned off (``*<name>*input_quantizer``), so

@@ -90,7 +90,7 @@ class QuantizationSpec(Section):
         description="quality gate on how far the export's next-token distributions moved: the largest allowed mean "
         "KL divergence from the unquantized model's per held-out position (quality.json kl_divergence.mean); off "
         "by default. On SmolLM2-135M: FP8 0.049, INT8-SQ 0.081 (the export that answered 'France'), INT8-SQ with "
-        "W8A16 down projections 0.034 (docs/engine.md)",
+        "W8A16 down projections 0.034 (docs/engine-measurements.md)",
     )
     eval_samples: int = Field(32, ge=1, le=1024, description="held-out texts for the perplexity report")
     quantize_lm_head: bool = Field(
@@ -107,7 +107,7 @@ class QuantizationSpec(Section):
         "W8A16 (int8 weights, a scale per output channel) among W8A8 layers; ModelOpt's input_quantizer of "
         "*<name>* off, exported as MIXED_PRECISION. SmoothQuant's one static input scale per layer clips the "
         "down projections' activation outliers: SmolLM2-135M's INT8-SQ export answered 'France' for the capital "
-        "of France until its down_proj stayed W8A16 (docs/engine.md)",
+        "of France until its down_proj stayed W8A16 (docs/engine-measurements.md)",
     )
 
     @field_validator("weight_only_modules")
@@ -165,7 +165,7 @@ class BuildSpec(Section):
         description="cpu: a time budget for engine steps in which a request is generating: prompt chunks are "
         "cut so the step's predicted time (fitted to the last steps' measured times) stays within it, at least "
         "one attention unit a step. Set it below the ITL p99 objective; max_num_tokens still caps the rows "
-        "(docs/engine.md, 'A step budget in time')",
+        "(docs/engine-measurements.md, 'A step budget in time')",
     )
     step_budget_ratio: float | None = Field(
         None,
@@ -175,7 +175,7 @@ class BuildSpec(Section):
         "attention unit a step. Bounds the ITL tail against the ITL median at any load: a step with prompt rows "
         "takes about this multiple of a decode step, so ITL p99/p50 lands near it plus the host's spread (the "
         "example's 1.6: 1.3-2.0 at 4 and 8 streams); with step_budget_ms too, the smaller budget applies "
-        "(docs/engine.md, 'A step budget relative to the decode step', 'A ratio budget in the example')",
+        "(docs/engine-measurements.md, 'A step budget relative to the decode step', 'A ratio budget in the example')",
     )
     prompt_backlog_steps: int | None = Field(
         None,
@@ -183,8 +183,8 @@ class BuildSpec(Section):
         description="cpu: under step_budget_ms or step_budget_ratio, a step with a request generating still takes "
         "the prompt tokens waiting divided by this many steps (in whole attention units), so prompts that arrive "
         "faster than the budget's cut lets through wait about this many steps instead of queueing behind a unit a "
-        "step (TTFT at 8 streams under a ratio budget); 0: the cut alone; default 6 (docs/engine.md, 'A floor "
-        "under the step budget')",
+        "step (TTFT at 8 streams under a ratio budget); 0: the cut alone; default 6 (docs/engine-measurements.md, 'A "
+        "floor under the step budget')",
     )
     context_chunk_unit: int | None = Field(
         None,
@@ -242,7 +242,8 @@ class BuildSpec(Section):
         description="cpu: the dtype the engine computes in (its activations, K/V cache and prompt-row GEMMs); the "
         "weights stay as exported. auto = float32 where the CPU has no native bf16, and for INT8-SQ / INT4-AWQ / "
         "W8A16 exports where rtk's integer products run (AVX512-VNNI), which only a float32 engine calls; else "
-        "bfloat16 (docs/engine.md, 'The engine's dtype on AVX512-VNNI hosts'). float32 holds twice the K/V bytes",
+        "bfloat16 (docs/engine-measurements.md, 'The engine's dtype on AVX512-VNNI hosts'). float32 holds twice the "
+        "K/V bytes",
     )
 
     decode_batching: Literal["auto", "exact", "attention", "full"] = Field(
@@ -260,7 +261,7 @@ class BuildSpec(Section):
         "the KV pool (no copy per layer, no SDPA call per row: SmolLM2 FP8 on a bf16 engine decoded 10-20 % faster "
         "alone and 7-18 % at 8 streams; within float32 rounding of SDPA, so greedy replies may take the other token "
         "of a bf16 tie); sdpa = transformers' SDPA call, its bits; auto = in_place on float32 engines, sdpa on bf16 "
-        "engines (docs/engine.md, 'Decode attention read in place on bf16 engines')",
+        "engines (docs/engine-measurements.md, 'Decode attention read in place on bf16 engines')",
     )
 
     lm_head: Literal["exported", "int8"] = Field(
@@ -269,7 +270,8 @@ class BuildSpec(Section):
         "quantization.quantize_lm_head); int8 = a bf16 head quantized by the engine at load, int8 codes per output "
         "row (weight-only, as quantize_lm_head's W8A16 head): half its bytes a token, the largest weight of a small "
         "model (SmolLM2-135M: 57 -> 28 MB, as llama.cpp's Q8_0 file holds it). The export and its quality report "
-        "are unchanged; the head's rounding is a stated difference (docs/engine.md, 'An int8 LM head at load')",
+        "are unchanged; the head's rounding is a stated difference (docs/engine-measurements.md, 'An int8 LM head at "
+        "load')",
     )
 
     @field_validator("tokens_per_block")

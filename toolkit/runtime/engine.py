@@ -125,7 +125,8 @@ class EngineConfig:
     # The LM head the engine reads: "exported" = as the checkpoint holds it (bf16 unless the export quantized it,
     # quantization.quantize_lm_head); "int8" = a bf16 head re-quantized at load to int8 codes per output row
     # (checkpoint.int8_rows, W8A16): half the bytes a token (SmolLM2-135M: 57 -> 28 MB), rounding as the
-    # W8A16 head does (docs/engine.md, "An int8 LM head at load").  A head already quantized stays as it is.
+    # W8A16 head does (docs/engine-measurements.md, "An int8 LM head at load").  A head already quantized stays
+    # as it is.
     lm_head: str = "exported"
     # How decoding sequences share a step (docs/engine.md, Numerics): "exact" = one attention call
     # per sequence and one-row GEMMs where the kernel's rounding depends on the row count (a
@@ -139,8 +140,8 @@ class EngineConfig:
     # kernel over each row's own context where it lies in the paged pool (runtime/decode_attention.h; no copy of
     # the context per layer, no SDPA call per row; within float32 rounding of SDPA, not its bits); "sdpa" = the
     # context gathered and torch's SDPA, transformers' call (its bits); "auto" = in_place on float32 engines,
-    # sdpa on bf16 engines, whose decode rows then keep transformers' bits (docs/engine.md, "Decode attention
-    # read in place on bf16 engines").  Where the kernel cannot run, SDPA does.
+    # sdpa on bf16 engines, whose decode rows then keep transformers' bits (docs/engine-measurements.md, "Decode
+    # attention read in place on bf16 engines").  Where the kernel cannot run, SDPA does.
     decode_attention: str = "auto"
     # rtk's fused decode step (with cpu_kernels): decode rows run whole decoder layers in one C++ call
     # instead of ~30 torch operators per layer from Python, with the operators' bits and one attention
@@ -378,7 +379,7 @@ class Engine:
         self._torch = torch
         del ckpt, checkpoint  # the checkpoint's tensors (where this engine loaded it) go before the trim
         return_freed_memory()
-        # RTK_STEP_TRACE=FILE: one line a step (docs/engine.md, "Where a served step's time goes")
+        # RTK_STEP_TRACE=FILE: one line a step (docs/engine-measurements.md, "Where a served step's time goes")
         trace = os.environ.get("RTK_STEP_TRACE")
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 (open for the engine's life)
 
@@ -661,8 +662,8 @@ class BackgroundEngine:
         thread there are more OpenMP threads than cores, so libgomp's workers spin ~1000 rounds instead of ~300000
         before sleeping and each parallel region waits for them to wake (libgomp's ``gomp_throttled_spin_count_var``,
         gcc-mirror/gcc libgomp/env.c).  SmolLM2's INT4-AWQ steps of 8 decode and 16 prompt rows on 2 threads took
-        40 ms instead of 17.5 ms on the 2-core AMX host (docs/engine.md, "One OpenMP pool: the engine loads on its
-        own thread")."""
+        40 ms instead of 17.5 ms on the 2-core AMX host (docs/engine-measurements.md, "One OpenMP pool: the engine loads
+        on its own thread")."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._incoming: list[tuple[GenerationRequest, int, Callable]] = []

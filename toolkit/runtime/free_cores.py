@@ -3,7 +3,7 @@
 Two OpenMP threads on a 2-core host where another process keeps one core busy wait for each other in
 every parallel region: one of them shares its core with the other process, and the region ends only
 when it has had its turn.  SmolLM2 FP8 served 2.7-27 tokens/s that way against 99-155 on one thread
-(docs/engine.md, "Served engines beside other load").  :class:`FreeCores` reads ``/proc/stat`` for the
+(docs/engine-measurements.md, "Served engines beside other load").  :class:`FreeCores` reads ``/proc/stat`` for the
 cores this process may run on and this process's own CPU time, and gives the number of cores the others
 left over the last window (a window the engine idled through is dropped: the first steps after it keep the
 threads they had).
@@ -27,7 +27,7 @@ RISE = 0.4
 # A window this many times window_s long spanned a stretch without steps: it is dropped, not judged.  What
 # other processes did while the engine idled (served: the front door's and the benchmark client's start, 0.6-1
 # of a core for seconds) held the first second of every burst after it on one thread, at 1.4-1.9x the step
-# time (docs/engine.md, "A floor under the step budget").
+# time (docs/engine-measurements.md, "A floor under the step budget").
 STALE_WINDOWS = 2
 
 

@@ -117,14 +117,14 @@ inline void store_outputs(const float* sums, const float* bias, int64_t first, i
 // oneDNN's bf16 matmul (one row or many) runs tdpbf16ps with one float32 accumulator tile per 16 outputs carried
 // from the first input to the last, no chunks; then the bias in float32 and one round to nearest even.  The tile
 // unit sums within an instruction in its own order (not the SDM pseudo-code's sequential one: vdpbf16ps with the
-// pairs swapped and one accumulator does not reproduce it, docs/engine.md "Codes prefetched ahead of the tiles'
-// conversion"), so the GEMV's vdpbf16ps results part from oneDNN's in a few outputs there (docs/engine.md, "Intel
-// CPUs with AMX").  tile_blocks makes the same tdpbf16ps sequence as oneDNN: every row of any call gets oneDNN's
-// one-row bits (checked at load as before: kernels.agrees, QuantizedWeight.agrees), a row's bits never depend on
-// its call, and the weights stream at the memory's speed for one row as for many.  bf16 weights are read into B
-// tiles straight from the packed layout (a k-pair's 64 outputs are 4 tile rows of 16 outputs x 2); codes are
-// turned into bf16 by their loader (the GEMV's, the same bits) into a tile-ordered buffer, a tile's 16 pairs one tile
-// ahead of the first row tile's products; further row tiles read the buffer.
+// pairs swapped and one accumulator does not reproduce it, docs/engine-measurements.md "Codes prefetched ahead of the
+// tiles' conversion"), so the GEMV's vdpbf16ps results part from oneDNN's in a few outputs there
+// (docs/engine-measurements.md, "Intel CPUs with AMX").  tile_blocks makes the same tdpbf16ps sequence as oneDNN: every
+// row of any call gets oneDNN's one-row bits (checked at load as before: kernels.agrees, QuantizedWeight.agrees), a
+// row's bits never depend on its call, and the weights stream at the memory's speed for one row as for many.  bf16
+// weights are read into B tiles straight from the packed layout (a k-pair's 64 outputs are 4 tile rows of 16 outputs x
+// 2); codes are turned into bf16 by their loader (the GEMV's, the same bits) into a tile-ordered buffer, a tile's 16
+// pairs one tile ahead of the first row tile's products; further row tiles read the buffer.
 bool gemv_tiles_on = false;
 
 #ifdef RTK_GEMV_TILES
@@ -133,7 +133,7 @@ using rtk_amx::tiles_permitted;
 
 // How far ahead of the conversion tile_blocks prefetches codes.  Without it a one-row call over FP8 codes took as
 // long as over bf16 weights (twice the bytes): the conversion's work did not overlap the codes' arrival; with 2-8 KiB
-// ahead it takes 0.58-0.70x (docs/engine.md, "Codes prefetched ahead of the tiles' conversion").
+// ahead it takes 0.58-0.70x (docs/engine-measurements.md, "Codes prefetched ahead of the tiles' conversion").
 constexpr int64_t kCodesAhead = 4096;
 
 // gemv_blocks' ys = xs W^T (+ bs) over m rows in tiles: tiles 0-3 a row tile's sums for the block's 4 x 16 outputs,
@@ -661,8 +661,8 @@ inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
 
 // rows [0, m) in at::parallel_for's shares where a call has enough elements to pay for the region, else here.
 // The pool's workers spin between regions, so a share of ~4 K elements pays: a prompt chunk's 16-24 rows of
-// SmolLM2 (576-1,536 elements each) go to both threads, a few decode rows stay on one (docs/engine.md, "The
-// float32 fused layers' work on one thread").
+// SmolLM2 (576-1,536 elements each) go to both threads, a few decode rows stay on one (docs/engine-measurements.md,
+// "The float32 fused layers' work on one thread").
 constexpr int64_t kRowsShare = 4096;
 
 template <class F>

@@ -517,8 +517,8 @@ constexpr int64_t kRowTile = 16;  // rows whose quantized inputs stay in L1 whil
 // Calls of at least kGemmRows rows with ``plain`` (the same codes [N, K] in the export's order) take oneDNN's int8
 // GEMM instead (at::_int_mm: AVX512-VNNI kernels, blocked for many rows): the same integer sums, exact in any
 // order, converted and scaled as here, so the same bits; 2-6x faster than idot from 6 to 64 rows on an Ice Lake
-// host (docs/engine.md, "oneDNN's int8 GEMM for prompt rows").  kernels_avx2.W8A8Weight gives ``plain`` only on
-// the VNNI build's hosts, where it was measured.
+// host (docs/engine-measurements.md, "oneDNN's int8 GEMM for prompt rows").  kernels_avx2.W8A8Weight gives ``plain``
+// only on the VNNI build's hosts, where it was measured.
 constexpr int64_t kGemmRows = 6;
 
 at::Tensor w8a8(const at::Tensor& x, double act_scale, const at::Tensor& codes, const at::Tensor& oscale,

@@ -189,12 +189,12 @@ class MklTiles:
     """A float32 projection's prompt rows through MKL's packed GEMM, in calls of exactly :data:`MKL_TILE` rows.
 
     ``F.linear`` (MKL's sgemm) packs the weights again on every call: at 16-32 rows that is most of its time
-    (SmolLM2's layer at 24 rows: 3.6-3.9 ms against 1.0-1.2 packed once, Ice Lake, 2 threads; docs/engine.md).
-    torch's ``mkl::_mkl_linear`` (pytorch/pytorch aten/src/ATen/native/mkldnn/Linear.cpp, what inductor's frozen
-    float32 linears call) runs ``cblas_sgemm_compute`` over weights packed once, for the one row count they were
-    packed for; so every call here has that many rows, the last padded with zeros, and a row's result should not
-    depend on how many rows its call had: model.Projection's row probe checks that once per weight shape and keeps
-    ``F.linear`` where it fails."""
+    (SmolLM2's layer at 24 rows: 3.6-3.9 ms against 1.0-1.2 packed once, Ice Lake, 2 threads;
+    docs/engine-measurements.md). torch's ``mkl::_mkl_linear`` (pytorch/pytorch aten/src/ATen/native/mkldnn/Linear.cpp,
+    what inductor's frozen float32 linears call) runs ``cblas_sgemm_compute`` over weights packed once, for the one row
+    count they were packed for; so every call here has that many rows, the last padded with zeros, and a row's result
+    should not depend on how many rows its call had: model.Projection's row probe checks that once per weight shape and
+    keeps ``F.linear`` where it fails."""
 
     packed: torch.Tensor  # MKL's packed weights (an opaque mkldnn tensor)
     shape: torch.Tensor  # [N, K] float32 of stride 0: the call reads only the shape of the weights it packed
@@ -258,7 +258,7 @@ class W8A8Weight:
       Q8_0 activations), each block's integer sum scaled by its block's scale and summed in float32.  This
       is not the export's arithmetic, whose inputs stay float: on SmolLM2-135M's INT8-SQ export with an
       INT8 head it moved the perplexity by +0.13 % (one scale per row instead: +1.5 %), and it reads half
-      the bytes of the float32 GEMV over the same codes with a fifth of its instructions (docs/engine.md).
+      the bytes of the float32 GEMV over the same codes with a fifth of its instructions (docs/engine-measurements.md).
 
     Either way a row's result depends on that row alone: prompt and decode rows both take it, in any
     batch or chunk.
@@ -364,7 +364,7 @@ class W4A8Weight:
     each block's products with the 4-bit codes summed as integers, times the block's scale, summed per
     weight group in float32 and times the group's scale: llama.cpp's Q4_0 x Q8_0 arithmetic with AWQ's
     groups.  Not the export's arithmetic (float inputs): a stated tolerance (``int4_gemv: "dot"``;
-    docs/engine.md).  It reads half of INT8's bytes, and a row's result depends on that row alone, so
+    docs/engine-measurements.md).  It reads half of INT8's bytes, and a row's result depends on that row alone, so
     prompt and decode rows both take it.  With the VNNI build the codes are packed again (:attr:`tiles`) for the
     same integer block sums with the float sums in another order, each block's once: where the CPU has AMX, prompt
     rows take them in its int8 tiles (:meth:`prompt`, ~3x faster at 64 rows) and decode rows ``w4a8``; elsewhere every
@@ -416,8 +416,8 @@ class W4A8Weight:
     def lanes(self) -> bool:
         """Whether every row (decode rows too) takes ``w4a8_lanes``: :attr:`tiles` without AMX.  Over SmolLM2's INT4
         layers read from memory (AMD Zen 4, 2 threads) it took 0.91-1.04x w4a8's time at one row, 0.63-0.80x at 2-4
-        rows and 0.52x at 64 (docs/engine.md, "INT4-AWQ rows in AVX512-VNNI's lanes"); one arithmetic for every row
-        keeps a row's result its own, whatever its step holds."""
+        rows and 0.52x at 64 (docs/engine-measurements.md, "INT4-AWQ rows in AVX512-VNNI's lanes"); one arithmetic for
+        every row keeps a row's result its own, whatever its step holds."""
         return self.tiles is not None and not self.amx
 
     def __call__(

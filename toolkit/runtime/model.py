@@ -67,7 +67,8 @@ def onednn_bf16() -> bool:
 def bf16_is_fast() -> bool:
     """True when this CPU has native bf16 dot products (AVX512-BF16 / AMX, /proc/cpuinfo) and oneDNN uses them:
     what ``dtype: auto`` asks.  Where oneDNN converts (:func:`onednn_bf16` without the flags) a bf16 engine
-    decoded SmolLM2's INT8-SQ export 5x slower than the float32 one (docs/engine.md, "AVX512 without bf16")."""
+    decoded SmolLM2's INT8-SQ export 5x slower than the float32 one (docs/engine-measurements.md, "AVX512 without
+    bf16")."""
     return bool(BF16_CPU_FLAGS & hostinfo.cpu_flags()) and onednn_bf16()
 
 
@@ -96,11 +97,12 @@ def resolve_dtype(
     native bf16, and for an export whose projections take rtk's integer products (:func:`integer_products_apply`)
     where they run with AVX512-VNNI (``kernels_avx2.library() == "rtk_vnni"``), which only a float32 engine calls:
     on an Intel AMX host SmolLM2's INT8-SQ export decoded 99 against 44 tok/s at one stream, 245 against 146 at 8
-    (docs/engine.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16.  INT4 codes take float32 there too:
-    their rows run the tiles' arithmetic in AMX's int8 tiles or AVX512-VNNI's lanes (``W4A8Weight.add_tiles``), and
-    on an AMD Zen 4 host SmolLM2's INT4-AWQ export prefilled in 0.75-0.88x and took its steps with prompt rows at 4
-    and 8 streams in 0.57-0.69x the bf16 engine's time (docs/engine.md, "INT4-AWQ rows in AVX512-VNNI's lanes"),
-    where until then a bf16 engine had served it ("INT4-AWQ on a bf16 engine where AMX is absent")."""
+    (docs/engine-measurements.md, "The engine's dtype on AVX512-VNNI hosts"); else bfloat16.  INT4 codes take float32
+    there too: their rows run the tiles' arithmetic in AMX's int8 tiles or AVX512-VNNI's lanes
+    (``W4A8Weight.add_tiles``), and on an AMD Zen 4 host SmolLM2's INT4-AWQ export prefilled in 0.75-0.88x and took its
+    steps with prompt rows at 4 and 8 streams in 0.57-0.69x the bf16 engine's time (docs/engine-measurements.md,
+    "INT4-AWQ rows in AVX512-VNNI's lanes"), where until then a bf16 engine had served it ("INT4-AWQ on a bf16 engine
+    where AMX is absent")."""
     if name == "auto":
         if not bf16_is_fast():
             return torch.float32
@@ -134,8 +136,8 @@ def resolve_decode_batching(
     """The engine's ``EngineConfig.decode_batching`` for ``name``.  ``auto``: ``full`` where the INT4 projections
     take AMX's int8 tiles (:func:`int4_tiles_apply`), since there a step of ``TILE_DECODE_ROWS`` rows or more
     through the tiles, decode rows too, is what makes decoding several streams faster (SmolLM2's INT4-AWQ export
-    served 1.14-1.26x against 0.94-0.99x Q4_0's tok/s at 4 streams; docs/engine.md, "INT4-AWQ prompt rows in AMX's
-    int8 tiles"); a row's float sums then take an order that depends on its step, a stated tolerance.  Else
+    served 1.14-1.26x against 0.94-0.99x Q4_0's tok/s at 4 streams; docs/engine-measurements.md, "INT4-AWQ prompt rows
+    in AMX's int8 tiles"); a row's float sums then take an order that depends on its step, a stated tolerance.  Else
     ``attention``: a request's numbers never depend on its step's other rows."""
     if name != "auto":
         return name
@@ -1104,7 +1106,7 @@ class Transformer:
         # decode rows attend through rtk's kernel, over the K/V where they lie in the pool, in the operator path
         # and the fused step alike (EngineConfig.decode_attention): a float32 engine's float32 pool unless "sdpa"
         # (kernels_avx2.decode_attention), a bf16 engine's bf16 pool with "in_place" (kernels.decode_attention,
-        # the same code; docs/engine.md, "Decode attention read in place on bf16 engines")
+        # the same code; docs/engine-measurements.md, "Decode attention read in place on bf16 engines")
         in_place = (self.avx2_kernels and decode_attention != "sdpa") or (
             self.fast_gather and decode_attention == "in_place"
         )
@@ -1118,7 +1120,7 @@ class Transformer:
             )
         # a bf16 engine's decode rows without pool_attention: torch's SDPA bits for all rows in one call
         # (kernels.sdpa_decode, checked bit for bit against SDPA at load) instead of one SDPA call per row;
-        # RTK_SDPA_DECODE=0 in the environment keeps the calls (docs/engine.md, "SDPA's bits in one call")
+        # RTK_SDPA_DECODE=0 in the environment keeps the calls (docs/engine-measurements.md, "SDPA's bits in one call")
         self.sdpa_decode = (
             self.fast_gather
             and attention_dtype == torch.float32
@@ -1171,7 +1173,8 @@ class Transformer:
         """Move the weights the decode kernels stream every step onto 2 MiB pages (:mod:`hugepages`): a float32
         engine's (``Fp32Weight``, ``W8A8Weight``, ``W4A8Weight``; with 4 KiB pages the W8A8 kernel took 12-17 %
         longer over SmolLM2's codes) and a bf16 engine's GEMV weights and codes (``kernels.gemv`` / ``gemv_q``: a
-        bf16 decode step's GEMVs 11-27 % faster, docs/engine.md "A bf16 engine's GEMV weights on 2 MiB pages")."""
+        bf16 decode step's GEMVs 11-27 % faster, docs/engine-measurements.md "A bf16 engine's GEMV weights on 2 MiB
+        pages")."""
         projections = [self.lm_head, *self.projections]
         owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
         owners += [(w, "plain") for w, _ in owners if w.plain is not None]  # the GEMM's copy of the codes
@@ -1210,7 +1213,7 @@ class Transformer:
         fused.set_sdpa_decode(self.sdpa_decode)
         # a step's prompt rows through the same call (decode_batching "full": every call by its row count, as
         # Projection without singles); RTK_FUSED_PROMPT_ROWS=0 in the environment keeps torch's operators for them
-        # (docs/engine.md, "Prompt rows through the fused layers on bf16 engines")
+        # (docs/engine-measurements.md, "Prompt rows through the fused layers on bf16 engines")
         prompt_rows = os.environ.get("RTK_FUSED_PROMPT_ROWS", "1") != "0"
         for li, layer in enumerate(self.layers):
             fused.add_layer(

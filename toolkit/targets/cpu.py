@@ -92,8 +92,8 @@ def served_threads() -> int:
     Until 2026-12-05 a served engine kept one core for tritonserver, its python stubs and the front door in
     decode steps of several streams, with exceptions by kernel. Those measurements were taken while the served
     engine had two OpenMP pools, one for the thread that loaded it and one for the thread that stepped it, so a
-    two-thread step waited for sleeping workers in each parallel region (docs/engine.md, "One OpenMP pool").
-    With one pool, every step on both cores of a 2-core AMD Zen 4 host (bench_peer, SmolLM2, two alternated
+    two-thread step waited for sleeping workers in each parallel region (docs/engine-measurements.md, "One OpenMP
+    pool"). With one pool, every step on both cores of a 2-core AMD Zen 4 host (bench_peer, SmolLM2, two alternated
     pairs, 2026-12-05) served INT8-SQ 12-36 % more tokens a second at 1, 4 and 8 streams, and INT4-AWQ 16-21 %
     more at one stream; bf16 and FP8 stayed within the host's drift. On the AMX host, INT4-AWQ gained
     15-37 %.
@@ -174,8 +174,8 @@ def bound_openmp_spin(engine_dir: str | os.PathLike | None = None) -> bool:
     call this before torch is imported.  With libgomp's default (300,000 rounds), the engine's worker kept a
     core spinning for milliseconds after each parallel region while tritonserver, the python stubs and the front
     door waited for one; beside other busy processes requests then reached the model's ``execute`` only after
-    the running ones had ended (docs/engine.md, "Served engines beside other load").  With 10,000 a decode step's
-    worker slept through the gaps between its parallel regions, which cost a quiet host 8-34 % of its tok/s
+    the running ones had ended (docs/engine-measurements.md, "Served engines beside other load").  With 10,000 a decode
+    step's worker slept through the gaps between its parallel regions, which cost a quiet host 8-34 % of its tok/s
     ("The served OpenMP spin as a spec setting").
     """
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:

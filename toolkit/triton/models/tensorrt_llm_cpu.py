@@ -93,7 +93,7 @@ DEFAULTS = {
 
 
 # Threads sending responses (_Sender): at 8 streams, 4 took a new request's first token to the client a median 3.6 ms
-# after the step that made it, one 6.6 ms (seven runs each; docs/engine.md, "The served stub's own time").
+# after the step that made it, one 6.6 ms (seven runs each; docs/engine-measurements.md, "The served stub's own time").
 SENDER_LANES = 4
 
 
