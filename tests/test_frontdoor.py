@@ -621,7 +621,7 @@ def test_a_kept_stream_serves_the_next_request_and_a_cancelled_one_is_not_kept(p
 
 def test_the_front_door_runs_on_uvloop_where_it_is_installed(plain):
     """uvloop is one of rtk's dependencies on Linux: the front door's loop (and grpc.aio's Triton streams on it)
-    is uvloop's, as measured in docs/guard.md ("uvloop under the front door")."""
+    is uvloop's, as measured in docs/guard-measurements.md ("uvloop under the front door")."""
     import uvloop  # a dependency wherever tritonserver runs (Linux)
 
     assert isinstance(plain.loop, uvloop.Loop), type(plain.loop)

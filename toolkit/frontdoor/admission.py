@@ -14,7 +14,7 @@ so it takes at least
 steps of the measured step time, plus half a step for the one running; the prediction is the larger
 of the two.  (scripts/bench_overload.py at 1.4-1.5x capacity: without it 63-65 % of the admitted
 answers came later than predicted, p90 1.6-1.7x the prediction; with it 13-29 %, p90 1.07-1.18x;
-docs/guard.md, "How well the prediction holds".)
+docs/guard-measurements.md, "How well the prediction holds".)
 
 * requests and prompt tokens ahead: the front door's own requests that have no first token yet,
   plus requests the engine reports beyond those (``nv_trt_llm_request_metrics``, other clients),

@@ -6,7 +6,7 @@ what the ensemble's ``preprocessing`` and ``postprocessing`` models would, with 
 (toolkit/triton/models/rtk_text.py) and the same settings: the chat template, the context window and its
 policy, stop words in TensorRT-LLM's word-list format, and incremental detokenisation against the
 preceding tokens.  Skipping the ensemble saves one python-stub round trip per token (``postprocessing``)
-and one per request (``preprocessing``); docs/guard.md, "The primary path", has the measurements.
+and one per request (``preprocessing``); docs/guard-measurements.md, "The primary path, measured", has the measurements.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ class Target:
     unenforceable: dict[str, str] = field(default_factory=dict)
     default_max_queue_size: int | None = DEFAULT_MAX_QUEUE_SIZE
     # serving.server_niceness when the spec leaves it unset: the cpu engine shares the cores with the front door
-    # and clients, which deliver its tokens and make its refusals (docs/guard.md, "Refusals under saturation")
+    # and clients, which deliver its tokens and make its refusals (docs/guard-measurements.md, "Refusals under
+    # saturation")
     default_server_niceness: int = 0
 
     def min_sm(self, fmt: str, kv: str) -> int:
