@@ -46,7 +46,10 @@ also split TTFT into engine time and Triton's share (send → execute, first tok
 host clock).  TTFT is measured from the request's send to its first token
 (response); ITL is every gap between consecutive tokens (responses).  Printed: medians and p90 in
 ms, and the ratios / added ms against ``engine`` from the same run.  The first ``--warmup``
-requests of each path and level are not measured.
+requests of each path and level are not measured.  Each path's CPU per streamed token is split by where it ran:
+this process (the client), tritonserver, and the ``tensorrt_llm`` stub's engine threads, response senders and other
+threads (told apart by the thread names the served model gives them, toolkit/runtime/os_threads.py), so what a
+served token costs the engine's cores besides the engine's own work is read, not inferred.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -443,6 +447,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def server_cpu(pid: int) -> Counter:
+    """CPU seconds so far of tritonserver (``pid``) and the python-backend stubs it started, by where they ran:
+    tritonserver itself, the ``tensorrt_llm`` stub's engine threads (the thread stepping the engine and its OpenMP
+    workers), its response senders, its other threads (the stub's own), and the other models' stubs.  The engine's
+    threads are told apart by the names the served model gives them (toolkit/runtime/os_threads.py)."""
+    from toolkit.runtime.os_threads import child_pids, cpu_by_thread_name
+
+    out = Counter(tritonserver=sum(cpu_by_thread_name(pid).values()))
+    for kid in child_pids(pid):
+        try:
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        threads = cpu_by_thread_name(kid)
+        if b"/tensorrt_llm/1/" in cmdline:
+            for name, seconds in threads.items():
+                out[SERVER_CPU_PARTS.get(name, "stub's other threads")] += seconds
+        else:
+            out["other stubs"] += sum(threads.values())
+    return out
+
+
+SERVER_CPU_PARTS = {"rtk-engine": "engine threads", "rtk-sender": "response senders"}
+SERVER_CPU_COLUMNS = ("tritonserver", "engine threads", "response senders", "stub's other threads", "other stubs")
+
+
 def start_frontdoor(repo, server, root=ROOT, settings=()):
     """``python -m toolkit.frontdoor`` (from the rtk checkout ``root``, with ``--set`` of each of ``settings``)
     on a free port; returns (process, url)."""
@@ -557,6 +587,7 @@ def main(argv=None) -> int:
     t = launch.resolve(repo)
     server = launch.make_server(t, http_port=http, grpc_port=grpc, metrics_port=metrics)
     server.start()
+    server_pid = server.process.pid
     bg, streams, doors, aio = None, [], {}, None
     try:
         server.wait_ready(models=t.models)
@@ -615,15 +646,19 @@ def main(argv=None) -> int:
         cpu = {name: {c: [0.0, 0.0, 0.0, 0.0] for c in args.concurrency} for name in doors}  # busy s, t, idle s, t
         # This process's CPU while each path ran: the client's (tritonclient's gRPC stream, or the HTTP reader).
         client_cpu = {name: dict.fromkeys(args.concurrency, 0.0) for name in paths}
+        # tritonserver's and its stubs' CPU while each path ran, by where it ran (server_cpu)
+        served_cpu = {name: {c: Counter() for c in args.concurrency} for name in paths}
         for c in args.concurrency:
             per_round = max(c, args.requests // args.rounds)
             for r in range(args.rounds):  # interleaved, so drift of a shared host hits every path alike
                 for name, run in paths.items():
                     before = {d: cpu_seconds(p.pid) for d, (p, _) in doors.items()}
-                    t0, own0 = time.perf_counter(), cpu_seconds(os.getpid())
+                    t0, own0, server0 = time.perf_counter(), cpu_seconds(os.getpid()), server_cpu(server_pid)
                     run(c, per_round, args.warmup if r == 0 else 0, results[name][c])
                     dt = time.perf_counter() - t0
                     client_cpu[name][c] += cpu_seconds(os.getpid()) - own0
+                    served_cpu[name][c].update(server_cpu(server_pid))
+                    served_cpu[name][c].subtract(server0)
                     for d, (p, _) in doors.items():
                         used = cpu_seconds(p.pid) - before[d]
                         acc = cpu[d][c]
@@ -698,6 +733,21 @@ def main(argv=None) -> int:
                 r = results[path][c]
                 cells.append(f"{client_cpu[path][c] / max(1, len(r.itl) + len(r.ttft)) * 1e6:.0f}")
         print(f"| {c} | " + " | ".join(cells) + " |")
+    print(
+        "\nThe server's CPU per streamed token while each path ran, us, by where it ran: tritonserver, the tensorrt_llm"
+        " stub's engine threads (its stepping thread and OpenMP workers), response senders and other threads, and the"
+        " other models' stubs (on the in-process paths: the server idling); with the client's above, what a served"
+        " token costs the host's cores"
+    )
+    print("| streams | path | " + " | ".join(SERVER_CPU_COLUMNS) + " | all but the engine's |")
+    print("|---|---|" + "---|" * (len(SERVER_CPU_COLUMNS) + 1))
+    for c in args.concurrency:
+        for path in paths:
+            r, used = results[path][c], served_cpu[path][c]
+            per_token = 1e6 / max(1, len(r.itl) + len(r.ttft))
+            rest = sum(v for k, v in used.items() if k != "engine threads")
+            cells = " | ".join(f"{used[k] * per_token:.0f}" for k in SERVER_CPU_COLUMNS)
+            print(f"| {c} | {path} | {cells} | {rest * per_token:.0f} |")
     print("\nTTFT split from the engine's time stamps, medians in ms (tensorrt_llm path: + Triton's hops)")
     print("| streams | path | send -> model | waiting for the running step | prefill step | first token -> client |")
     print("|---|---|---|---|---|---|")

@@ -11,8 +11,10 @@ single greedy token.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from toolkit.runtime.engine import (
     SamplingParams,
     TokenEvent,
 )
+from toolkit.runtime.os_threads import ENGINE_THREAD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -782,6 +785,9 @@ def test_background_engine_loads_on_the_thread_that_steps_it(tiny_llama_dir, hf_
     bg = BackgroundEngine(load)
     try:
         assert loaded_on == [bg._thread] and isinstance(bg.engine, Engine)
+        # the OS's name of the thread (top -H, py-spy, bench_serving.py's CPU per thread), where /proc has one
+        comm = Path(f"/proc/self/task/{bg._thread.native_id}/comm")
+        assert not comm.parent.is_dir() or comm.read_text().strip() == ENGINE_THREAD
         req = greedy(prompt(9, 160), n=8)
         bg.submit(req, got.append)
         while not (got and got[-1].finished):
@@ -1116,3 +1122,32 @@ def test_the_step_trace_writes_one_line_a_step(tmp_path, tiny_llama_dir, monkeyp
     rows = [(int(d), int(p)) for _, d, p, *_ in lines]
     assert sum(p for _, p in rows) == 45 and sum(d for d, _ in rows) == 4  # every prompt row; 2 + 2 decode rows
     assert all(int(t) >= 1 and float(ms) > 0 and float(plan) >= 0 for *_, t, ms, _, plan in lines)
+
+
+def test_a_named_thread_passes_its_name_to_the_threads_it_starts_and_its_cpu_is_counted_by_name():
+    """What the served engine's thread names rest on: threads started by a named thread (as libgomp's workers are
+    by the engine's thread) carry its name, and :func:`cpu_by_thread_name` puts their CPU time under it."""
+    from toolkit.runtime.os_threads import cpu_by_thread_name, name_this_thread
+
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("no /proc task list on this OS")
+    seen = {}
+
+    def spin():
+        seen["child"] = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        seen["cpu"] = cpu_by_thread_name(os.getpid())
+
+    def parent():
+        assert name_this_thread("rtk-test-named-thread")  # cut to the OS's 15 bytes
+        child = threading.Thread(target=spin)
+        child.start()
+        child.join()
+
+    t = threading.Thread(target=parent)
+    t.start()
+    t.join()
+    assert seen["child"] == "rtk-test-named-"
+    assert seen["cpu"]["rtk-test-named-"] >= 0.15

@@ -146,9 +146,10 @@ def test_the_cpu_models_sender_keeps_each_requests_order_and_sends_requests_side
     sender = cpu_model._Sender(log, cpu_model.SENDER_LANES)
     a, b = sender.lane(), sender.lane()
     assert a != b
-    held, sent = threading.Event(), []
+    held, sent, names = threading.Event(), [], set()
 
     def deliver(request, i):
+        names.add(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
         if (request, i) == ("a", 0):
             assert held.wait(10), "request b's responses queued behind request a's"
         sent.append((request, i))
@@ -164,3 +165,4 @@ def test_the_cpu_models_sender_keeps_each_requests_order_and_sends_requests_side
     assert [x for x in sent if x[0] == "a"] == [("a", 0), ("a", 1), ("a", 2)]
     assert [x for x in sent if x[0] == "b"] == [("b", 0), ("b", 1), ("b", 2)]
     assert sent.index(("b", 2)) < sent.index(("a", 0))
+    assert names == {"rtk-sender"}  # the OS's name of the sending threads (top -H, bench_serving.py)

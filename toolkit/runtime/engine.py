@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from ..errors import UsageError
 from .free_cores import FreeCores
 from .kv_cache import BlockManager, blocks_for
+from .os_threads import ENGINE_THREAD, name_this_thread
 from .sampling import SamplingParams, sample_sequences
 from .scheduler import POLICIES, Scheduler, Sequence
 from .step_times import attention_rows
@@ -730,6 +731,7 @@ class BackgroundEngine:
                 log.exception("token callback for request %s raised", ev.request_id)
 
     def _run(self, loaded: threading.Event) -> None:
+        name_this_thread(ENGINE_THREAD)  # before the load: the OpenMP workers it starts take the name too
         try:
             if self._load is not None:
                 self.engine = self._load()

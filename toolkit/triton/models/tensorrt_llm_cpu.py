@@ -158,6 +158,9 @@ class _Sender:
             t.join(timeout=30)
 
     def _run(self, q) -> None:
+        from toolkit.runtime.os_threads import SENDER_THREAD, name_this_thread
+
+        name_this_thread(SENDER_THREAD)  # apart from the engine's threads in top -H, py-spy and bench_serving.py
         while (item := q.get()) is not None:
             deliver, args = item
             try:
