@@ -452,8 +452,9 @@ def server_cpu(pid: int) -> Counter:
     tritonserver itself, the ``tensorrt_llm`` stub's engine threads (the thread stepping the engine and its OpenMP
     workers), its response senders, its other threads (the stub's own), and the other models' stubs.  The engine's
     threads are told apart by the names the served model gives them (toolkit/runtime/os_threads.py)."""
-    from toolkit.runtime.os_threads import child_pids, cpu_by_thread_name
+    from toolkit.runtime.os_threads import ENGINE_THREAD, SENDER_THREAD, child_pids, cpu_by_thread_name
 
+    parts = {ENGINE_THREAD: "engine threads", SENDER_THREAD: "response senders"}
     out = Counter(tritonserver=sum(cpu_by_thread_name(pid).values()))
     for kid in child_pids(pid):
         try:
@@ -463,13 +464,12 @@ def server_cpu(pid: int) -> Counter:
         threads = cpu_by_thread_name(kid)
         if b"/tensorrt_llm/1/" in cmdline:
             for name, seconds in threads.items():
-                out[SERVER_CPU_PARTS.get(name, "stub's other threads")] += seconds
+                out[parts.get(name, "stub's other threads")] += seconds
         else:
             out["other stubs"] += sum(threads.values())
     return out
 
 
-SERVER_CPU_PARTS = {"rtk-engine": "engine threads", "rtk-sender": "response senders"}
 SERVER_CPU_COLUMNS = ("tritonserver", "engine threads", "response senders", "stub's other threads", "other stubs")
 
 
