@@ -61,6 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from toolkit.runtime.os_threads import cpu_seconds
+
 PATTERNS = [
     r"\b\d{3}-\d{2}-\d{4}\b",
     r"\bpass(word)?\s*[:=]",
@@ -94,12 +96,6 @@ while True:
 
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_front_door(

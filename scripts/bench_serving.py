@@ -74,6 +74,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "toolkit/triton/models"))
 
+from toolkit.runtime.os_threads import cpu_seconds
+
 QUESTION = "Explain in a few sentences why the sky is blue."
 PATHS = ("engine", "engine-client", "tensorrt_llm", "tensorrt_llm-aio", "ensemble", "frontdoor", "frontdoor-ensemble")
 FRONTDOOR_SETTINGS = {"frontdoor": [], "frontdoor-ensemble": ["serving.frontend.primary_model=ensemble"]}
@@ -441,22 +443,17 @@ def frontdoor_one(url, model, n):
     return one
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def server_cpu(pid: int) -> Counter:
     """CPU seconds so far of tritonserver (``pid``) and the python-backend stubs it started, by where they ran:
     tritonserver itself, the ``tensorrt_llm`` stub's engine threads (the thread stepping the engine and its OpenMP
     workers), its response senders, its other threads (the stub's own), and the other models' stubs.  The engine's
     threads are told apart by the names the served model gives them (toolkit/runtime/os_threads.py)."""
-    from toolkit.runtime.os_threads import ENGINE_THREAD, SENDER_THREAD, child_pids, cpu_by_thread_name
+    from toolkit.runtime.os_threads import ENGINE_THREAD, SENDER_THREAD, cpu_by_thread_name
+    from toolkit.triton.server import group_members
 
     parts = {ENGINE_THREAD: "engine threads", SENDER_THREAD: "response senders"}
     out = Counter(tritonserver=sum(cpu_by_thread_name(pid).values()))
-    for kid in child_pids(pid):
+    for kid in (p for p in group_members(pid) if p != pid):  # the python stubs tritonserver started
         try:
             cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
         except OSError:

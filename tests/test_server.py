@@ -221,7 +221,7 @@ def test_detached_server_outlives_its_starter_and_stops_from_state(tmp_path):
         assert stopped is not None and stopped.pid == pid
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-        assert not server_module._group_members(pid)  # its python stubs too (their shared memory goes with them)
+        assert not server_module.group_members(pid)  # its python stubs too (their shared memory goes with them)
         assert not state_path(repo).exists()
         assert stop_detached(repo) is None  # nothing left to stop
     finally:

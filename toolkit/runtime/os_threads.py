@@ -35,6 +35,12 @@ def name_this_thread(name: str) -> bool:
         return False
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, its threads included (those that ended too)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_by_thread_name(pid: int) -> Counter[str]:
     """Process ``pid``'s user + system CPU seconds per thread name, its live threads only (a thread that
     ended took its time with it); empty when the process is gone."""
@@ -53,18 +59,3 @@ def cpu_by_thread_name(pid: int) -> Counter[str]:
         fields = text[text.rindex(")") + 2 :].split()
         out[name] += (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a server's python-backend stubs)."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
-            kids.append(int(entry.name))
-    return kids

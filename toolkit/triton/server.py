@@ -631,7 +631,7 @@ def _is_our_server(st: ServerState) -> bool:
     return any(a.decode(errors="replace") == f"--model-repository={st.repository}" for a in cmdline)
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_members(pgid: int) -> list[int]:
     """The live processes of process group ``pgid`` (zombies, already dead, do not count)."""
     members = []
     if not os.path.isdir("/proc"):  # not Linux: nothing to wait on
@@ -650,7 +650,7 @@ def _group_members(pgid: int) -> list[int]:
 
 def _wait_group_gone(pgid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while _group_members(pgid):
+    while group_members(pgid):
         if time.monotonic() >= deadline:
             log.warning("processes of tritonserver's group %d are still there %.0f s after SIGKILL", pgid, timeout)
             return False
@@ -697,7 +697,7 @@ def stop_detached_all(repository: str | os.PathLike, timeout: float = 30.0) -> l
             _wait_pid_gone(st.pid, 10)
         # as TritonServer.stop: a python stub that outlives its server keeps its shared memory, whose names
         # (shm-region-prefix-name, from the port) the next server on that port takes again
-        if _group_members(st.pid):
+        if group_members(st.pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(st.pid, signal.SIGKILL)
             _wait_group_gone(st.pid, 5.0)
