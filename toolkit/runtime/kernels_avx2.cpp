@@ -997,10 +997,13 @@ struct TileCall {
 // R rows of one tile of 16 outputs: u the tile's unpacked codes (nb blocks x 8 registers of 64 bytes) or, with
 // Packed, its codes as stored (each block unpacked into registers: a call of one row tile, where a buffer would be
 // written and read once), q / qs / start the rows' input codes, block scales and -8 * block code sums, gs16 the 16
-// outputs' scales per group.
+// outputs' scales per group; next, where not null, the codes (as stored) of the tile to unpack after this one,
+// fetched into L2 block by block while this one's products run (w4a8_tiles does the same), so that its unpacking
+// reads them from the cache instead of waiting on memory between two tiles' products: 0.74-0.80x the time of a
+// call of 8-16 rows (L1 instead of L2: 0.86-0.90x; L1 keeps the unpacked codes and the rows' inputs).
 template <int64_t R, bool Packed>
 inline void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, int64_t K, const uint8_t* u,
-                       const float* gs16, int64_t G, float* y, int64_t ldy) {
+                       const float* gs16, int64_t G, float* y, int64_t ldy, const uint8_t* next = nullptr) {
   const int64_t nb = K / 32, per_group = nb / G;
   __m512 total[R];
   for (int64_t r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -1019,6 +1022,8 @@ inline void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, i
         }
       } else {
         for (int kk = 0; kk < 8; ++kk) wv[kk] = _mm512_load_si512(u + b * 512 + 64 * kk);
+        if (next != nullptr)
+          for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + b * 256 + 64 * j), _MM_HINT_T1);
       }
       for (int64_t r = 0; r < R; ++r) {
         const int32_t* qb = reinterpret_cast<const int32_t*>(q + r * K + 32 * b);
@@ -1085,8 +1090,8 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
         float* yr = yp + r * n + 16 * t;
         if (packed)
           lanes_rows<Rows, true>(qr, sr, st, K, wt, gs16, G, yr, n);
-        else
-          lanes_rows<Rows, false>(qr, sr, st, K, u, gs16, G, yr, n);
+        else  // the first row tile fetches the next tile's codes
+          lanes_rows<Rows, false>(qr, sr, st, K, u, gs16, G, yr, n, r == 0 && t + 1 < t1 ? wt + nb * 256 : nullptr);
       });
     }
   });
