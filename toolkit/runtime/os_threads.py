@@ -35,16 +35,22 @@ def name_this_thread(name: str) -> bool:
         return False
 
 
+def _stat_cpu(stat: str) -> tuple[str, float]:
+    """The name and user + system CPU seconds in a ``/proc/.../stat`` line (the name may hold spaces and
+    parentheses: it runs to the last ``)``)."""
+    name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)
+    fields = rest.split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid``, its threads included (those that ended too)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())[1]
 
 
 def cpu_by_thread_name(pid: int) -> Counter[str]:
     """Process ``pid``'s user + system CPU seconds per thread name, its live threads only (a thread that
     ended took its time with it); empty when the process is gone."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: Counter[str] = Counter()
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -52,10 +58,8 @@ def cpu_by_thread_name(pid: int) -> Counter[str]:
         return out
     for task in tasks:
         try:
-            text = (task / "stat").read_text()
+            name, seconds = _stat_cpu((task / "stat").read_text())
         except OSError:  # the thread ended between the listing and the read
             continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        out[name] += (int(fields[11]) + int(fields[12])) / tick
+        out[name] += seconds
     return out
