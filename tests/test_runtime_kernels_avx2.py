@@ -444,7 +444,7 @@ def test_int4_prompt_rows_round_as_the_tiles_arithmetic_states(shape):
     packed = kernels_avx2.W4A8Weight.pack(("int4", lin.codes.codes, lin.codes.scale))
     assert packed.add_tiles(lin.codes.codes, lin.weight, None)
     assert packed.amx == kernels_avx2.prompt_tiles()
-    for rows in (1, 3, 4, 5, 16, 19, 37):
+    for rows in (1, 3, 4, 5, 6, 7, 8, 16, 19, 37):
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
         x[0, :32] = 0.0  # a zero block
         got = packed.prompt(x, None)
@@ -459,11 +459,11 @@ def test_amx_tiles_and_vnni_lanes_give_the_same_bits():
     """On an AMX host both prompt-row kernels run: ``w4a8_lanes`` (what AVX512-VNNI hosts run) equals ``w4a8_tiles``."""
     g = torch.Generator().manual_seed(18)
     lin = w4a16_linear(960, 576, 64, g)
-    tiles = kernels_avx2.pack_tiles(lin.codes.codes)
-    for rows in (1, 5, 16, 19, 40):
+    tiles, scales = kernels_avx2.pack_tiles(lin.codes.codes), kernels_avx2.pack_tile_scales(lin.codes.scale)
+    for rows in (1, 5, 7, 8, 16, 19, 40):
         x = torch.randn(rows, 576, generator=g)
-        amx = kernels_avx2.ops().w4a8_tiles(x, tiles, lin.codes.scale, None)
-        assert torch.equal(kernels_avx2.ops().w4a8_lanes(x, tiles, lin.codes.scale, None), amx), rows
+        amx = kernels_avx2.ops().w4a8_tiles(x, tiles, scales, None)
+        assert torch.equal(kernels_avx2.ops().w4a8_lanes(x, tiles, scales, None), amx), rows
 
 
 @needs_tiles

@@ -969,14 +969,15 @@ at::Tensor w4a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 // (output o's inputs 4 kk .. 4 kk + 3 in lane o, tdpbssd's B tile) by the row's 4 input codes broadcast to every
 // lane, each register's sums started at -8 * (the block's input codes' sum), so that they end as sum (n - 8) q,
 // the signed products the tiles sum.  Then one conversion and one multiply-add a block, row and 16 outputs, where
-// w4a8's lanes (an output pair a register) take 16.  A row tile (by_row_tiles) shares each block's unpacked codes.
+// w4a8's lanes (an output pair a register) take 16.  A row tile (by_lane_tiles) shares each block's unpacked codes.
 
 // The shapes w4a8_lanes and w4a8_tiles take, checked: x [rows, K] float32, codes [N / 16, K / 32, 256] uint8
-// (kernels_avx2.pack_tiles), scales [N, G] float32, G dividing K's blocks of 32.
+// (kernels_avx2.pack_tiles), scales [N / 16, G, 16] float32 (kernels_avx2.pack_tile_scales: a tile's 16 outputs'
+// scales per group, one load each), G dividing K's blocks of 32.
 struct TileCall {
   int64_t rows, K, nb, n, G;
   const uint8_t* w;   // the codes
-  const float* gs;    // the scales
+  const float* gs;    // the scales, tile t's at gs + t * G * 16
   TileCall(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, who, ": x must be [rows, K] float32");
     rows = x.size(0), K = x.size(1), nb = K / 32;
@@ -984,9 +985,10 @@ struct TileCall {
                     codes.size(1) == nb && codes.size(2) == 256,
                 who, ": codes must be [N / 16, K / 32, 256] uint8, contiguous (kernels_avx2.pack_tiles)");
     n = codes.size(0) * 16;
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
-                    scales.is_contiguous() && nb % scales.size(1) == 0,
-                who, ": scales must be [N, G] float32, groups of a multiple of 32 inputs");
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
+                    scales.size(2) == 16 && scales.is_contiguous() && scales.size(1) > 0 && nb % scales.size(1) == 0,
+                who, ": scales must be [N / 16, G, 16] float32, contiguous (kernels_avx2.pack_tile_scales), "
+                "groups of a multiple of 32 inputs");
     G = scales.size(1);
     w = codes.data_ptr<uint8_t>();
     gs = scales.data_ptr<float>();
@@ -994,6 +996,23 @@ struct TileCall {
 };
 
 #ifdef RTK_WIDE_TILES
+// A call of at most this many rows is one row tile, each block unpacked into registers: 0.72-0.79x the time of two
+// row tiles over a buffer at 5-7 rows (SmolLM2's INT4 projections, AMD Zen 4); at 8 the rows' sums no longer fit
+// the registers beside the codes.
+constexpr int64_t kLanePacked = 7;
+static_assert(kLanePacked >= kRowBlock, "by_lane_tiles: calls of up to kRowBlock rows are one tile too");
+
+// tile(R, r) as by_row_tiles, but a call of at most kLanePacked rows as one tile of all its rows
+template <typename Tile>
+inline void by_lane_tiles(int64_t rows, Tile&& tile) {
+  switch (rows) {
+    case 7: tile(std::integral_constant<int64_t, 7>{}, 0); break;
+    case 6: tile(std::integral_constant<int64_t, 6>{}, 0); break;
+    case 5: tile(std::integral_constant<int64_t, 5>{}, 0); break;
+    default: by_row_tiles(rows, tile);
+  }
+}
+
 // R rows of one tile of 16 outputs: u the tile's unpacked codes (nb blocks x 8 registers of 64 bytes) or, with
 // Packed, its codes as stored (each block unpacked into registers: a call of one row tile, where a buffer would be
 // written and read once), q / qs / start the rows' input codes, block scales and -8 * block code sums, gs16 the 16
@@ -1001,9 +1020,13 @@ struct TileCall {
 // fetched into L2 block by block while this one's products run (w4a8_tiles does the same), so that its unpacking
 // reads them from the cache instead of waiting on memory between two tiles' products: 0.74-0.80x the time of a
 // call of 8-16 rows (L1 instead of L2: 0.86-0.90x; L1 keeps the unpacked codes and the rows' inputs).
+// Not inlined: each (R, Packed) compiled as a function of its own keeps its sums in registers; inlined into
+// w4a8_lanes' loop beside the other instantiations, GCC spilled them (7 packed rows took 1.7x the time, other row
+// counts 1.0-1.1x).
 template <int64_t R, bool Packed>
-inline void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, int64_t K, const uint8_t* u,
-                       const float* gs16, int64_t G, float* y, int64_t ldy, const uint8_t* next = nullptr) {
+__attribute__((noinline)) void lanes_rows(const int8_t* q, const float* qs, const int32_t* start, int64_t K,
+                                          const uint8_t* u, const float* gs16, int64_t G, float* y, int64_t ldy,
+                                          const uint8_t* next = nullptr) {
   const int64_t nb = K / 32, per_group = nb / G;
   __m512 total[R];
   for (int64_t r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -1062,19 +1085,15 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
   const float* qs = in.qs.data();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n / 16, 1, [&](int64_t t0, int64_t t1) {
-    // the thread's buffers, kept from call to call: a tile's unpacked codes and its outputs' group scales
+    // the thread's buffer, kept from call to call: a tile's unpacked codes
     static thread_local std::vector<uint8_t> unpacked_buffer;
-    static thread_local std::vector<float> scales_buffer;
     unpacked_buffer.resize(std::max<size_t>(unpacked_buffer.size(), nb * 512 + 64));
-    scales_buffer.resize(std::max<size_t>(scales_buffer.size(), G * 16));
     uint8_t* u = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
-    float* gs16 = scales_buffer.data();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = call.w + t * nb * 256;
-      for (int64_t g = 0; g < G; ++g)
-        for (int o = 0; o < 16; ++o) gs16[g * 16 + o] = call.gs[(16 * t + o) * G + g];
-      const bool packed = rows <= kRowBlock;  // one row tile: each block unpacked into registers
+      const float* gs16 = call.gs + t * G * 16;
+      const bool packed = rows <= kLanePacked;  // one row tile (by_lane_tiles)
       if (!packed)
         for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4: its rows kk = j % 4 and j % 4 + 4
           const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
@@ -1082,7 +1101,7 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
           _mm512_store_si512(block, _mm512_and_si512(raw, low));
           _mm512_store_si512(block + 256, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
         }
-      by_row_tiles(rows, [&](auto R, int64_t r) {
+      by_lane_tiles(rows, [&](auto R, int64_t r) {
         constexpr int64_t Rows = decltype(R)::value;
         const int8_t* qr = q + r * K;
         const float* sr = qs + r * nb;
@@ -1090,7 +1109,7 @@ at::Tensor w4a8_lanes_scaled(const at::Tensor& x, const float* pre_scale, const 
         float* yr = yp + r * n + 16 * t;
         if (packed)
           lanes_rows<Rows, true>(qr, sr, st, K, wt, gs16, G, yr, n);
-        else  // the first row tile fetches the next tile's codes
+        else if constexpr (Rows <= kRowBlock)  // the first row tile fetches the next tile's codes
           lanes_rows<Rows, false>(qr, sr, st, K, u, gs16, G, yr, n, r == 0 && t + 1 < t1 ? wt + nb * 256 : nullptr);
       });
     }
@@ -1153,25 +1172,20 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
       cfg.rows[7] = static_cast<uint8_t>(tail), cfg.colsb[7] = 32;
     }
     _tile_loadconfig(&cfg);
-    // the thread's buffers, kept from call to call: the tile's unpacked codes, two groups' block sums, and the
-    // tile's 16 outputs' group scales per group (16 a group, for one load)
+    // the thread's buffers, kept from call to call: the tile's unpacked codes and two groups' block sums
     static thread_local std::vector<int8_t> unpacked_buffer;
     static thread_local std::vector<int32_t> sums_buffer;
-    static thread_local std::vector<float> scales_buffer;
     unpacked_buffer.resize(std::max<size_t>(unpacked_buffer.size(), nb * 512 + 64));
     sums_buffer.resize(std::max<size_t>(sums_buffer.size(), 2 * per_group * 256 + 16));
-    scales_buffer.resize(std::max<size_t>(scales_buffer.size(), G * 16 + 16));
     int8_t* b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(unpacked_buffer.data()) + 63) & ~uintptr_t(63));
     int32_t* sums = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t(63));
-    float* group_scales = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scales_buffer.data()) + 63) & ~uintptr_t(63));
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * nb * 256;
       // the next tile's codes, a group's blocks at a time while this tile's first rows are summed: the unpacking
       // reads them from memory, and with nothing ahead of it a fifth of the kernel's time was that read's wait
       const char* next = t + 1 < t1 ? reinterpret_cast<const char*>(wt + nb * 256) : nullptr;
-      for (int64_t g = 0; g < G; ++g)
-        for (int o = 0; o < 16; ++o) group_scales[g * 16 + o] = gs[(16 * t + o) * G + g];
+      const float* group_scales = gs + t * G * 16;  // the tile's 16 outputs' scales per group (16 a group)
       for (int64_t j = 0; j < nb * 4; ++j) {  // block j / 4's 64 bytes j % 4 into both halves of its tile
         const __m512i raw = _mm512_loadu_si512(wt + 64 * j);
         int8_t* tile = b + (j / 4) * 512 + 64 * (j % 4);
@@ -1227,7 +1241,7 @@ at::Tensor w4a8_tiles_scaled(const at::Tensor& x, const float* pre_scale, const 
           if (next != nullptr && r0 == 0)
             for (int64_t l = 0; l < per_group * 256; l += 64) _mm_prefetch(next + g * per_group * 256 + l, _MM_HINT_T0);
           const int32_t* group_sums = sums + (g % 2) * per_group * 256;
-          const __m512 gv = _mm512_load_ps(group_scales + g * 16);
+          const __m512 gv = _mm512_loadu_ps(group_scales + g * 16);
 #pragma GCC unroll 16
           for (int r = 0; r < 16; ++r) {
             if (r >= valid) continue;  // past the call's rows: no float work
@@ -1331,13 +1345,15 @@ struct Projection32 {
   bool blockwise = false;               // w8a8 of a weight-only INT8 projection: w8a8_blockwise (no input scale)
   c10::optional<at::Tensor> plain;      // w8a8's codes in the export's order, for calls of many rows (w8a8)
   c10::optional<at::Tensor> tiles;      // w4a8's codes for its prompt rows in the tile layout (kernels_avx2.pack_tiles)
+  c10::optional<at::Tensor> tile_scales;  // and its scales so (kernels_avx2.pack_tile_scales)
   bool tiles_amx = false;               // which kernel reads them: AMX's (w4a8_tiles) or AVX512-VNNI's (w4a8_lanes)
 
   bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
 
   // rows of an INT4 projection with tiles: AMX's kernel (prompt rows) or the lanes' (every row), the same bits
   at::Tensor tile_rows(const at::Tensor& x, const float* ps) const {
-    return tiles_amx ? w4a8_tiles_scaled(x, ps, *tiles, *scales, bias) : w4a8_lanes_scaled(x, ps, *tiles, *scales, bias);
+    return tiles_amx ? w4a8_tiles_scaled(x, ps, *tiles, *tile_scales, bias)
+                     : w4a8_lanes_scaled(x, ps, *tiles, *tile_scales, bias);
   }
 
   // model.Projection's input: times the pre-quant scale, then the activation's quantize-dequantize
@@ -1451,7 +1467,8 @@ struct DecodeLayers : torch::CustomClassHolder {
                       double w8a8_scale, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> pre_quant_scale,
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
                       int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain,
-                      int64_t mkl_tile, c10::optional<at::Tensor> tiles, bool tiles_amx) {
+                      int64_t mkl_tile, c10::optional<at::Tensor> tiles, c10::optional<at::Tensor> tile_scales,
+                      bool tiles_amx) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -1465,6 +1482,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                 "rtk_avx2.DecodeLayers: pre_quant_scale is [K] float32, contiguous");
     TORCH_CHECK(!tiles.has_value() || (w8a8_path && kind == kW4),
                 "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles, w4a8_lanes)");
+    TORCH_CHECK(tiles.has_value() == tile_scales.has_value(), "rtk_avx2.DecodeLayers: tiles come with their scales");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
@@ -1472,7 +1490,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                   pad_rows, mkl_tile,
                                   mkl_tile > 0 ? at::zeros({}, at::kFloat).expand({weights.size(0), weights.size(1)})
                                                : at::Tensor(),
-                                  blockwise, plain, tiles, tiles_amx});
+                                  blockwise, plain, tiles, tile_scales, tiles_amx});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }

@@ -272,6 +272,7 @@ class W8A8Weight:
     plain: torch.Tensor | None = None
     kind = "int8"  # its codes (INT_KINDS); not a field
     tiles = None  # prompt rows in the tiles' layout: INT4's only (W4A8Weight.tiles, W4A8Weight.amx)
+    tile_scales = None
     amx = False
 
     def __post_init__(self):
@@ -356,6 +357,13 @@ def pack_tiles(codes: torch.Tensor) -> torch.Tensor:
     return (tile[:, :, :256] | (tile[:, :, 256:] << 4)).contiguous()
 
 
+def pack_tile_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` group scales (``N`` a multiple of 16) as ``rtk_vnni.w4a8_tiles`` and ``w4a8_lanes`` read them,
+    ``[N / 16, G, 16]``: per 16 outputs (a tile of :func:`pack_tiles`), each group's 16 scales side by side."""
+    n, groups = scales.shape
+    return scales.reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+
 @dataclass
 class W4A8Weight:
     """An INT4 projection (AWQ, W4A16) as integer products: ``x [rows, K]`` float32 -> ``[rows, N]``.
@@ -375,6 +383,7 @@ class W4A8Weight:
     # the codes again, for prompt rows in AMX's tiles or every row in VNNI's lanes (:func:`pack_tiles`,
     # :meth:`add_tiles`); None: every row w4a8
     tiles: torch.Tensor | None = None
+    tile_scales: torch.Tensor | None = None  # :attr:`scales` for the tiles' kernels (:func:`pack_tile_scales`)
     amx: bool = False  # the tiles' kernel: AMX's (w4a8_tiles) or AVX512-VNNI's lanes (w4a8_lanes), the same bits
     plain = None  # no GEMM path: per-block input scales are not one integer GEMM (W8A8Weight.plain)
     kind = "int4"
@@ -401,10 +410,10 @@ class W4A8Weight:
         if not (prompt_tiles() or prompt_lanes()) or codes.shape[0] % 16:
             return False
         self.amx = prompt_tiles()
-        self.tiles = pack_tiles(codes)
+        self.tiles, self.tile_scales = pack_tiles(codes), pack_tile_scales(self.scales)
         if not kernels.within_and_invariant(self.prompt, dense, bias, TOLERANCE, torch.float32, 32, quantize_blocks):
             log.info("rtk's INT4 tile kernel is off the float32 product for %s; w4a8 takes every row", codes.shape[0])
-            self.tiles, self.amx = None, False
+            self.tiles, self.tile_scales, self.amx = None, None, False
         return self.tiles is not None
 
     @property
@@ -426,7 +435,7 @@ class W4A8Weight:
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
         if self.lanes:
-            return ops().w4a8_lanes(x, self.tiles, self.scales, bias)
+            return ops().w4a8_lanes(x, self.tiles, self.tile_scales, bias)
         return ops().w4a8(x, self.codes, self.scales, bias)
 
     def prompt(
@@ -438,7 +447,7 @@ class W4A8Weight:
             return self(x, bias, pre_quant_scale)
         if pre_quant_scale is not None:
             x = x * pre_quant_scale
-        return ops().w4a8_tiles(x, self.tiles, self.scales, bias)
+        return ops().w4a8_tiles(x, self.tiles, self.tile_scales, bias)
 
     def within(self, dense: torch.Tensor, bias: torch.Tensor | None, rows: int = 16) -> bool:
         """:func:`kernels.within_and_invariant` against the float64 product of the block-quantized inputs."""
@@ -513,6 +522,7 @@ class DecodeLayers:
                 w.plain,
                 0,
                 w.tiles,
+                w.tile_scales,
                 w.amx,
             )
             return
@@ -544,6 +554,7 @@ class DecodeLayers:
             False,
             None,
             0 if tiles is None else MKL_TILE,
+            None,
             None,
             False,
         )
