@@ -996,7 +996,7 @@ struct TileCall {
 };
 
 #ifdef RTK_WIDE_TILES
-// A call of at most this many rows is one row tile, each block unpacked into registers: 0.72-0.79x the time of two
+// A call of at most this many rows is one row tile, each block unpacked into registers: 0.66-0.79x the time of two
 // row tiles over a buffer at 5-7 rows (SmolLM2's INT4 projections, AMD Zen 4); at 8 the rows' sums no longer fit
 // the registers beside the codes.
 constexpr int64_t kLanePacked = 7;
