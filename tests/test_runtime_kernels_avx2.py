@@ -547,7 +547,8 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     per block of 32, the logits stay within that quantization's reach of the dense float32 path (the export's
     arithmetic), every greedy token is that path's best or within that reach of it (the random model has
     near-ties; the real model's chat replies are checked in docs/engine-measurements.md), and the perplexity is the
-    quality report's within the issue's 0.5 %."""
+    quality report's within the issue's 0.5 %.  Where AVX512-VNNI's lanes take every INT4 row, the tiles they read
+    (not the codes) are the ones moved onto 2 MiB pages."""
     import json
 
     from conftest import spec_for
@@ -568,6 +569,11 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     dense = Engine(out / "hf", EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
     assert fast.model.lm_head.kernel == head and dense.model.lm_head.kernel == "dense"
     assert {g.parts[0].kernel for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up)} == {layers}
+    lanes = [p.int_products for p in fast.model.projections if getattr(p.int_products, "lanes", False)]
+    assert bool(lanes) == (fmt == "int4_awq" and kernels_avx2.prompt_lanes())
+    if lanes:  # the lanes read the tiles for every row: they, not the codes, lie in the huge pages' one region
+        assert len({w.tiles.untyped_storage().data_ptr() for w in lanes}) == 1
+        assert len({w.codes.untyped_storage().data_ptr() for w in lanes}) == len(lanes)
     ids = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     got, want = fast.prompt_logits(ids), dense.prompt_logits(ids)
     reach = (got - want).abs().max()

@@ -1166,18 +1166,23 @@ class Transformer:
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]}, {rows})")
         if self.pool_attention or self.sdpa_decode:
             parts.append("decode attention " + ("in place" if self.pool_attention else "SDPA's bits in one call"))
-        parts.append(f"head {self.lm_head.kernel}")
+        head = self.lm_head.int_products
+        lanes = " in VNNI lanes" if isinstance(head, kernels_avx2.W4A8Weight) and head.lanes else ""
+        parts.append(f"head {self.lm_head.kernel}{lanes}")
         return "; ".join(parts)
 
     def _weights_on_huge_pages(self) -> None:
         """Move the weights the decode kernels stream every step onto 2 MiB pages (:mod:`hugepages`): a float32
-        engine's (``Fp32Weight``, ``W8A8Weight``, ``W4A8Weight``; with 4 KiB pages the W8A8 kernel took 12-17 %
-        longer over SmolLM2's codes) and a bf16 engine's GEMV weights and codes (``kernels.gemv`` / ``gemv_q``: a
-        bf16 decode step's GEMVs 11-27 % faster, docs/engine-measurements.md "A bf16 engine's GEMV weights on 2 MiB
-        pages")."""
+        engine's (``Fp32Weight``, ``W8A8Weight``, ``W4A8Weight``'s codes or, in the lanes, its tiles; with 4 KiB
+        pages the W8A8 kernel took 12-17 % longer over SmolLM2's codes, the lanes 1.16-1.37x at 1-8 rows) and a bf16
+        engine's GEMV weights and codes (``kernels.gemv`` / ``gemv_q``: a bf16 decode step's GEMVs 11-27 % faster,
+        docs/engine-measurements.md "A bf16 engine's GEMV weights on 2 MiB pages")."""
         projections = [self.lm_head, *self.projections]
-        owners = [(p.int_products, "codes") for p in projections if p.int_products is not None]
-        owners += [(w, "plain") for w, _ in owners if w.plain is not None]  # the GEMM's copy of the codes
+        ints = [p.int_products for p in projections if p.int_products is not None]
+        # INT4 in AVX512-VNNI's lanes reads its tiles for every row, never its codes (W4A8Weight.lanes)
+        owners = [(w, "codes") for w in ints if not (isinstance(w, kernels_avx2.W4A8Weight) and w.lanes)]
+        owners += [(w, "tiles") for w in ints if w.tiles is not None]
+        owners += [(w, "plain") for w in ints if w.plain is not None]  # the GEMM's copy of the codes
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]
         owners += [(p, "gemv") for p in projections if p.gemv is not None]
         owners += [(p.quant, "codes") for p in projections if p.quant is not None]
