@@ -547,8 +547,8 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     per block of 32, the logits stay within that quantization's reach of the dense float32 path (the export's
     arithmetic), every greedy token is that path's best or within that reach of it (the random model has
     near-ties; the real model's chat replies are checked in docs/engine-measurements.md), and the perplexity is the
-    quality report's within the issue's 0.5 %.  Where AVX512-VNNI's lanes take every INT4 row, the tiles they read
-    (not the codes) are the ones moved onto 2 MiB pages."""
+    quality report's within the issue's 0.5 %.  Where AVX512-VNNI's lanes take every INT4 row, the head's logit rows
+    too, and the tiles they read (not the codes) are the ones moved onto 2 MiB pages."""
     import json
 
     from conftest import spec_for
@@ -569,8 +569,10 @@ def test_float32_engine_on_an_export_with_a_quantized_head(tmp_path, tiny_llama_
     dense = Engine(out / "hf", EngineConfig(**cfg, max_num_tokens=64, cpu_kernels=False))
     assert fast.model.lm_head.kernel == head and dense.model.lm_head.kernel == "dense"
     assert {g.parts[0].kernel for layer in fast.model.layers for g in (layer.qkv, layer.o, layer.gate_up)} == {layers}
-    lanes = [p.int_products for p in fast.model.projections if getattr(p.int_products, "lanes", False)]
-    assert bool(lanes) == (fmt == "int4_awq" and kernels_avx2.prompt_lanes())
+    lanes = [
+        p.int_products for p in [fast.model.lm_head, *fast.model.projections] if getattr(p.int_products, "lanes", False)
+    ]
+    assert len(lanes) == (len(fast.model.projections) + 1 if fmt == "int4_awq" and kernels_avx2.prompt_lanes() else 0)
     if lanes:  # the lanes read the tiles for every row: they, not the codes, lie in the huge pages' one region
         assert len({w.tiles.untyped_storage().data_ptr() for w in lanes}) == 1
         assert len({w.codes.untyped_storage().data_ptr() for w in lanes}) == len(lanes)

@@ -263,8 +263,8 @@ class Projection:
         prompt_tiles: bool = True,
     ):
         """``prompt_tiles``: INT4 integer products take prompt rows in the tiles' layout where the VNNI kernels run
-        (AMX's tiles or AVX512-VNNI's lanes, ``W4A8Weight.add_tiles``; not the LM head, whose rows are logit rows, one
-        a sequence).
+        (AMX's tiles or AVX512-VNNI's lanes, ``W4A8Weight.add_tiles``; the LM head, whose rows are logit rows, one a
+        sequence, only where the lanes take every row).
 
         ``blockwise_inputs``: on a float32 engine, weight-only INT8 weights (the LM head of
         ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) and, with
@@ -1055,7 +1055,9 @@ class Transformer:
             gemv_kernel=cpu_kernels,
             int4_gemv=int4_gemv,
             blockwise_inputs=True,
-            prompt_tiles=False,
+            # its logit rows in the lanes where they take every row (no AMX): 0.45-0.62x w4a8's time at 2-4 rows
+            # over SmolLM2's INT4 head (docs/engine-measurements.md, "The INT4 head in the lanes")
+            prompt_tiles=kernels_avx2.prompt_lanes(),
         )
         self.layers = [
             Layer(
