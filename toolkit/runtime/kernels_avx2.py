@@ -272,7 +272,7 @@ class W8A8Weight:
     plain: torch.Tensor | None = None
     kind = "int8"  # its codes (INT_KINDS); not a field
     tiles = None  # prompt rows in the tiles' layout: INT4's only (W4A8Weight.tiles, W4A8Weight.amx)
-    tile_scales = None
+    tile_scales = None  # and their scales (W4A8Weight.tile_scales)
     amx = False
 
     def __post_init__(self):
