@@ -274,6 +274,7 @@ class W8A8Weight:
     tiles = None  # prompt rows in the tiles' layout: INT4's only (W4A8Weight.tiles, W4A8Weight.amx)
     tile_scales = None  # and their scales (W4A8Weight.tile_scales)
     amx = False
+    lanes = False  # (W4A8Weight.lanes)
 
     def __post_init__(self):
         # read once: the call is on every projection of every step

@@ -1056,7 +1056,8 @@ class Transformer:
             int4_gemv=int4_gemv,
             blockwise_inputs=True,
             # its logit rows in the lanes where they take every row (no AMX): 0.45-0.62x w4a8's time at 2-4 rows
-            # over SmolLM2's INT4 head (docs/engine-measurements.md, "The INT4 head in the lanes")
+            # over SmolLM2's INT4 head (docs/engine-measurements.md, "INT4 tiles on 2 MiB pages, and the INT4 head
+            # in the lanes")
             prompt_tiles=kernels_avx2.prompt_lanes(),
         )
         self.layers = [
@@ -1168,9 +1169,8 @@ class Transformer:
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]}, {rows})")
         if self.pool_attention or self.sdpa_decode:
             parts.append("decode attention " + ("in place" if self.pool_attention else "SDPA's bits in one call"))
-        head = self.lm_head.int_products
-        lanes = " in VNNI lanes" if isinstance(head, kernels_avx2.W4A8Weight) and head.lanes else ""
-        parts.append(f"head {self.lm_head.kernel}{lanes}")
+        lanes = self.lm_head.int_products is not None and self.lm_head.int_products.lanes
+        parts.append(f"head {self.lm_head.kernel}{' in VNNI lanes' if lanes else ''}")
         return "; ".join(parts)
 
     def _weights_on_huge_pages(self) -> None:
@@ -1182,7 +1182,7 @@ class Transformer:
         projections = [self.lm_head, *self.projections]
         ints = [p.int_products for p in projections if p.int_products is not None]
         # INT4 in AVX512-VNNI's lanes reads its tiles for every row, never its codes (W4A8Weight.lanes)
-        owners = [(w, "codes") for w in ints if not (isinstance(w, kernels_avx2.W4A8Weight) and w.lanes)]
+        owners = [(w, "codes") for w in ints if not w.lanes]
         owners += [(w, "tiles") for w in ints if w.tiles is not None]
         owners += [(w, "plain") for w in ints if w.plain is not None]  # the GEMM's copy of the codes
         owners += [(p.fp32_gemv, "weights") for p in projections if p.fp32_gemv is not None]
