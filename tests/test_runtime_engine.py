@@ -851,6 +851,7 @@ def test_duplicate_request_id_is_refused(engine):
         (dict(prefill_threads=0), "prefill_threads"),
         (dict(lone_decode_threads=0), "lone_decode_threads"),
         (dict(int4_gemv="fast"), "int4_gemv"),
+        (dict(float32_prompt_rows="sgemm"), "float32_prompt_rows"),
         (dict(lm_head="fp8"), "lm_head"),
         (dict(step_budget_ms=0.0), "step_budget_ms"),
         (dict(step_budget_ms=40.0, enable_chunked_context=False), "step_budget_ms"),

@@ -16,7 +16,7 @@ import torch
 from toolkit.runtime import kernels, kernels_avx2
 from toolkit.runtime.checkpoint import ActQuant, Linear, WeightCodes, fake_quant
 from toolkit.runtime.engine import Engine, EngineConfig, GenerationRequest
-from toolkit.runtime.model import TILE_DECODE_ROWS, Projection
+from toolkit.runtime.model import TILE_DECODE_ROWS, Projection, resolve_float32_prompt_rows
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -102,6 +102,41 @@ def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt
     assert Projection([lin], torch.float32, pack=False, gemv_kernel=False).fp32_gemv is None
 
 
+def test_a_float32_projection_with_gemv_prompt_rows_reads_the_codes_for_every_row():
+    """``float32_prompt_rows: gemv``: prompt rows take the GEMV too, in the decode rows' call, so a row's bits are
+    its own whatever shares its call, and no float32 copy (nor MKL's packed one) is kept."""
+    g = torch.Generator().manual_seed(3)
+    dense, (_, codes, scale) = weights("int8", 96, 64, g)
+    lin = Linear(weight=dense, codes=WeightCodes(bits=8, codes=codes, scale=scale))
+    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True, float32_prompt_rows="gemv")
+    assert proj.gemv_prompt_rows and proj.kernel == "rtk-avx2-int8"
+    assert proj.mkl_tiles is None and proj.weight is None and proj.min_rows == 1
+    x = torch.randn(5, 64, generator=g)
+    kernel, rows_seen = proj.fp32_gemv, []
+
+    def counted(rows, bias):
+        rows_seen.append(rows.shape[0])
+        return kernel(rows, bias)
+
+    proj.fp32_gemv = counted
+    with torch.inference_mode():
+        y = proj(x, singles=2)  # two decode rows, three prompt rows: one call
+        alone = [proj(x[i : i + 1], singles=0) for i in range(5)]
+    assert rows_seen == [5, 1, 1, 1, 1, 1]
+    assert torch.equal(y, torch.cat(alone))
+    assert (y - x @ dense.t()).abs().max() <= 1e-5 * y.abs().max()
+    mkl = Projection([lin], torch.float32, pack=False, gemv_kernel=True, float32_prompt_rows="mkl")
+    assert not mkl.gemv_prompt_rows and mkl.mkl_tiles is not None
+
+
+def test_float32_prompt_rows_auto_is_the_gemv_where_the_256_bit_build_runs(monkeypatch):
+    monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_avx2")
+    assert resolve_float32_prompt_rows("auto") == "gemv"
+    monkeypatch.setattr(kernels_avx2, "library", lambda: "rtk_vnni")
+    assert resolve_float32_prompt_rows("auto") == "mkl"
+    assert [resolve_float32_prompt_rows(n) for n in ("mkl", "gemv")] == ["mkl", "gemv"]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_mkl_tiles_give_each_row_the_float32_product_whatever_its_call(bias):
     """Prompt rows through MKL's packed GEMM in calls of MKL_TILE rows: any number of rows, in any split, gives
@@ -121,13 +156,17 @@ def test_mkl_tiles_give_each_row_the_float32_product_whatever_its_call(bias):
         assert tiles(x[:0], b).shape == (0, 200)
 
 
-def test_float32_engine_greedy_tokens_equal_transformers_float32(tiny_llama_dir):
+@pytest.mark.parametrize("prompt_rows", ["mkl", "gemv"])
+def test_float32_engine_greedy_tokens_equal_transformers_float32(tiny_llama_dir, prompt_rows):
     from test_runtime_engine import config, greedy, hf_greedy, prompt, run, tokens, transformers_model
 
     hf = transformers_model(tiny_llama_dir, dtype=torch.float32)
-    eng = Engine(tiny_llama_dir, config(dtype="float32", decode_batching="attention"))
+    cfg = config(dtype="float32", decode_batching="attention", float32_prompt_rows=prompt_rows)
+    eng = Engine(tiny_llama_dir, cfg)
     assert {p.kernel for layer in eng.model.layers for p in layer.qkv.parts} == {"rtk-avx2-bf16"}
     assert eng.model.lm_head.kernel == "rtk-avx2-bf16"
+    assert all(p.gemv_prompt_rows == (prompt_rows == "gemv") for p in eng.model.projections)
+    assert ("in the GEMV" in eng.model.kernels) == (prompt_rows == "gemv")
     reqs = [greedy(prompt(n, 300 + n)) for n in (1, 23, 90)]
     for r in reqs:
         assert eng.generate(r) == hf_greedy(hf, r.prompt_ids, r.max_new_tokens)

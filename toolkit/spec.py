@@ -236,6 +236,16 @@ class BuildSpec(Section):
         "float32 (AVX2) engine, every row as integer products over inputs quantized per block of 32 (about 2.2x); "
         "exact = the dense path's weights, bit for bit (about 1.1x)",
     )
+    float32_prompt_rows: Literal["auto", "mkl", "gemv"] = Field(
+        "auto",
+        description="cpu, float32 engines (no native bf16): the kernel of prompt rows in projections whose decode rows "
+        "take rtk's AVX2 GEMV (bf16 and FP8 weights). mkl = MKL's GEMM over float32 copies packed at load, in calls of "
+        "32 rows (a call of 8 rows costs as much as 32); gemv = rtk's GEMV for every row, reading the weights as "
+        "stored (half or a quarter of the bytes, no float32 copies: one kernel and one rounding for prompt and decode "
+        "rows alike). auto = gemv where rtk's 256-bit build runs (AVX2 without AVX512-VNNI: there it took 0.19-0.42x "
+        "MKL's time at 8-16 rows and 0.8-1.03x at 32-448), mkl on AVX512 hosts (docs/engine-measurements.md, "
+        "'Prompt rows through the GEMV on AVX2 hosts')",
+    )
 
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",

@@ -58,6 +58,7 @@ __all__ = [
 DECODE_BATCHING = ("auto", "exact", "attention", "full")
 DECODE_ATTENTION = ("auto", "sdpa", "in_place")
 LM_HEADS = ("exported", "int8")
+FLOAT32_PROMPT_ROWS = ("auto", "mkl", "gemv")
 
 
 @dataclass
@@ -123,6 +124,10 @@ class EngineConfig:
     # stated tolerance of the float32 product, not the dense path's bits; docs/engine.md); "exact"
     # rebuilds the dense path's bf16 weights bf16(code x scale) in registers (its bits)
     int4_gemv: str = "dot"
+    # a float32 engine's prompt rows where its decode rows take rtk's AVX2 GEMV (bf16 / FP8 weights): "mkl" = MKL's
+    # GEMM over float32 copies packed at load (kernels_avx2.MklTiles), "gemv" = the GEMV for every row, "auto" =
+    # gemv where the 256-bit build runs (AVX2 without AVX512-VNNI), else mkl (model.resolve_float32_prompt_rows)
+    float32_prompt_rows: str = "auto"
     # The LM head the engine reads: "exported" = as the checkpoint holds it (bf16 unless the export quantized it,
     # quantization.quantize_lm_head); "int8" = a bf16 head re-quantized at load to int8 codes per output row
     # (checkpoint.int8_rows, W8A16): half the bytes a token (SmolLM2-135M: 57 -> 28 MB), rounding as the
@@ -176,6 +181,7 @@ class EngineConfig:
             lone_decode_threads=build.lone_decode_threads,
             openmp_spin_count=build.openmp_spin_count,
             int4_gemv=build.int4_gemv,
+            float32_prompt_rows=build.float32_prompt_rows,
             lm_head=build.lm_head,
             dtype=build.compute_dtype,
             decode_batching=build.decode_batching,
@@ -249,6 +255,8 @@ class EngineConfig:
             bad("decode_attention", f"'{self.decode_attention}' is not one of {', '.join(DECODE_ATTENTION)}")
         if self.int4_gemv not in ("dot", "exact"):
             bad("int4_gemv", f"'{self.int4_gemv}' is not 'dot' or 'exact'")
+        if self.float32_prompt_rows not in FLOAT32_PROMPT_ROWS:
+            bad("float32_prompt_rows", f"'{self.float32_prompt_rows}' is not one of {', '.join(FLOAT32_PROMPT_ROWS)}")
         if self.lm_head not in LM_HEADS:
             bad("lm_head", f"'{self.lm_head}' is not one of {', '.join(LM_HEADS)}")
         if self.attention_dtype not in ("float32", "model"):
@@ -312,7 +320,7 @@ class Engine:
         import torch
 
         from .checkpoint import int8_rows, load_checkpoint
-        from .model import Transformer, resolve_decode_batching, resolve_dtype
+        from .model import Transformer, resolve_decode_batching, resolve_dtype, resolve_float32_prompt_rows
 
         config.validate()
         self.config = config
@@ -353,6 +361,7 @@ class Engine:
             huge_pages=config.huge_pages,
             int4_gemv=config.int4_gemv,
             decode_attention=config.decode_attention,
+            float32_prompt_rows=resolve_float32_prompt_rows(config.float32_prompt_rows),
         )
         if prompt_threads:
             torch.set_num_threads(decode_threads)

@@ -1347,8 +1347,9 @@ struct Projection32 {
   c10::optional<at::Tensor> tiles;      // w4a8's codes for its prompt rows in the tile layout (kernels_avx2.pack_tiles)
   c10::optional<at::Tensor> tile_scales;  // and its scales so (kernels_avx2.pack_tile_scales)
   bool tiles_amx = false;               // which kernel reads them: AMX's (w4a8_tiles) or AVX512-VNNI's (w4a8_lanes)
+  bool gemv_rows = false;               // gemv takes prompt rows too (model.Projection.gemv_prompt_rows)
 
-  bool takes_prompt_rows() const { return w8a8_path || dense.has_value(); }
+  bool takes_prompt_rows() const { return w8a8_path || dense.has_value() || gemv_rows; }
 
   // rows of an INT4 projection with tiles: AMX's kernel (prompt rows) or the lanes' (every row), the same bits
   at::Tensor tile_rows(const at::Tensor& x, const float* ps) const {
@@ -1389,7 +1390,7 @@ struct Projection32 {
     if (w8a8_path) return w8a8(x, w8a8_scale, weights, *scales, bias, pre_quant_scale, plain);  // the scale folded in
     const at::Tensor in = input(x);
     const int64_t m = in.size(0);
-    if (B == m) return gemv(in, weights, kind, scales, bias);
+    if (B == m || gemv_rows) return gemv(in, weights, kind, scales, bias);
     TORCH_CHECK(dense.has_value(), "rtk_avx2.DecodeLayers: prompt rows need the projection's float32 weights");
     at::Tensor prompt = in.narrow(0, B, m - B);
     at::Tensor y;
@@ -1468,7 +1469,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                       int64_t act_kind, c10::optional<at::Tensor> act_scale, c10::optional<at::Tensor> dense,
                       int64_t pad_rows, bool torch_input, bool blockwise, c10::optional<at::Tensor> plain,
                       int64_t mkl_tile, c10::optional<at::Tensor> tiles, c10::optional<at::Tensor> tile_scales,
-                      bool tiles_amx) {
+                      bool tiles_amx, bool gemv_rows) {
     TORCH_CHECK(!layers.empty() && layers.back().proj.size() < 4, "rtk_avx2.DecodeLayers: add_layer first");
     TORCH_CHECK(act_kind == 0 || act_scale.has_value(), "rtk_avx2.DecodeLayers: a quantized input needs its scale");
     TORCH_CHECK(!w8a8_path || scales.has_value(), "rtk_avx2.DecodeLayers: w8a8 needs its output scales");
@@ -1483,6 +1484,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     TORCH_CHECK(!tiles.has_value() || (w8a8_path && kind == kW4),
                 "rtk_avx2.DecodeLayers: prompt tiles are an INT4 projection's (w4a8_tiles, w4a8_lanes)");
     TORCH_CHECK(tiles.has_value() == tile_scales.has_value(), "rtk_avx2.DecodeLayers: tiles come with their scales");
+    TORCH_CHECK(!gemv_rows || !w8a8_path, "rtk_avx2.DecodeLayers: gemv_rows is a gemv projection's");
     TORCH_CHECK(!w8a8_path || kind == 0 || (kind == kW4 && blockwise),
                 "rtk_avx2.DecodeLayers: an integer projection's codes are INT8 (kind 0) or blockwise INT4 (kind 4)");
     layers.back().proj.push_back({w8a8_path, weights, kind, scales, w8a8_scale, bias, pre_quant_scale, act_kind,
@@ -1490,7 +1492,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                                   pad_rows, mkl_tile,
                                   mkl_tile > 0 ? at::zeros({}, at::kFloat).expand({weights.size(0), weights.size(1)})
                                                : at::Tensor(),
-                                  blockwise, plain, tiles, tile_scales, tiles_amx});
+                                  blockwise, plain, tiles, tile_scales, tiles_amx, gemv_rows});
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const { return rms_norm_f32(x, weight, eps); }

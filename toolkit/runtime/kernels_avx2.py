@@ -525,6 +525,7 @@ class DecodeLayers:
                 w.tiles,
                 w.tile_scales,
                 w.amx,
+                False,
             )
             return
         g = proj.fp32_gemv
@@ -537,7 +538,8 @@ class DecodeLayers:
             dense = proj.weight
         else:
             dense = None
-        self.takes_prompt_rows = self.takes_prompt_rows and dense is not None
+        gemv_rows = prompt_rows and proj.gemv_prompt_rows  # the GEMV takes them too (Projection.gemv_prompt_rows)
+        self.takes_prompt_rows = self.takes_prompt_rows and (dense is not None or gemv_rows)
         pad_rows = proj.min_rows if proj.single_rows else 1  # Projection._padded's zero rows
         self._layers.add_projection(
             False,
@@ -558,6 +560,7 @@ class DecodeLayers:
             None,
             None,
             False,
+            gemv_rows,
         )
 
     def forward(

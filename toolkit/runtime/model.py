@@ -144,6 +144,17 @@ def resolve_decode_batching(
     return "full" if int4_tiles_apply(ckpt, dtype, cpu_kernels, int4_gemv) else "attention"
 
 
+def resolve_float32_prompt_rows(name: str) -> str:
+    """The engine's ``EngineConfig.float32_prompt_rows`` for ``name``.  ``auto``: ``gemv`` where rtk's 256-bit AVX2
+    build runs (no AVX512-VNNI), ``mkl`` elsewhere.  On an AMD Zen 2 host (AVX2, 2 threads) the GEMV over SmolLM2's
+    bf16 weights took 0.22x / 0.42x / 0.89x / 0.84x / 1.03x MKL's time over its float32 copies at 8 / 16 / 32 / 64 /
+    448 rows (MKL's calls are 32 rows, so fewer cost as many); on an Intel Ice Lake host (the 512-bit build) MKL took
+    0.57x the GEMV's time at 32 rows (docs/engine-measurements.md, "Prompt rows through the GEMV on AVX2 hosts")."""
+    if name != "auto":
+        return name
+    return "gemv" if kernels_avx2.library() == "rtk_avx2" else "mkl"
+
+
 # -- projections --------------------------------------------------------------------------------
 
 
@@ -260,6 +271,7 @@ class Projection:
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
         blockwise_inputs: bool = False,
+        float32_prompt_rows: str = "mkl",
         prompt_tiles: bool = True,
     ):
         """``prompt_tiles``: INT4 integer products take prompt rows in the tiles' layout where the VNNI kernels run
@@ -270,7 +282,11 @@ class Projection:
         ``quantization.quantize_lm_head``, the layers of ``quantization.weight_only_modules``) and, with
         ``int4_gemv: "dot"``, INT4-AWQ weights take integer products (``kernels_avx2.W8A8Weight`` blockwise,
         ``kernels_avx2.W4A8Weight``), which quantize the input themselves per block of 32 (a stated rounding
-        difference, not the export's arithmetic)."""
+        difference, not the export's arithmetic).
+
+        ``float32_prompt_rows``: on a float32 engine, where rtk's AVX2 GEMV takes the decode rows (``fp32_gemv``),
+        ``"mkl"`` sends prompt rows through MKL over float32 copies packed at load (:class:`kernels_avx2.MklTiles`),
+        ``"gemv"`` through the GEMV too (:func:`resolve_float32_prompt_rows`)."""
         first = linears[0]
         self.int4_gemv = int4_gemv
         self.prompt_tiles = prompt_tiles
@@ -354,23 +370,26 @@ class Projection:
         # float32 engines (CPUs without native bf16): rtk's AVX2 GEMV reads the weights as stored (bf16 or
         # the export's codes) instead of their float32 copies, summing in its own order
         self.fp32_gemv = self.int_products = None
+        self.gemv_prompt_rows = False  # a float32 engine's prompt rows through rtk's AVX2 GEMV too (set below)
         if fp32_kernels:
             if self.act_kind == "int8" or (self.act_kind is None and blockwise_inputs):
                 self.int_products = self._pack_int_products(linears, weight, bias)
             if self.int_products is None:
                 self.fp32_gemv = self._pack_fp32(linears, weight, bias)
-            # the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 ones
-            if self.fp32_gemv is not None:
+            # prompt rows through the GEMV too: one batch-invariant kernel for every row, over the weights as stored
+            self.gemv_prompt_rows = self.fp32_gemv is not None and float32_prompt_rows == "gemv"
+            # else the prompt rows beside the AVX2 GEMV's: MKL over weights packed once, in place of the float32 ones
+            if self.fp32_gemv is not None and not self.gemv_prompt_rows:
                 self.mkl_tiles = kernels_avx2.MklTiles.pack(weight)
             if self.mkl_tiles is not None and self._probed(cache, (*shape[:3], "mkl")) > 1:
                 log.info("MKL's packed GEMM gives rows of %s other bits in other calls; F.linear takes them", shape[:2])
                 self.mkl_tiles = None
-            if self.int_products is None:
+            if self.int_products is None and not self.gemv_prompt_rows:
                 self.min_rows = self._probed(cache, (*shape[:3], "dense" if self.mkl_tiles is None else "mkl"))
-            else:  # every row through the integer products: no library GEMM to probe (nor to warn about)
+            else:  # every row through the integer products or the GEMV: no library GEMM to probe (nor to warn about)
                 self.min_rows, self.tile_rows, self.pad_rows = 1, None, 1
-            if self.mkl_tiles is not None:
-                self.weight = None
+            if self.mkl_tiles is not None or self.gemv_prompt_rows or self.int_products is not None:
+                self.weight = None  # no row reads the float32 copy
         # rtk's one-pass input quantization, where it gives torch's bits (checked here, once); the integer-product
         # kernels quantize their own input and never call it
         self.fused_input = (
@@ -674,6 +693,8 @@ class Projection:
                 x = x * self.pre_quant_scale
             if self.act_kind is not None:
                 x = fake_quant(x, self.act_kind, self.act_scale)
+        if self.gemv_prompt_rows:  # every row, decode and prompt, through the GEMV: a row's result is its own
+            return self.fp32_gemv(x, self.bias)
         # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums, the AVX2 GEMV, rtk's
         # GEMV on AMX hosts): decode rows through the kernel, prompt rows through the library's GEMM; with
         # decode_batching "full" (singles=None), by the call's row count.
@@ -776,8 +797,10 @@ class FusedGroup:
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
         blockwise_inputs: bool = False,
+        float32_prompt_rows: str = "mkl",
     ):
         args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
+        args += (float32_prompt_rows,)
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -1004,10 +1027,12 @@ class Layer:
         gemv_kernel: bool = False,
         int4_gemv: str = "dot",
         blockwise_inputs: bool = False,
+        float32_prompt_rows: str = "mkl",
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
         args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
+        args += (float32_prompt_rows,)
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
@@ -1034,6 +1059,7 @@ class Transformer:
         int4_gemv: str = "dot",
         huge_pages: bool = True,
         decode_attention: str = "auto",
+        float32_prompt_rows: str = "mkl",
     ):
         cfg = ckpt.config
         self.config = cfg
@@ -1055,6 +1081,7 @@ class Transformer:
             gemv_kernel=cpu_kernels,
             int4_gemv=int4_gemv,
             blockwise_inputs=True,
+            float32_prompt_rows=float32_prompt_rows,
             # its logit rows in the lanes where they take every row (no AMX): 0.45-0.62x w4a8's time at 2-4 rows
             # over SmolLM2's INT4 head (docs/engine-measurements.md, "INT4 tiles on 2 MiB pages, and the INT4 head
             # in the lanes")
@@ -1071,6 +1098,7 @@ class Transformer:
                 cpu_kernels,
                 int4_gemv,
                 blockwise_inputs=True,
+                float32_prompt_rows=float32_prompt_rows,
             )
             for spec in ckpt.layers
         ]
@@ -1164,6 +1192,9 @@ class Transformer:
                 parts.append(f"{rows} of {tiles} in AMX tiles")
             else:
                 parts.append(f"every row of {tiles} in VNNI lanes")
+        gemv_rows = sum(p.gemv_prompt_rows for p in [*self.projections, self.lm_head])
+        if gemv_rows:
+            parts.append(f"prompt rows of {gemv_rows} in the GEMV")
         if self.fused is not None:
             rows = "every row" if self.fused.takes_prompt_rows else "decode rows"
             parts.append(f"fused step ({type(self.fused).__module__.rsplit('.', 1)[-1]}, {rows})")
