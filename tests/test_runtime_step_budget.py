@@ -74,6 +74,16 @@ def test_once_it_predicts_the_fit_waits_for_refit_every_new_steps():
     assert times.coef != pytest.approx(TRUE, rel=1e-3)
 
 
+@pytest.mark.parametrize("per_context", [0.0, 3e-16])
+def test_a_per_context_cost_near_zero_cuts_as_none_does(monkeypatch, per_context):
+    """A fit's per-context cost of ~1e-16 ms (lstsq's rounding of a true 0 on one host) gives the rows a zero one
+    does: the quadratic's root taken without cancellation."""
+    monkeypatch.setattr(StepTimes, "coef", property(lambda self: (5.0, 1.0, 2.0, per_context)))
+    times = StepTimes()
+    for ms, context in [(0.5, 0), (33.0, 0), (33.0, 700), (195.0, 100), (10001.0, 2000)]:  # off whole rows
+        assert times.prompt_rows_within(ms, context) == int(ms / 2.0), (ms, context)
+
+
 def test_prompt_rows_that_look_free_give_no_prediction():
     times = StepTimes()
     for i in range(12):  # prompt steps no slower than decode-only ones: nothing to cut on

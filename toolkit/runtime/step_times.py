@@ -103,7 +103,9 @@ class StepTimes:
         if ms <= 0:
             return 0
         _, _, per_row, per_context = self.coef
-        # per_context / 2048 x n^2 + (per_row + per_context x context / 1024) x n - ms <= 0
+        # per_context / 2048 x n^2 + (per_row + per_context x context / 1024) x n - ms <= 0, whose positive root
+        # (-b + sqrt(b^2 + 4a ms)) / 2a is written 2 ms / (b + sqrt(b^2 + 4a ms)): the same value without the
+        # cancellation that made it 0 for a fitted per_context of 3e-16 ms (an AMD Zen 2 host's lstsq)
         a, b = per_context / 2048, per_row + per_context * context / 1024
-        n = ms / b if a == 0 else (-b + (b * b + 4 * a * ms) ** 0.5) / (2 * a)
+        n = 2 * ms / (b + (b * b + 4 * a * ms) ** 0.5)
         return max(0, int(n))
