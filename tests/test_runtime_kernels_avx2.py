@@ -76,14 +76,19 @@ def test_weights_it_cannot_hold_exactly_are_left_to_the_dense_path():
     assert not kernels_avx2.Fp32Weight.pack(dense, ("int8", codes, scale * 2)).within(dense, None)
 
 
-def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt_rows():
+@pytest.mark.parametrize("prompt_rows", ["mkl", "gemv"])
+def test_a_float32_projection_reads_the_codes_for_decode_rows_and_its_setting_for_prompt_rows(prompt_rows):
+    """Decode rows through rtk's GEMV over the codes; prompt rows through MKL's packed weights (``mkl``) or the same
+    GEMV in the decode rows' call (``gemv``): either way a row's bits never depend on what shares its call, and no
+    float32 copy of the weights is kept (``gemv``: nor MKL's packed one)."""
     g = torch.Generator().manual_seed(3)
     dense, (_, codes, scale) = weights("int8", 96, 64, g)
     lin = Linear(weight=dense, codes=WeightCodes(bits=8, codes=codes, scale=scale))
-    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True)
-    assert proj.kernel == "rtk-avx2-int8" and proj.own_rounding
+    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True, float32_prompt_rows=prompt_rows)
+    gemv = prompt_rows == "gemv"
+    assert proj.kernel == "rtk-avx2-int8" and proj.own_rounding and proj.gemv_prompt_rows == gemv
     assert proj.nbytes == 96 * 64 + 96 * 4  # a byte a weight and the scales, not 4 bytes a weight
-    assert proj.mkl_tiles is not None and proj.weight is None  # MKL's packed weights instead of float32 ones
+    assert (proj.mkl_tiles is None) == gemv and proj.weight is None
     x = torch.randn(5, 64, generator=g)
     kernel, rows_seen = proj.fp32_gemv, []
 
@@ -94,39 +99,12 @@ def test_a_float32_projection_reads_the_codes_for_decode_rows_and_mkl_for_prompt
     proj.fp32_gemv = counted
     with torch.inference_mode():
         y = proj(x, singles=2)  # two decode rows, three prompt rows
-        prompt_alone = proj(x[2:], singles=0)
-    assert rows_seen == [2]  # the prompt rows never reach the kernel
-    assert torch.equal(y[:2], kernel(x[:2], None))
-    assert torch.equal(y[2:], prompt_alone)
-    assert (y[2:] - x[2:] @ dense.t()).abs().max() <= 1e-5 * y.abs().max()
-    assert Projection([lin], torch.float32, pack=False, gemv_kernel=False).fp32_gemv is None
-
-
-def test_a_float32_projection_with_gemv_prompt_rows_reads_the_codes_for_every_row():
-    """``float32_prompt_rows: gemv``: prompt rows take the GEMV too, in the decode rows' call, so a row's bits are
-    its own whatever shares its call, and no float32 copy (nor MKL's packed one) is kept."""
-    g = torch.Generator().manual_seed(3)
-    dense, (_, codes, scale) = weights("int8", 96, 64, g)
-    lin = Linear(weight=dense, codes=WeightCodes(bits=8, codes=codes, scale=scale))
-    proj = Projection([lin], torch.float32, pack=False, gemv_kernel=True, float32_prompt_rows="gemv")
-    assert proj.gemv_prompt_rows and proj.kernel == "rtk-avx2-int8"
-    assert proj.mkl_tiles is None and proj.weight is None and proj.min_rows == 1
-    x = torch.randn(5, 64, generator=g)
-    kernel, rows_seen = proj.fp32_gemv, []
-
-    def counted(rows, bias):
-        rows_seen.append(rows.shape[0])
-        return kernel(rows, bias)
-
-    proj.fp32_gemv = counted
-    with torch.inference_mode():
-        y = proj(x, singles=2)  # two decode rows, three prompt rows: one call
-        alone = [proj(x[i : i + 1], singles=0) for i in range(5)]
-    assert rows_seen == [5, 1, 1, 1, 1, 1]
+        alone = [proj(x[i : i + 1], singles=int(i < 2)) for i in range(5)]
+    # gemv: one call for all five, then each alone; mkl: the prompt rows never reach the kernel
+    assert rows_seen == ([5, 1, 1, 1, 1, 1] if gemv else [2, 1, 1])
     assert torch.equal(y, torch.cat(alone))
     assert (y - x @ dense.t()).abs().max() <= 1e-5 * y.abs().max()
-    mkl = Projection([lin], torch.float32, pack=False, gemv_kernel=True, float32_prompt_rows="mkl")
-    assert not mkl.gemv_prompt_rows and mkl.mkl_tiles is not None
+    assert Projection([lin], torch.float32, pack=False, gemv_kernel=False).fp32_gemv is None
 
 
 def test_float32_prompt_rows_auto_is_the_gemv_where_the_256_bit_build_runs(monkeypatch):

@@ -799,17 +799,8 @@ class FusedGroup:
         blockwise_inputs: bool = False,
         float32_prompt_rows: str = "mkl",
     ):
-        args = (
-            dtype,
-            pack,
-            probe_cache,
-            int_kernels,
-            full_batching,
-            gemv_kernel,
-            int4_gemv,
-            blockwise_inputs,
-            float32_prompt_rows,
-        )
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
+        args += (float32_prompt_rows,)  # Projection's arguments in its order
         if all(_same_emulation(linears[0], lin) for lin in linears[1:]):
             self.parts = [Projection(linears, *args)]
         else:
@@ -1040,17 +1031,8 @@ class Layer:
     ):
         self.input_norm = spec["input_layernorm"].to(dtype)
         self.post_norm = spec["post_attention_layernorm"].to(dtype)
-        args = (
-            dtype,
-            pack,
-            probe_cache,
-            int_kernels,
-            full_batching,
-            gemv_kernel,
-            int4_gemv,
-            blockwise_inputs,
-            float32_prompt_rows,
-        )
+        args = (dtype, pack, probe_cache, int_kernels, full_batching, gemv_kernel, int4_gemv, blockwise_inputs)
+        args += (float32_prompt_rows,)  # Projection's arguments in its order
         self.qkv = FusedGroup([spec["q_proj"], spec["k_proj"], spec["v_proj"]], *args)
         self.o = FusedGroup([spec["o_proj"]], *args)
         self.gate_up = FusedGroup([spec["gate_proj"], spec["up_proj"]], *args)
