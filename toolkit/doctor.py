@@ -298,7 +298,9 @@ def _cpu_engine(host: HostInfo) -> Check:
             "AVX512-VNNI, no native bf16: float32 compute, rtk's AVX2 kernels built with VNNI (512-bit tiles for "
             "W8A16 / INT4 prompt rows), oneDNN's int8 GEMM for INT8-SQ prompt rows"
             if vnni
-            else "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels",
+            else "AVX2 + FMA, no native bf16: float32 compute, rtk's AVX2 kernels, bf16 / FP8 weights' prompt rows "
+            "through the decode rows' GEMV (`build.float32_prompt_rows: auto`; docs/engine-measurements.md, 'Prompt "
+            "rows through the GEMV on AVX2 hosts')",
             need,
             "for speed here, quantize with `quantization.format: int8_sq` (and `quantization.quantize_lm_head: true`, "
             "`quantization.weight_only_modules: [down_proj]`): its projections run as integer products and whole "
