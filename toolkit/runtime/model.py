@@ -694,7 +694,7 @@ class Projection:
             if self.act_kind is not None:
                 x = fake_quant(x, self.act_kind, self.act_scale)
         if self.gemv_prompt_rows:  # every row, decode and prompt, through the GEMV: a row's result is its own
-            return self.fp32_gemv(x, self.bias)
+            return self._gemv(x)
         # Kernels that round their own way (torch's integer kernels, rtk's INT4 group sums, the AVX2 GEMV, rtk's
         # GEMV on AMX hosts): decode rows through the kernel, prompt rows through the library's GEMM; with
         # decode_batching "full" (singles=None), by the call's row count.
