@@ -66,6 +66,26 @@ def test_products_are_the_float64_ones_within_the_tolerance_and_rows_never_depen
     assert packed.within(dense, bias)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (77, 40)])
+def test_calls_of_many_rows_give_each_row_the_bits_of_a_call_of_one(kind, shape):
+    """From 8 rows on the GEMV decodes 3 outputs' weights at a time into float32 and tiles the rows over blocks of
+    inputs (``gemv_many``): a row's sums keep the one-row path's order, over blocks of rows and of inputs, outputs
+    left over from the tiles of 3, and groups whose 8-input chunks are odd in number (``int4``: groups of 8)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = shape
+    dense, codes = weights(kind, n, k, g)
+    packed = kernels_avx2.Fp32Weight.pack(dense, codes)
+    if packed is None:  # bf16 with K not a multiple of 16
+        return
+    x = torch.randn(100, k, generator=g)  # more rows than a block's (K = 1536: 32)
+    alone = torch.cat([packed(x[i : i + 1], None) for i in range(100)])
+    for rows in (8, 13, 100):
+        assert torch.equal(packed(x[:rows], None), alone[:rows]), rows
+    ref = x.double() @ dense.double().t()
+    assert (alone.double() - ref).abs().max() <= kernels_avx2.TOLERANCE * ref.abs().max()
+
+
 def test_weights_it_cannot_hold_exactly_are_left_to_the_dense_path():
     g = torch.Generator().manual_seed(2)
     assert kernels_avx2.Fp32Weight.pack(torch.randn(8, 64, generator=g), None) is None  # not bf16 values
