@@ -231,8 +231,8 @@ inline void dot_rows_bf16_pair(const float* x, int64_t K, const uint8_t* w, floa
   for (int64_t j = 0; j < 2; ++j)
     for (int64_t r = 0; r < R; ++r) acc0[j][r] = acc1[j][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    // streamed weights ahead: 2 KiB in tiles of 2-4 rows, 512 bytes for a lone row, whose pass over SmolLM2's bf16
-    // weights took ~10 % less time so and 5-10 % more 2 KiB ahead (Zen 2)
+    // streamed weights ahead: 2 KiB in tiles of 2-4 rows, 512 bytes for a lone row (SmolLM2's bf16 weights on Zen 2:
+    // a lone row's pass ~10 % faster at 512 bytes, 5-10 % slower at 2 KiB)
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * k + (R > 1 ? 2048 : 512)), _MM_HINT_T0);
     __m256 w0[2], w1[2];
     for (int64_t j = 0; j < 2; ++j) bf16_block(w + 4 * k + 32 * j, w0[j], w1[j]);
@@ -297,11 +297,12 @@ inline void decode_output(const uint8_t* w, int64_t w_row_bytes, int64_t o, int6
   }
 }
 
-// acc[(r * 2 + h) * C + c] += the products of inputs [b0, b1) of R rows and C outputs (weights ws[c * K + k]) in
-// dot_rows' order: per group, inputs 16 at a time into two accumulators h (a group's last 8 into the first).  The
-// block's inputs stay in L1, and its two accumulators are filled one after the other, each in its own order, so a
-// tile holds R x C of them in registers, not twice that.  step: the span whose chunks alternate between the two (a
-// group, or the whole block where groups are multiples of 16).
+// Accumulator h of row r and output c (8 lanes at acc + ((r * 2 + h) * C + c) * 8) += the products of inputs
+// [b0, b1) of R rows and C outputs (weights ws[c * K + k]) in dot_rows' order: per group, inputs 16 at a time into
+// two accumulators h (a group's last 8 into the first).  The block's inputs stay in L1, and its two accumulators are
+// filled one after the other, each in its own order, so a tile holds R x C of them in registers, not twice that.
+// step: the span whose chunks alternate between the two (a group, or the whole block where groups are multiples of
+// 16).
 template <int64_t R, int64_t C>
 inline void dot_tile(const float* x, int64_t K, const float* ws, int64_t b0, int64_t b1, int64_t step, float* acc) {
   for (int64_t h = 0; h < 2; ++h) {
@@ -338,7 +339,8 @@ inline void dot_tile_rows(const float* x, int64_t rows, int64_t K, const float* 
     });
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < C; ++c) y[r * ldy + c] = hsum(_mm256_load_ps(acc + (r * 2 * C + c) * 8), _mm256_load_ps(acc + ((r * 2 + 1) * C + c) * 8));
+    for (int64_t c = 0; c < C; ++c)
+      y[r * ldy + c] = hsum(_mm256_load_ps(acc + (r * 2 * C + c) * 8), _mm256_load_ps(acc + ((r * 2 + 1) * C + c) * 8));
 }
 
 template <int64_t Kind>
