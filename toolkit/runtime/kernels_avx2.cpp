@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"  // w4a8_tiles
@@ -221,8 +222,6 @@ inline void dot_wide(const float* x, int64_t K, const uint8_t* w, int64_t pair_b
 }
 #endif
 
-// Every output of R rows.  bf16 weights are paired (kernels_avx2.bf16_unpack_order): output o's block of 16 at k
-// lies at w + (o - o % 2) * row_bytes + 4k + 32 (o % 2), an odd N's last output's at w + (N - 1) * row_bytes + 2k.
 // dot_rows of a bf16 output pair (kernels_avx2.bf16_unpack_order): each 64-byte block read once, its first 32 bytes
 // output 2p's 16 weights, the rest output 2p + 1's; each output's accumulators and sums as dot_rows'.
 template <int64_t R>
@@ -273,14 +272,22 @@ struct AlignedFloats {
   }
 };
 
+// Where output o's weights start in w, and the bytes between its blocks of 16 (the step dot_rows takes): codes a row
+// each; bf16 paired (kernels_avx2.bf16_unpack_order: output o's block of 16 at k lies at w + (o - o % 2) * row_bytes
+// + 4k + 32 (o % 2), step 64), an odd N's last output alone (step 32).
+template <int64_t Kind>
+inline std::pair<const uint8_t*, int64_t> output_weights(const uint8_t* w, int64_t w_row_bytes, int64_t o,
+                                                         int64_t pairs) {
+  if (Kind != kBf16 || o >= 2 * pairs) return {w + o * w_row_bytes, 32};
+  return {w + (o - o % 2) * w_row_bytes + 32 * (o % 2), 64};
+}
+
 // dst[k] = output o's weight k as dot_rows makes it (bf16 bits << 16; codes times their group's scale)
 template <int64_t Kind>
 inline void decode_output(const uint8_t* w, int64_t w_row_bytes, int64_t o, int64_t pairs, const float* scales,
                           int64_t group, int64_t K, float* dst) {
   if constexpr (Kind == kBf16) {
-    const bool paired = o < 2 * pairs;
-    const uint8_t* wo = paired ? w + (o - o % 2) * w_row_bytes + 32 * (o % 2) : w + o * w_row_bytes;
-    const int64_t step = paired ? 64 : 32;
+    const auto [wo, step] = output_weights<Kind>(w, w_row_bytes, o, pairs);
     for (int64_t k = 0; k < K; k += 16) {
       __m256 w0, w1;
       bf16_block(wo + (k / 16) * step, w0, w1);
@@ -372,10 +379,9 @@ void gemv_kind(const float* x, int64_t rows, int64_t K, const uint8_t* w, int64_
                int64_t groups, int64_t group, int64_t n, float* y) {
   const int64_t pairs = n / 2;
   const auto one_output = [&](int64_t o, int64_t r, auto R) {  // dot_rows of output o (bf16: paired, or N's last)
-    const bool paired = o < 2 * pairs;
-    const uint8_t* wo = Kind != kBf16 || !paired ? w + o * w_row_bytes : w + (o - o % 2) * w_row_bytes + 32 * (o % 2);
-    dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, paired ? 64 : 32,
-                                       scales == nullptr ? nullptr : scales + o * groups, group, y + r * n + o, n);
+    const auto [wo, step] = output_weights<Kind>(w, w_row_bytes, o, pairs);
+    dot_rows<Kind, decltype(R)::value>(x + r * K, K, wo, step, scales == nullptr ? nullptr : scales + o * groups,
+                                       group, y + r * n + o, n);
   };
 #ifdef RTK_WIDE_TILES
   // every row count, one row too: 1.27-1.36x the 256-bit kernel over a model's FP8 or bf16 weights
