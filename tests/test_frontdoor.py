@@ -202,6 +202,24 @@ def test_models_and_health(plain):
     assert c.get("/health/live").status_code == 200
 
 
+def _not_found_count(c: httpx.Client) -> int:
+    line = 'rtk_frontdoor_errors_total{status="404",reason="not_found"} '
+    return sum(int(x[len(line) :]) for x in c.get("/metrics").text.splitlines() if x.startswith(line))
+
+
+def test_an_unknown_path_or_method_is_an_openai_error(plain):
+    c = httpx.Client(base_url=plain.url)
+    before = _not_found_count(c)
+    r = c.post("/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+    assert "POST /v1/embeddings" in r.json()["error"]["message"]
+    r = c.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST" and "POST" in r.json()["error"]["message"]
+    assert _not_found_count(c) == before + 1
+    assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
 def test_chat_streams_with_usage_and_tier(plain):
     sent = time.perf_counter()
     with (

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -340,9 +341,15 @@ class FrontDoor:
         return await self.generate(request, "completion")
 
     def _error(self, exc: APIError) -> JSONResponse:
-        reason = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "overload", 503: "unhealthy"}.get(
-            exc.status, "error"
-        )
+        reason = {
+            400: "bad_request",
+            401: "unauthorized",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "too_large",
+            429: "overload",
+            503: "unhealthy",
+        }.get(exc.status, "error")
         self.counters[("rtk_frontdoor_errors_total", (("status", str(exc.status)), ("reason", reason)))] += 1
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -1014,9 +1021,33 @@ def create_app(
         Route("/metrics", fd.metrics, methods=["GET"]),
     ]
     routes += fd.sessions.routes(fd) + fd.jobs.routes(fd)
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def unknown_route(request: Request, exc: HTTPException) -> Response:
+        return fd._error(route_error(request, exc.status_code, exc.headers))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: unknown_route, 405: unknown_route})
     app.state.frontdoor = fd
     return FrontDoorApp(app, {"/v1/chat/completions": fd.chat, "/v1/completions": fd.completions})
+
+
+def route_error(request: Request, status: int, headers: dict[str, str] | None) -> APIError:
+    """A path or method the front door does not serve, as an OpenAI error (clients read ``error.message``
+    from every failed response), not Starlette's plain-text "Not Found"."""
+    what = f"{request.method} {request.url.path}"
+    if status == 405:
+        allowed = (headers or {}).get("allow", (headers or {}).get("Allow", ""))
+        return APIError(
+            405,
+            f"{what}: the method is not served on this path; use {allowed}",
+            code="method_not_allowed",
+            headers=dict(headers or {}),
+        )
+    return APIError(
+        404,
+        f"{what} is not served here; the OpenAI endpoints are POST /v1/chat/completions, POST /v1/completions "
+        "and GET /v1/models",
+        code="unknown_url",
+    )
 
 
 class FrontDoorApp:
