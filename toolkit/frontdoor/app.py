@@ -341,15 +341,7 @@ class FrontDoor:
         return await self.generate(request, "completion")
 
     def _error(self, exc: APIError) -> JSONResponse:
-        reason = {
-            400: "bad_request",
-            401: "unauthorized",
-            404: "not_found",
-            405: "method_not_allowed",
-            413: "too_large",
-            429: "overload",
-            503: "unhealthy",
-        }.get(exc.status, "error")
+        reason = ERROR_REASONS.get(exc.status, "error")
         self.counters[("rtk_frontdoor_errors_total", (("status", str(exc.status)), ("reason", reason)))] += 1
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -872,6 +864,16 @@ class FrontDoor:
 
 
 DONE = b"data: [DONE]\n\n"
+# rtk_frontdoor_errors_total's reason label by status
+ERROR_REASONS = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    429: "overload",
+    503: "unhealthy",
+}
 
 
 def _ending(req: GenRequest, final: dict, u: dict) -> bytes:
@@ -1035,7 +1037,7 @@ def route_error(request: Request, status: int, headers: dict[str, str] | None) -
     from every failed response), not Starlette's plain-text "Not Found"."""
     what = f"{request.method} {request.url.path}"
     if status == 405:
-        allowed = (headers or {}).get("allow", (headers or {}).get("Allow", ""))
+        allowed = (headers or {}).get("Allow", "")  # Starlette's Route sets it
         return APIError(
             405,
             f"{what}: the method is not served on this path; use {allowed}",
